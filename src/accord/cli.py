@@ -1,0 +1,101 @@
+"""The `accord` command: parse, call, and show user mistakes as one line each."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from accord import __version__
+
+_TRAIN_EPILOG = """\
+examples:
+  accord train recipes/quickstart.yaml
+  accord train recipes/quickstart.yaml batch.micro_batch_size=8 train.max_steps=50
+  accord train recipes/quickstart.yaml engine.processes=4 output.dir=runs/four --overwrite
+  torchrun --nproc_per_node 2 -m accord train recipes/quickstart.yaml
+
+Every recipe key can be overridden as section.key=value (values are read as YAML).
+Without an outer launcher accord starts one worker per GPU, or engine.processes
+workers on the CPU; under torchrun / accelerate launch it runs as the worker it is.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="accord",
+        description="Train transformer models on one device, many GPUs or many nodes from one recipe, "
+        "with the same result whatever the hardware.",
+    )
+    parser.add_argument("--version", action="version", version=f"accord {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    train = commands.add_parser(
+        "train",
+        help="train a recipe on all local devices (or as a worker of torchrun / accelerate launch)",
+        description="Train a recipe. The global batch is fixed by the recipe; gradient accumulation "
+        "is derived from the number of processes, so results do not depend on the hardware.",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("recipe", help="recipe YAML file")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3")
+    train.add_argument("--overwrite", action="store_true", help="replace an earlier run in output.dir")
+    train.add_argument("--devices", metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
+    train.add_argument("--processes", type=int, metavar="N", help="CPU worker processes (same as engine.processes=N)")
+    train.set_defaults(func=_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come before or after options; argparse collects the ones it meets
+    # after an option as unknown arguments.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    if unknown or (extra and args.command != "train"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if args.command == "train":
+        args.overrides = list(args.overrides) + extra
+    return args.func(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from accord.launch import WorkerFailed, planned_world_size, run
+    from accord.preflight import preflight
+    from accord.recipe import RecipeError, load_recipe
+
+    overrides = list(args.overrides)
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+    if args.devices:
+        overrides.append(f"engine.devices=[{args.devices}]")
+    if args.processes is not None:
+        overrides.append(f"engine.processes={args.processes}")
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        problems = preflight(recipe, planned_world_size(recipe.engine))
+    except (RecipeError, RuntimeError) as e:
+        return _fail(str(e))
+    if problems:
+        return _fail("\n".join(problems))
+    try:
+        run(recipe)
+    except WorkerFailed as e:
+        return _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        return _fail("interrupted", code=130)
+    return 0
+
+
+def _fail(message: str, code: int = 2) -> int:
+    from accord import dist
+
+    if dist.is_main():
+        for line in message.splitlines():
+            print(f"accord: error: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

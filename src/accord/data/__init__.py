@@ -1,0 +1,1 @@
+"""Data: load rows -> tokenize (task) -> global order -> per-rank micro-batch slices."""

@@ -1,0 +1,107 @@
+"""Process-group state in one place: the only module that reads RANK, WORLD_SIZE & co."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Environment variables that an outer launcher sets for each worker, and who sets them.
+_LAUNCHER_MARKERS = (
+    ("ACCELERATE_DYNAMO_BACKEND", "accelerate launch"),
+    ("ACCELERATE_MIXED_PRECISION", "accelerate launch"),
+    ("TORCHELASTIC_RUN_ID", "torchrun"),
+)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def outer_launcher() -> str | None:
+    """Name of the launcher that started this process as one worker of many, if any."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    for var, name in _LAUNCHER_MARKERS:
+        if var in os.environ:
+            return name
+    return "an outer launcher"
+
+
+def env_info() -> DistInfo:
+    """Rank layout from the launcher's environment (a single process when there is none)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=local_world,
+    )
+
+
+def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group (gloo on CPU, NCCL on GPU); a no-op for a single process."""
+    info = env_info()
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return info
+
+
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group in a fixed order so no rank dies at interpreter exit.
+
+    The barrier makes every rank finish its last collective before any rank tears down
+    its communicator; destroying the group explicitly stops gloo's threads while the
+    interpreter is still whole, instead of leaving them to static destructors at exit.
+    After an error (`clean=False`) a peer may never arrive, so there is no barrier.
+    """
+    if dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """Rank 0 (also before the group exists, from the launcher's environment)."""
+    return (dist.get_rank() if dist.is_initialized() else env_info().rank) == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place and returned (identity for one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def eprint0(*args) -> None:
+    if is_main():
+        print(*args, file=sys.stderr, flush=True)

@@ -1,0 +1,44 @@
+"""What every strategy provides to the training loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+
+class Engine(ABC):
+    device: torch.device
+    model: nn.Module  # what the training forward runs (possibly wrapped)
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The plain model (for evaluation, generation and saving)."""
+
+    @abstractmethod
+    def sync_context(self, last_micro_step: bool) -> AbstractContextManager:
+        """Gradients are synchronised across ranks only on the last micro-step of a step."""
+
+    @abstractmethod
+    def autocast(self) -> AbstractContextManager:
+        """Mixed precision for the forward pass and the loss."""
+
+    @abstractmethod
+    def backward(self, loss_sum: torch.Tensor, global_targets: int) -> None:
+        """Back-propagate loss_sum / global_targets, where global_targets counts the targets
+        of the whole global batch (all ranks, all micro-steps)."""
+
+    @abstractmethod
+    def step(self) -> torch.Tensor:
+        """Clip, update, advance the schedule, zero the gradients; returns the gradient norm
+        before clipping (a device tensor: reading it is the caller's choice of sync point)."""
+
+    @property
+    @abstractmethod
+    def lr(self) -> float: ...
+
+    def close(self) -> None:
+        """Release what the strategy holds (hooks, buffers); called on every rank."""

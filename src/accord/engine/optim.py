@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule, the same for every strategy."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import get_scheduler
+
+from accord.recipe import OptimConfig
+
+_SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; biases and norm weights (1-D tensors) are not decayed, as is customary."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        # The fused kernel is one launch per step instead of several per tensor on GPU.
+        fused=device.type == "cuda" or None,
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    return get_scheduler(
+        _SCHEDULES[cfg.schedule],
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=total_steps,
+    )

@@ -1,0 +1,1 @@
+"""What a run shows and records: progress bar, JSONL metrics, TensorBoard."""

@@ -1,0 +1,61 @@
+"""Everything about a recipe that can be wrong, found before any worker starts."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from accord import dist
+from accord.batching import BatchPlan, BatchPlanError
+from accord.data.sources import DataError, load_rows
+from accord.outputs import check_output_dir
+from accord.recipe import BYTE_TOKENIZER, ModelConfig, Recipe
+from accord.tasks import task_class
+
+
+def preflight(recipe: Recipe, world_size: int) -> list[str]:
+    """One line per problem (empty when the run can start)."""
+    problems: list[str] = []
+    try:
+        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
+    except BatchPlanError as e:
+        problems.append(str(e))
+    problems += check_model_source(recipe.model)
+    if dist.is_main():
+        # Only the writer checks: under an outer launcher rank 0 may already have
+        # created the folder by the time another rank looks.
+        problems += check_output_dir(recipe)
+    try:
+        train_rows, _ = load_rows(recipe.data, recipe.seed, task_class(recipe.task).required_fields)
+    except (DataError, ValueError) as e:
+        problems.append(str(e))
+    else:
+        if len(train_rows) < recipe.batch.global_batch_size:
+            problems.append(
+                f"only {len(train_rows)} training examples but batch.global_batch_size="
+                f"{recipe.batch.global_batch_size}; lower the global batch or add data"
+            )
+    return problems
+
+
+def check_model_source(cfg: ModelConfig) -> list[str]:
+    """Problems with the model section that can be seen without loading anything."""
+    problems = []
+    if cfg.path is not None:
+        folder = Path(cfg.path)
+        if not folder.is_dir():
+            problems.append(f"model.path: folder not found: {folder}")
+        elif not (folder / "config.json").is_file():
+            problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder)")
+    if cfg.tokenizer not in (None, BYTE_TOKENIZER) and not Path(cfg.tokenizer).is_dir():
+        problems.append(f"model.tokenizer: folder not found: {cfg.tokenizer} (use `byte` or a local tokenizer folder)")
+    if cfg.config is not None:
+        # The name table only: importing the model classes would cost seconds here.
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        architecture = str(cfg.config["architecture"])
+        if architecture not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(architecture, list(CONFIG_MAPPING_NAMES), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(f"model.config.architecture: unknown model type {architecture!r}{hint}")
+    return problems

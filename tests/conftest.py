@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny recipes and running the real `accord` command in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model and data small enough that a 2-process run takes seconds: a 2-layer Llama on
+# accord's generated additions (sequences of 6-13 tokens, so padding varies per micro-batch).
+TINY_RECIPE = {
+    "seed": 7,
+    "model": {
+        "config": {
+            "architecture": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        },
+        "tokenizer": "byte",
+    },
+    "task": "sft",
+    "data": {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 32, "max_digits": 3}, "max_length": 32},
+    "batch": {"global_batch_size": 32, "micro_batch_size": 8},
+    "optim": {"lr": 3.0e-3, "warmup_steps": 2, "schedule": "cosine", "max_grad_norm": 1.0},
+    "train": {"max_steps": 10, "log_every": 5},
+    "engine": {"strategy": "ddp", "precision": "no", "processes": 2},
+    "output": {"dir": "runs/tiny"},
+}
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path: Path) -> Path:
+    return write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+
+
+def accord_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # let accord split the cores itself
+    env["HF_HUB_OFFLINE"] = "1"  # the tests must never touch a hub
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_accord(*args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m accord ARGS` (or under `launcher`) and return the finished process."""
+    command = (launcher or [sys.executable]) + ["-m", "accord", *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=accord_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"

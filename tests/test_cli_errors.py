@@ -1,0 +1,59 @@
+"""User mistakes: one clear line each, a non-zero exit, no traceback, before any worker starts."""
+
+import pytest
+
+from conftest import run_accord
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error: ")]
+    assert errors, proc.stderr
+    for needle in needles:
+        assert any(needle in line for line in errors), proc.stderr
+    # Nothing was started: no worker announced itself.
+    assert "accord: batch" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("batch.micro_batch_sise=4", "unknown key batch.micro_batch_sise; did you mean batch.micro_batch_size?"),
+        ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+        ("batch.micro_batch_size=5", "valid micro_batch_size values for 2 processes: 1, 2, 4, 8, 16"),
+        ("engine.processes=3", "cannot be split over 3 processes"),
+        ("model.config.architecture=lama", "unknown model type 'lama'; did you mean llama"),
+        ("data.generate.train_examples=8", "only 8 training examples"),
+        ("batch.micro_batch_size", "expected key.sub=value"),
+    ],
+)
+def test_bad_input_fails_with_one_clear_line(tiny_recipe, tmp_path, override, needle):
+    out = tmp_path / "out"
+    proc = run_accord("train", tiny_recipe, override, f"output.dir={out}", timeout=60)
+    assert_clean_error(proc, needle)
+    assert not out.exists()
+
+
+def test_missing_recipe_file(tmp_path):
+    assert_clean_error(run_accord("train", tmp_path / "nope.yaml", timeout=60), "recipe file not found")
+
+
+def test_missing_model_folder(tiny_recipe, tmp_path):
+    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={tmp_path / 'no-model'}", timeout=60)
+    assert_clean_error(proc, "model.path: folder not found")
+
+
+def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={data}", timeout=60)
+    assert_clean_error(proc, f"{data}:2: field 'completion' must be a string (missing)")
+
+
+def test_help_explains_itself():
+    top = run_accord("--help", timeout=60)
+    assert top.returncode == 0 and "train" in top.stdout
+    train = run_accord("train", "--help", timeout=60)
+    assert train.returncode == 0
+    assert "KEY=VALUE" in train.stdout and "torchrun" in train.stdout and "--overwrite" in train.stdout

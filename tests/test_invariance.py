@@ -1,0 +1,78 @@
+"""Contract 2: the updates depend on (recipe, seed) only, not on world × micro × accumulation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accord.observe.metrics import read_metrics
+from conftest import TINY_RECIPE, assert_ok, run_accord, write_recipe
+
+pytestmark = pytest.mark.distributed
+
+# world × micro × accumulation, all = 32 sequences per step
+LAYOUTS = {"1x8x4": (1, 8), "2x8x2": (2, 8), "2x4x4": (2, 4)}
+TOLERANCE = 1e-5
+
+
+def final_params(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def step_losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("invariance")
+    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
+    outs = {}
+    for name, (world, micro) in LAYOUTS.items():
+        out = root / name
+        assert_ok(run_accord("train", recipe, f"engine.processes={world}", f"batch.micro_batch_size={micro}", f"output.dir={out}"))
+        outs[name] = out
+    return outs
+
+
+def test_every_layout_ends_with_the_same_parameters(runs):
+    reference = final_params(runs["1x8x4"])
+    for name in ("2x8x2", "2x4x4"):
+        diff = max_param_diff(reference, final_params(runs[name]))
+        print(f"max |Δparam| 1x8x4 vs {name}: {diff:.2e}")
+        assert diff <= TOLERANCE, f"{name}: {diff}"
+
+
+def test_every_layout_logs_the_same_step_losses(runs):
+    reference = step_losses(runs["1x8x4"])
+    assert len(reference) == TINY_RECIPE["train"]["max_steps"]
+    for name in ("2x8x2", "2x4x4"):
+        losses = step_losses(runs[name])
+        diff = max(abs(a - b) for a, b in zip(reference, losses))
+        print(f"max |Δloss| 1x8x4 vs {name}: {diff:.2e}")
+        assert len(losses) == len(reference) and diff <= TOLERANCE
+
+
+def test_training_moved_the_weights(runs):
+    # Guards the equalities above against a run that never updated anything.
+    losses = step_losses(runs["1x8x4"])
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_run_under_torchrun_equals_the_self_launched_run(runs, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    out = tmp_path / "torchrun"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = run_accord("train", recipe, "batch.micro_batch_size=8", f"output.dir={out}", launcher=torchrun)
+    assert_ok(proc)
+    assert proc.stderr.count("accord: batch 2 processes") == 1  # one world of 2, not 2 worlds of 2
+    assert max_param_diff(final_params(runs["2x8x2"]), final_params(out)) <= TOLERANCE

@@ -1,0 +1,113 @@
+from pathlib import Path
+
+import pytest
+
+from accord.recipe import Recipe, RecipeError, apply_override, load_recipe, validate_recipe
+from conftest import REPO, TINY_RECIPE, write_recipe
+
+SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_recipes_are_shipped():
+    assert any(p.name == "quickstart.yaml" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_validates(path: Path):
+    from accord.batching import BatchPlan
+
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    # The batch must also split over the processes the recipe asks for.
+    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, recipe.engine.processes)
+
+
+def test_overrides_take_precedence_over_the_file(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
+    recipe = load_recipe(path, ["batch.micro_batch_size=4", "optim.lr=1e-3", "engine.devices=[0,1]", "output.dir=elsewhere"])
+    assert recipe.batch.micro_batch_size == 4
+    assert recipe.optim.lr == pytest.approx(1e-3)
+    assert recipe.engine.devices == [0, 1]
+    assert recipe.output.dir == "elsewhere"
+    assert recipe.batch.global_batch_size == TINY_RECIPE["batch"]["global_batch_size"]
+
+
+def test_override_creates_missing_sections():
+    raw: dict = {}
+    apply_override(raw, "model.config.hidden_size=64")
+    assert raw == {"model": {"config": {"hidden_size": 64}}}
+
+
+@pytest.mark.parametrize("bad", ["batch.micro_batch_size", "=4", "batch..x=1"])
+def test_malformed_override_is_a_recipe_error(bad):
+    with pytest.raises(RecipeError, match="expected key.sub=value"):
+        apply_override({}, bad)
+
+
+def test_override_into_a_value_is_refused():
+    with pytest.raises(RecipeError, match="seed is a value"):
+        apply_override({"seed": 1}, "seed.x=2")
+
+
+def test_unknown_key_suggests_the_close_one():
+    raw = {**TINY_RECIPE, "batch": {"global_batch_sise": 32}}
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(raw, source="r.yaml")
+    assert "unknown key batch.global_batch_sise; did you mean batch.global_batch_size?" in str(e.value)
+    assert str(e.value).startswith("r.yaml: ")
+
+
+def test_unknown_top_level_section_suggests_the_close_one():
+    raw = {**TINY_RECIPE, "optimizer": {"lr": 1.0}}
+    with pytest.raises(RecipeError, match="unknown key optimizer; did you mean optim"):
+        validate_recipe(raw)
+
+
+def test_wrong_type_names_key_and_expected_type():
+    raw = {**TINY_RECIPE, "batch": {"global_batch_size": "lots"}}
+    with pytest.raises(RecipeError, match=r"batch.global_batch_size: expected an integer, got 'lots'"):
+        validate_recipe(raw)
+
+
+def test_missing_required_section_is_named():
+    raw = {k: v for k, v in TINY_RECIPE.items() if k != "batch"}
+    with pytest.raises(RecipeError, match="batch is required"):
+        validate_recipe(raw)
+
+
+def test_model_needs_exactly_one_source():
+    raw = {**TINY_RECIPE, "model": {"path": "x", "config": {"architecture": "llama"}}}
+    with pytest.raises(RecipeError, match="exactly one of model.path"):
+        validate_recipe(raw)
+
+
+def test_unquoted_yaml_no_means_fp32(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
+    assert load_recipe(path, ["engine.precision=no"]).engine.precision == "no"
+
+
+def test_bad_precision_lists_the_choices():
+    raw = {**TINY_RECIPE, "engine": {"precision": "fp8"}}
+    with pytest.raises(RecipeError, match="engine.precision: input should be 'no', 'bf16' or 'fp16'"):
+        validate_recipe(raw)
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_recipe_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="a recipe is a mapping"):
+        load_recipe(path)
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    import yaml
+
+    from accord.recipe import recipe_to_yaml
+
+    recipe = validate_recipe(TINY_RECIPE)
+    assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe))) == recipe
