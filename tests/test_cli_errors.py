@@ -57,3 +57,12 @@ def test_help_explains_itself():
     train = run_accord("train", "--help", timeout=60)
     assert train.returncode == 0
     assert "KEY=VALUE" in train.stdout and "torchrun" in train.stdout and "--overwrite" in train.stdout
+
+
+def test_gpu_selection_on_a_cpu_machine_is_refused(tiny_recipe, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_accord("train", tiny_recipe, "--devices", "0,1", f"output.dir={tmp_path / 'o'}", timeout=60)
+    assert_clean_error(proc, "engine.devices=[0, 1] selects GPUs but this run is on the CPU")

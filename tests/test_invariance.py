@@ -74,5 +74,5 @@ def test_run_under_torchrun_equals_the_self_launched_run(runs, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = run_accord("train", recipe, "batch.micro_batch_size=8", f"output.dir={out}", launcher=torchrun)
     assert_ok(proc)
-    assert proc.stderr.count("accord: batch 2 processes") == 1  # one world of 2, not 2 worlds of 2
+    assert (proc.stdout + proc.stderr).count("accord: batch 2 processes") == 1  # one world of 2, not 2 worlds of 2
     assert max_param_diff(final_params(runs["2x8x2"]), final_params(out)) <= TOLERANCE

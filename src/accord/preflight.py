@@ -9,7 +9,7 @@ from accord import dist
 from accord.batching import BatchPlan, BatchPlanError
 from accord.data.sources import DataError, load_rows
 from accord.outputs import check_output_dir
-from accord.recipe import BYTE_TOKENIZER, ModelConfig, Recipe
+from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
 from accord.tasks import task_class
 
 
@@ -21,6 +21,7 @@ def preflight(recipe: Recipe, world_size: int) -> list[str]:
     except BatchPlanError as e:
         problems.append(str(e))
     problems += check_model_source(recipe.model)
+    problems += check_devices(recipe.engine)
     if dist.is_main():
         # Only the writer checks: under an outer launcher rank 0 may already have
         # created the folder by the time another rank looks.
@@ -59,3 +60,23 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             problems.append(f"model.config.architecture: unknown model type {architecture!r}{hint}")
     return problems
+
+
+def check_devices(cfg: EngineConfig) -> list[str]:
+    from accord.engine.device import wants_cuda
+
+    try:
+        cuda = wants_cuda(cfg)
+    except RuntimeError as e:
+        return [str(e)]
+    if cfg.devices is None:
+        return []
+    if not cuda:
+        return [f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or use a GPU machine"]
+    import torch
+
+    count = torch.cuda.device_count()
+    bad = [d for d in cfg.devices if not 0 <= d < count]
+    if bad or len(set(cfg.devices)) != len(cfg.devices) or not cfg.devices:
+        return [f"engine.devices={cfg.devices}: each must be a distinct GPU index from 0 to {count - 1}"]
+    return []

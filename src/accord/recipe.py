@@ -112,7 +112,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0, description="Write metrics every N steps (each step's loss is still recorded).")
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (always at the end when eval data exists).")
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
-    eval_generate: int = Field(0, ge=0, description="Greedy-generate this many held-out prompts at the end and report exact-match accuracy.")
+    eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")
     max_new_tokens: int = Field(32, gt=0, description="Longest generated completion during eval_generate.")
 
     @model_validator(mode="after")

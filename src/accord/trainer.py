@@ -147,7 +147,7 @@ class Trainer:
                     self._log(pending, now - last_log, progress)
                     pending, last_log = [], now
                 if self.eval_examples and ((cfg.eval_every and self.step % cfg.eval_every == 0) or at_end):
-                    results = self.evaluate(generate=at_end)
+                    results = self.evaluate()
                     progress.write(_format_eval(self.step, results))
                     final_eval = results
                     last_log = time.perf_counter()  # evaluation time is not training throughput
@@ -191,8 +191,9 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, generate: bool = False) -> dict[str, float]:
-        """Token-normalised loss on the held-out set (and exact match when asked), over all ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """Token-normalised loss on the held-out set (and generation metrics when the recipe
+        asks for them), over all ranks."""
         model = self.engine.module
         was_training = model.training
         model.eval()
@@ -209,7 +210,7 @@ class Trainer:
             loss_sum, targets = totals.tolist()
             results = {"loss": loss_sum / max(targets, 1.0)}
             results["perplexity"] = math.exp(min(results["loss"], 50.0))
-            if generate and self.recipe.train.eval_generate:
+            if self.recipe.train.eval_generate:
                 results.update(self._generation_metrics(model))
         finally:
             model.train(was_training)
