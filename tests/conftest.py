@@ -64,3 +64,56 @@ def run_accord(*args: str | Path, cwd: Path | None = None, timeout: float = 300,
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def start_accord(*args: str | Path, cwd: Path | None = None, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python -m accord ARGS` in its own session, stdout and stderr merged, so a
+    test can signal it mid-run."""
+    env = accord_env() | (env_extra or {})
+    return subprocess.Popen(
+        [sys.executable, "-m", "accord", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(condition, timeout: float = 120, interval: float = 0.1) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(interval)
+
+
+def logged_steps(out: Path) -> int:
+    """The highest training step in out/metrics.jsonl so far (0 if none)."""
+    import json
+
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if '"kind": "train"' in line]
+    return max(steps, default=0)
+
+
+def final_params(out: Path):
+    from safetensors.torch import load_file
+
+    return load_file(out / "final" / "model.safetensors")
+
+
+def max_param_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    from accord.observe.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(out) if r["kind"] == "train"}

@@ -66,3 +66,11 @@ def test_gpu_selection_on_a_cpu_machine_is_refused(tiny_recipe, tmp_path):
         pytest.skip("this machine has a GPU")
     proc = run_accord("train", tiny_recipe, "--devices", "0,1", f"output.dir={tmp_path / 'o'}", timeout=60)
     assert_clean_error(proc, "engine.devices=[0, 1] selects GPUs but this run is on the CPU")
+
+
+def test_model_folder_with_a_broken_config(tiny_recipe, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={folder}", "model.tokenizer=byte", timeout=60)
+    assert_clean_error(proc, f"model.path: {folder}/config.json cannot be loaded")

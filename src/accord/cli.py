@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipe YAML file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3")
     train.add_argument("--overwrite", action="store_true", help="replace an earlier run in output.dir")
+    train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output.dir (same as resume=auto)")
     train.add_argument("--devices", metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
     train.add_argument("--processes", type=int, metavar="N", help="CPU worker processes (same as engine.processes=N)")
     train.set_defaults(func=_train)
@@ -61,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from accord.launch import WorkerFailed, planned_world_size, run
+    from accord.launch import Interrupted, WorkerFailed, planned_world_size, run
+    from accord.stopping import PREEMPTED_EXIT_CODE
     from accord.preflight import preflight
     from accord.recipe import RecipeError, load_recipe
 
     overrides = list(args.overrides)
     if args.overwrite:
         overrides.append("output.overwrite=true")
+    if args.resume:
+        overrides.append("resume=auto")
     if args.devices:
         overrides.append(f"engine.devices=[{args.devices}]")
     if args.processes is not None:
@@ -80,12 +84,29 @@ def _train(args: argparse.Namespace) -> int:
     if problems:
         return _fail("\n".join(problems))
     try:
-        run(recipe)
+        status = run(recipe)
     except WorkerFailed as e:
         return _fail(str(e), code=1)
+    except Interrupted as e:
+        return _fail(f"{e}; {_resume_hint(recipe)}", code=PREEMPTED_EXIT_CODE)
     except KeyboardInterrupt:
         return _fail("interrupted", code=130)
+    if status == "preempted":
+        return _fail(f"stopped early on request; {_resume_hint(recipe)}", code=PREEMPTED_EXIT_CODE)
+    if status == "stopped":
+        return 1  # the worker already printed why
     return 0
+
+
+def _resume_hint(recipe) -> str:
+    from pathlib import Path
+
+    from accord.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(Path(recipe.output.dir))
+    if latest is None:
+        return "no checkpoint was written yet"
+    return f"the latest checkpoint is {latest} — continue with --resume"
 
 
 def _fail(message: str, code: int = 2) -> int:

@@ -52,8 +52,12 @@ def env_info() -> DistInfo:
     )
 
 
+_control_group: dist.ProcessGroup | None = None
+
+
 def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group (gloo on CPU, NCCL on GPU); a no-op for a single process."""
+    global _control_group
     info = env_info()
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -62,7 +66,15 @@ def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        # Small control messages (stop flags, errors) go over gloo on CPU tensors, so
+        # asking "did any rank get a signal?" never waits for the GPU stream.
+        _control_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     return info
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def shutdown(clean: bool = True) -> None:
@@ -77,6 +89,8 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+    global _control_group
+    _control_group = None
 
 
 def is_main() -> bool:
@@ -95,6 +109,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over all ranks, the same answer everywhere (one small collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tuple(flags)
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
+    return tuple(bool(v) for v in tensor.tolist())
 
 
 def barrier() -> None:

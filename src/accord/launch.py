@@ -3,16 +3,21 @@ when an outer launcher (torchrun, accelerate launch, ...) already started this p
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import uuid
-from typing import Any
 
 from accord import dist
 from accord.recipe import EngineConfig, Recipe
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process exited with an error (its traceback was printed by the worker)."""
+    """A worker process crashed (its traceback was printed by the worker)."""
+
+
+class Interrupted(RuntimeError):
+    """The launcher was told to stop (SIGTERM / SIGUSR1 / SIGINT) and stopped its workers."""
 
 
 def local_world_size(cfg: EngineConfig) -> int:
@@ -33,18 +38,18 @@ def planned_world_size(cfg: EngineConfig) -> int:
     return local_world_size(cfg)
 
 
-def run(recipe: Recipe) -> dict[str, float]:
-    """Train `recipe` here (outer launcher, or one process) or on freshly started local workers."""
-    from accord.worker import train_worker
-
+def run(recipe: Recipe) -> str:
+    """Train `recipe` here (outer launcher, or one process) or on freshly started local
+    workers; returns how the run ended: completed | preempted | stopped."""
     data = recipe.model_dump(mode="json")
-    if dist.outer_launcher() is not None:
-        return train_worker(data)
     nproc = local_world_size(recipe.engine)
-    _set_worker_environment(recipe.engine, nproc)
-    if nproc == 1:
-        return train_worker(data)
-    return _elastic_launch(train_worker, data, nproc)
+    if dist.outer_launcher() is None:
+        _set_worker_environment(recipe.engine, nproc)
+    if dist.outer_launcher() is not None or nproc == 1:
+        from accord.worker import train_worker  # this process is the (only) worker
+
+        return train_worker(data)["status"]
+    return _elastic_launch(json.dumps(data), nproc, recipe.engine.max_restarts)
 
 
 def _set_worker_environment(cfg: EngineConfig, nproc: int) -> None:
@@ -54,6 +59,10 @@ def _set_worker_environment(cfg: EngineConfig, nproc: int) -> None:
     if wants_cuda(cfg):
         if cfg.devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.devices))
+    # Each restart of the worker group gets a fresh store: sharing the agent's store
+    # across restarts lets a new worker read a dead worker's address and hang in
+    # gloo's connectFullMesh (seen in 3 of 6 restarts with torch 2.13).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         # Each process would otherwise start one thread per core: with 2 processes on
         # 2 cores that is 4 busy threads fighting for 2 cores.
@@ -61,9 +70,11 @@ def _set_worker_environment(cfg: EngineConfig, nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def _elastic_launch(entrypoint, data: dict[str, Any], nproc: int) -> dict[str, float]:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int) -> str:
+    """Workers are separate `python -m accord.worker` programs (not functions run through
+    multiprocessing): a worker that finished after a stop signal can then simply exit,
+    where a function worker would wait for the agent to collect its return value."""
+    from torch.distributed.launcher.api import LaunchConfig
 
     config = LaunchConfig(
         min_nodes=1,
@@ -75,14 +86,53 @@ def _elastic_launch(entrypoint, data: dict[str, Any], nproc: int) -> dict[str, f
         # other programs for a port picked in advance.
         rdzv_endpoint="127.0.0.1:0",
         rdzv_configs={"is_host": True},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="127.0.0.1",
+        # The agent forwards these to the workers, which finish their step, checkpoint
+        # and exit; SIGUSR1 is what SLURM sends before the time limit.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    _quiet_agent()
+    with tempfile.NamedTemporaryFile("w", prefix="accord-recipe-", suffix=".json") as recipe_file:
+        recipe_file.write(recipe_json)
+        recipe_file.flush()
+        return _run_agent(config, recipe_file.name)
+
+
+def _run_agent(config, recipe_path: str) -> str:
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from accord.stopping import EXIT_CODES
+
     try:
-        results = elastic_launch(config, entrypoint)(data)
+        elastic_launch(config, sys.executable)("-m", "accord.worker", recipe_path)
     except ChildFailedError as e:
+        # The first failure is the cause; the agent then stops the other workers.
         rank, failure = e.get_first_failure()
+        for status in ("preempted", "stopped"):
+            if failure.exitcode == EXIT_CODES[status]:
+                return status
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
-    return results[0]
+    except SignalException as e:
+        raise Interrupted(f"stopped by {e.sigval.name}") from None
+    return "completed"
+
+
+def _quiet_agent() -> None:
+    """The agent's log lines (closing workers, exit codes) repeat what accord and the
+    workers print themselves; a worker's crash traceback comes from the worker."""
+    import logging
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+
+# How long workers get to finish a step and write a checkpoint after a stop signal
+# before the agent kills them.
+SHUTDOWN_TIMEOUT_S = 120

@@ -11,7 +11,7 @@ from accord.recipe import Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
-RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "final")
+RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final")
 
 
 def earlier_run(out_dir: Path) -> list[str]:
@@ -24,10 +24,12 @@ def check_output_dir(recipe: Recipe) -> list[str]:
     if out_dir.exists() and not out_dir.is_dir():
         return [f"output.dir: {out_dir} exists and is not a folder"]
     found = earlier_run(out_dir)
-    if found and not recipe.output.overwrite:
+    if recipe.output.overwrite and recipe.resume != "never":
+        return ["--overwrite starts over and --resume / resume continues: choose one"]
+    if found and not recipe.output.overwrite and recipe.resume == "never":
         return [
             f"output.dir: {out_dir} already holds a run ({', '.join(found)}); "
-            f"pass --overwrite to replace it, or choose another output.dir=..."
+            f"pass --resume to continue it, --overwrite to replace it, or choose another output.dir=..."
         ]
     parent = out_dir if out_dir.exists() else _existing_parent(out_dir)
     if not os.access(parent, os.W_OK):
@@ -35,11 +37,11 @@ def check_output_dir(recipe: Recipe) -> list[str]:
     return []
 
 
-def prepare_output_dir(recipe: Recipe) -> Path:
-    """Create output.dir (clearing an earlier run's artefacts if overwriting) and save the recipe."""
+def prepare_output_dir(recipe: Recipe, clear: bool) -> Path:
+    """Create output.dir (clearing an earlier run's artefacts when `clear`) and save the recipe."""
     out_dir = Path(recipe.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if recipe.output.overwrite:
+    if clear:
         for name in earlier_run(out_dir):
             target = out_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()

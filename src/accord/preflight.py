@@ -7,6 +7,7 @@ from pathlib import Path
 
 from accord import dist
 from accord.batching import BatchPlan, BatchPlanError
+from accord.checkpoint import check_resume
 from accord.data.sources import DataError, load_rows
 from accord.outputs import check_output_dir
 from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
@@ -26,6 +27,7 @@ def preflight(recipe: Recipe, world_size: int) -> list[str]:
         # Only the writer checks: under an outer launcher rank 0 may already have
         # created the folder by the time another rank looks.
         problems += check_output_dir(recipe)
+    problems += check_resume(recipe)
     try:
         train_rows, _ = load_rows(recipe.data, recipe.seed, task_class(recipe.task).required_fields)
     except (DataError, ValueError) as e:
@@ -48,6 +50,8 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             problems.append(f"model.path: folder not found: {folder}")
         elif not (folder / "config.json").is_file():
             problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder)")
+        else:
+            problems += _check_config_loads(folder, cfg.trust_remote_code)
     if cfg.tokenizer not in (None, BYTE_TOKENIZER) and not Path(cfg.tokenizer).is_dir():
         problems.append(f"model.tokenizer: folder not found: {cfg.tokenizer} (use `byte` or a local tokenizer folder)")
     if cfg.config is not None:
@@ -79,4 +83,15 @@ def check_devices(cfg: EngineConfig) -> list[str]:
     bad = [d for d in cfg.devices if not 0 <= d < count]
     if bad or len(set(cfg.devices)) != len(cfg.devices) or not cfg.devices:
         return [f"engine.devices={cfg.devices}: each must be a distinct GPU index from 0 to {count - 1}"]
+    return []
+
+
+def _check_config_loads(folder: Path, trust_remote_code: bool) -> list[str]:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many kinds; all mean the same to the user
+        reason = " ".join(str(e).split())
+        return [f"model.path: {folder}/config.json cannot be loaded: {reason[:300]}"]
     return []

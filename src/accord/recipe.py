@@ -114,6 +114,12 @@ class TrainConfig(Section):
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
     eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")
     max_new_tokens: int = Field(32, gt=0, description="Longest generated completion during eval_generate.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A NaN/inf loss or gradient norm: stop (naming the step; the last checkpoint is intact) "
+        "or skip that update (checked every step, which costs one host sync per step).",
+    )
+    max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
@@ -130,12 +136,23 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: every visible GPU, else the CPU.")
     processes: int = Field(2, gt=0, description="Worker processes on CPU (on GPU: one per device).")
     devices: list[int] | None = Field(None, description="GPU indices to use, e.g. [0, 1] (default: all visible).")
+    max_restarts: int = Field(
+        0, ge=0, description="When a worker dies, restart the whole local group up to this many times; it resumes from the latest checkpoint."
+    )
 
     @field_validator("precision", mode="before")
     @classmethod
     def _yaml_no_is_false(cls, value: Any) -> Any:
         # YAML 1.1 reads an unquoted `no` as false; it is what the user meant.
         return "no" if value is False else value
+
+
+class CheckpointConfig(Section):
+    """When to write checkpoints (always also at the end) and how many to keep."""
+
+    every_steps: int | None = Field(None, gt=0, description="Write a checkpoint every N optimizer steps.")
+    every_minutes: float | None = Field(None, gt=0, description="Write a checkpoint when this many minutes passed since the last one.")
+    keep_last: int = Field(2, ge=1, description="Keep the newest K complete checkpoints (older ones are removed after a newer one is complete).")
 
 
 class OutputConfig(Section):
@@ -156,7 +173,13 @@ class Recipe(Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig
     engine: EngineConfig = EngineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     output: OutputConfig = OutputConfig()
+    resume: str = Field(
+        "never",
+        description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
+        "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
+    )
 
 
 # --------------------------------------------------------------------------- loading

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from accord import dist
+from accord import dist, faults
 from accord.batching import BatchPlan
+from accord.checkpoint import CheckpointError, TrainingState, latest_checkpoint, read_state, restore_rng, save_checkpoint, seed_for
 from accord.data.order import GlobalOrder
 from accord.data.sources import load_rows
 from accord.engine import Engine, build_engine
@@ -25,17 +26,33 @@ from accord.observe.metrics import MetricsWriter
 from accord.observe.progress import Progress
 from accord.outputs import save_final_model
 from accord.recipe import Recipe
+from accord.stopping import StopRequest
 from accord.tasks import build_task
 from accord.tasks.base import Example, Task
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (non-finite loss, a failed checkpoint write); the message
+    says why and what is intact."""
+
+
 @dataclass
 class StepStats:
+    step: int
     loss_sum: torch.Tensor  # this rank's summed loss (on device; reduced at log time)
     grad_norm: torch.Tensor
     targets: int  # targets in the whole global batch
     tokens: int  # non-pad tokens in the whole global batch
     lr: float
+    skipped: bool = False
+
+
+@dataclass
+class RunResult:
+    status: str  # completed | preempted
+    step: int
+    eval: dict[str, float] = field(default_factory=dict)
+    message: str = ""
 
 
 class Trainer:
@@ -66,9 +83,14 @@ class Trainer:
         self.tokenizer = tokenizer
         self.out_dir = Path(recipe.output.dir)
         self.step = 0
+        self.skipped_steps = 0
+        self.metrics: MetricsWriter | None = None
         self._targets = np.array([e.num_targets for e in train_examples], dtype=np.int64)
         self._lengths = np.array([len(e.input_ids) for e in train_examples], dtype=np.int64)
-        self.metrics = MetricsWriter(self.out_dir) if info.is_main else None
+        self._pending: list[StepStats] = []
+        self._last_log = time.perf_counter()
+        self._last_checkpoint = time.monotonic()
+        torch.manual_seed(seed_for(recipe.seed, 0, info.rank))  # dropout etc.: distinct per rank
 
     # ------------------------------------------------------------------ build
 
@@ -103,6 +125,31 @@ class Trainer:
         for line in lines:
             dist.print0(line)
 
+    def restore(self, folder: Path) -> None:
+        """Continue from a checkpoint: weights, optimizer, schedule, RNG, and the data position."""
+        state = read_state(folder)
+        self.engine.load_state(folder)
+        self.step = state.step
+        position = self.order.position(state.step)
+        if (position.epoch, position.index) != (state.epoch, state.index):
+            raise TrainingStopped(
+                f"{folder}: recorded data position (epoch {state.epoch}, index {state.index}) does not match "
+                f"step {state.step} of this recipe's data order; was the data changed?"
+            )
+        same_rng = restore_rng(folder, state, self.info, self.recipe.seed)
+        layout = f"{state.world_size} × {state.micro_batch_size}" + (
+            "" if (state.world_size, state.micro_batch_size) == (self.info.world_size, self.plan.micro_batch_size) else
+            f" -> now {self.info.world_size} × {self.plan.micro_batch_size} (same global batches)"
+        )
+        dist.print0(
+            f"accord: resumed from {folder} at step {state.step} (epoch {state.epoch}, example {state.index} of the "
+            f"global order; processes × micro batch {layout})" + ("" if same_rng else "; RNG re-seeded for the new world size")
+        )
+
+    def open_metrics(self) -> None:
+        if self.info.is_main:
+            self.metrics = MetricsWriter(self.out_dir, resume_step=self.step)
+
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> StepStats:
@@ -117,76 +164,125 @@ class Trainer:
             with self.engine.sync_context(last_micro_step=micro_step == self.plan.grad_accum - 1):
                 with self.engine.autocast():
                     micro_loss, _ = self.task.loss(self.engine.model, batch)
+                if faults.nan_loss_at(self.step + 1):
+                    micro_loss = micro_loss * float("nan")
                 self.engine.backward(micro_loss, max(targets, 1))
             loss_sum += micro_loss.detach()
         lr = self.engine.lr
-        grad_norm = self.engine.step()
+        grad_norm, stepped = self.engine.step(skip_nonfinite=self.recipe.train.on_nonfinite == "skip")
         self.step += 1
-        return StepStats(loss_sum, grad_norm.detach(), targets, int(self._lengths[global_batch].sum()), lr)
+        tokens = int(self._lengths[global_batch].sum())
+        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, lr, skipped=not stepped)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self) -> dict[str, float]:
+    def train(self, stop: StopRequest | None = None) -> RunResult:
         cfg = self.recipe.train
         self.engine.model.train()
         progress = Progress(self.total_steps, self.step, enabled=self.info.is_main)
-        pending: list[StepStats] = []
-        last_log = time.perf_counter()
-        start = last_log
+        start_step, start = self.step, time.perf_counter()
         final_eval: dict[str, float] = {}
+        self._last_log = time.perf_counter()
         try:
+            if self.step >= self.total_steps:
+                dist.print0(f"accord: the run is already complete at step {self.step}")
             while self.step < self.total_steps:
-                pending.append(self.train_step())
+                stats = self.train_step()
+                self._pending.append(stats)
+                self._count_skip(stats)
                 progress.advance()
                 at_end = self.step == self.total_steps
                 if self.step % cfg.log_every == 0 or at_end:
-                    now = time.perf_counter()
-                    self._log(pending, now - last_log, progress)
-                    pending, last_log = [], now
+                    self._flush_metrics(progress)
                 if self.eval_examples and ((cfg.eval_every and self.step % cfg.eval_every == 0) or at_end):
-                    results = self.evaluate()
-                    progress.write(_format_eval(self.step, results))
-                    final_eval = results
-                    last_log = time.perf_counter()  # evaluation time is not training throughput
+                    self._flush_metrics(progress)
+                    final_eval = self.evaluate()
+                    progress.write(_format_eval(self.step, final_eval))
+                    self._last_log = time.perf_counter()  # evaluation time is not training throughput
+                # One small collective per step: did any rank get a stop signal, is a
+                # timed checkpoint due (rank 0's clock decides)?
+                stopping, time_due = dist.any_rank(stop is not None and stop.requested, self.info.is_main and self._checkpoint_time_due())
+                if at_end or stopping or time_due or self._checkpoint_step_due():
+                    self._flush_metrics(progress)
+                    self.save_checkpoint()
+                if stopping and not at_end:
+                    progress.close()
+                    dist.print0(f"accord: stop requested ({stop.signal_name if stop and stop.signal_name else 'signal on another rank'}): checkpoint of step {self.step} written")
+                    return RunResult("preempted", self.step, final_eval, "checkpointed on request")
         finally:
             progress.close()
-        dist.print0(f"accord: trained {self.step} steps in {time.perf_counter() - start:.1f} s")
-        return final_eval
+        seconds = time.perf_counter() - start
+        dist.print0(f"accord: trained {self.step - start_step} steps in {seconds:.1f} s")
+        return RunResult("completed", self.step, final_eval)
 
-    def _log(self, pending: list[StepStats], seconds: float, progress: Progress) -> None:
+    def _count_skip(self, stats: StepStats) -> None:
+        if not stats.skipped:
+            return
+        self.skipped_steps += 1
+        dist.print0(f"accord: step {stats.step}: non-finite gradient norm; update skipped ({self.skipped_steps} so far)")
+        if self.skipped_steps > self.recipe.train.max_skipped_steps:
+            raise TrainingStopped(
+                f"step {stats.step}: {self.skipped_steps} updates skipped for non-finite values "
+                f"(train.max_skipped_steps={self.recipe.train.max_skipped_steps}); {self._intact_note()}"
+            )
+
+    def _checkpoint_step_due(self) -> bool:
+        every = self.recipe.checkpoint.every_steps
+        return every is not None and self.step % every == 0
+
+    def _checkpoint_time_due(self) -> bool:
+        minutes = self.recipe.checkpoint.every_minutes
+        return minutes is not None and time.monotonic() - self._last_checkpoint >= 60 * minutes
+
+    def _flush_metrics(self, progress: Progress) -> None:
+        """Reduce and record the steps since the last flush; stop on a non-finite loss."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        now = time.perf_counter()
+        seconds, self._last_log = max(now - self._last_log, 1e-9), now
         # One collective for the whole interval: each step's loss summed over ranks.
         loss_sums = dist.all_reduce_sum(torch.stack([s.loss_sum for s in pending]).double()).tolist()
         grad_norms = torch.stack([s.grad_norm.float() for s in pending]).tolist()
+        losses = [loss_sum / max(s.targets, 1) for s, loss_sum in zip(pending, loss_sums)]
+        self._stop_if_nonfinite(pending, losses, grad_norms)
         tokens = sum(s.tokens for s in pending)
-        targets = sum(s.targets for s in pending)
-        first = self.step - len(pending) + 1
         if self.metrics is not None:
-            for offset, (stats, loss_sum, grad_norm) in enumerate(zip(pending, loss_sums, grad_norms)):
-                self.metrics.write(
-                    {
-                        "kind": "train",
-                        "step": first + offset,
-                        "loss": loss_sum / max(stats.targets, 1),
-                        "lr": stats.lr,
-                        "grad_norm": grad_norm,
-                        "targets": stats.targets,
-                        "tokens": stats.tokens,
-                    }
-                )
+            for stats, loss, grad_norm in zip(pending, losses, grad_norms):
+                record = {"kind": "train", "step": stats.step, "loss": loss, "lr": stats.lr, "grad_norm": grad_norm}
+                self.metrics.write(record | {"targets": stats.targets, "tokens": stats.tokens, "skipped": stats.skipped})
             self.metrics.write(
                 {
                     "kind": "throughput",
                     "step": self.step,
                     "tokens_per_s": tokens / seconds,
-                    "target_tokens_per_s": targets / seconds,
+                    "target_tokens_per_s": sum(s.targets for s in pending) / seconds,
                     "samples_per_s": len(pending) * self.plan.global_batch_size / seconds,
                     "seconds_per_step": seconds / len(pending),
                 }
             )
-        progress.show(loss_sums[-1] / max(pending[-1].targets, 1), pending[-1].lr, tokens / seconds)
+        progress.show(losses[-1], pending[-1].lr, tokens / seconds)
+
+    def _stop_if_nonfinite(self, pending: list[StepStats], losses: list[float], grad_norms: list[float]) -> None:
+        # The values are reduced / identical on every rank, so every rank stops together.
+        # A skipped step (on_nonfinite=skip) and the fp16 scaler's overflow steps were
+        # already handled by the engine.
+        for stats, loss, grad_norm in zip(pending, losses, grad_norms):
+            if stats.skipped:
+                continue
+            if not math.isfinite(loss) or (not math.isfinite(grad_norm) and not self.engine.handles_overflow):
+                what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+                raise TrainingStopped(
+                    f"step {stats.step}: {what} is not finite; stopping (train.on_nonfinite=skip skips such updates "
+                    f"instead; a lower optim.lr or max_grad_norm often helps). {self._intact_note()}"
+                )
+
+    def _intact_note(self) -> str:
+        latest = latest_checkpoint(self.out_dir)
+        return f"The last checkpoint ({latest}) is intact." if latest else "No checkpoint was written yet."
 
     # ------------------------------------------------------------------ evaluation
 
@@ -230,6 +326,18 @@ class Trainer:
         return {f"{name}_accuracy": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
 
     # ------------------------------------------------------------------ save / close
+
+    def save_checkpoint(self) -> Path:
+        position = self.order.position(self.step)
+        state = TrainingState(self.step, position.epoch, position.index, self.info.world_size, self.plan.micro_batch_size)
+        try:
+            folder = save_checkpoint(self.engine, self.recipe, state, self.out_dir, self.info)
+        except CheckpointError as e:  # raised on every rank alike by save_checkpoint
+            raise TrainingStopped(str(e)) from None
+        self._last_checkpoint = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.write({"kind": "checkpoint", "step": self.step, "path": str(folder)})
+        return folder
 
     def save(self) -> Path:
         final = self.out_dir / "final"

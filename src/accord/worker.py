@@ -1,41 +1,89 @@
-"""What each worker process runs: join the group, train, save, leave cleanly."""
+"""What each worker process runs: join the group, train (or resume), save, leave cleanly.
+
+Started by accord's launcher as `python -m accord.worker RECIPE.json`, or called directly
+when an outer launcher (torchrun, ...) started `accord train` itself. The exit code tells
+the launcher how the run ended (see EXIT_CODES).
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 from typing import Any
 
 from accord import dist
+from accord.checkpoint import CHECKPOINTS, incomplete_checkpoints, resume_source
 from accord.engine.device import select_device
 from accord.outputs import prepare_output_dir
 from accord.recipe import Recipe
-from accord.trainer import Trainer
+from accord.stopping import EXIT_CODES, StopRequest
+from accord.trainer import RunResult, Trainer, TrainingStopped
 
 
-def train_worker(recipe_data: dict[str, Any]) -> dict[str, float]:
-    """Entry point of one worker; `recipe_data` is a validated recipe's model_dump()."""
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], encoding="utf-8") as f:
+        result = train_worker(json.load(f))
+    return EXIT_CODES[result["status"]]
+
+
+def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of one worker; `recipe_data` is a validated recipe's model_dump().
+
+    Returns a RunResult as a dict (status completed | preempted | stopped); an unexpected
+    exception propagates so the launcher reports the failed rank.
+    """
     recipe = Recipe.model_validate(recipe_data)
     info = dist.env_info()
     _quiet_libraries(info)
+    stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     dist.init(device)
     clean = False
     try:
-        if info.is_main:
-            out_dir = prepare_output_dir(recipe)
-        dist.barrier()
-        trainer = Trainer.build(recipe, info, device)
-        try:
-            results = trainer.train()
-            final = trainer.save()
-        finally:
-            trainer.close()
-        if info.is_main:
-            dist.print0(f"accord: outputs in {out_dir}/ (final model: {final}/, metrics: {out_dir}/metrics.jsonl, TensorBoard: {out_dir}/tensorboard)")
+        result = _run(recipe, info, device, stop)
         clean = True
-        return results
+        return result.__dict__
+    except TrainingStopped as e:
+        # Every rank raises this together (the cause is agreed collectively), so the
+        # shutdown can still be orderly.
+        clean = True
+        dist.print0(f"accord: error: {e}")
+        return RunResult("stopped", -1, message=str(e)).__dict__
     finally:
-        # After an error a peer may never reach the barrier: only tear down.
+        # After an unexpected error a peer may never reach the barrier: only tear down.
         dist.shutdown(clean=clean)
+
+
+def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
+    restarted = dist.restart_count() > 0
+    source = resume_source(recipe, restarted=restarted)
+    out_dir = None
+    if info.is_main:
+        # A restarted worker group continues the run it started: never clear it again.
+        out_dir = prepare_output_dir(recipe, clear=recipe.output.overwrite and not restarted)
+        for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
+            dist.print0(f"accord: ignoring incomplete checkpoint {stale} (a crash while writing it); removing it")
+            shutil.rmtree(stale, ignore_errors=True)
+    if restarted:
+        dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
+    dist.barrier()
+    trainer = Trainer.build(recipe, info, device)
+    try:
+        if source is not None:
+            trainer.restore(source)
+        trainer.open_metrics()
+        result = trainer.train(stop)
+        if result.status == "completed":
+            final = trainer.save()
+            dist.print0(
+                f"accord: outputs in {out_dir}/ (final model: {final}/, checkpoints: {out_dir}/{CHECKPOINTS}/, "
+                f"metrics: {out_dir}/metrics.jsonl, TensorBoard: {out_dir}/tensorboard)"
+            )
+        return result
+    finally:
+        trainer.close()
 
 
 def _quiet_libraries(info: dist.DistInfo) -> None:
@@ -45,3 +93,7 @@ def _quiet_libraries(info: dist.DistInfo) -> None:
     hf_logging.disable_progress_bar()
     if not info.is_main:
         hf_logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,13 +33,29 @@ class Engine(ABC):
         of the whole global batch (all ranks, all micro-steps)."""
 
     @abstractmethod
-    def step(self) -> torch.Tensor:
-        """Clip, update, advance the schedule, zero the gradients; returns the gradient norm
-        before clipping (a device tensor: reading it is the caller's choice of sync point)."""
+    def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
+        """Clip, update, advance the schedule, zero the gradients. Returns the gradient norm
+        before clipping (a device tensor: reading it is the caller's choice of sync point)
+        and whether the update was applied. With `skip_nonfinite` a NaN/inf norm skips the
+        update (this reads the norm: one host sync)."""
+
+    @property
+    def handles_overflow(self) -> bool:
+        """True when inf gradients are expected and handled (fp16 loss scaling skips them)."""
+        return False
 
     @property
     @abstractmethod
     def lr(self) -> float: ...
+
+    @abstractmethod
+    def save_state(self, folder: Path, writer: bool) -> None:
+        """Collective: model, optimizer, schedule and loss-scaler state into `folder`
+        (which exists on every rank); files are written where `writer` is true."""
+
+    @abstractmethod
+    def load_state(self, folder: Path) -> None:
+        """Collective: restore what save_state wrote, whatever the world size then was."""
 
     def close(self) -> None:
         """Release what the strategy holds (hooks, buffers); called on every rank."""

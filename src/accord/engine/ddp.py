@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,7 +15,11 @@ from accord.dist import DistInfo
 from accord.engine.base import Engine
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.engine.precision import autocast, build_grad_scaler
+from accord.engine.state import load_full_state, save_full_state
 from accord.recipe import Recipe
+
+
+SCHEDULE_FILE = "schedule.pt"
 
 
 class DDPEngine(Engine):
@@ -58,24 +63,46 @@ class DDPEngine(Engine):
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self) -> torch.Tensor:
+    def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-        if self.scaler is not None:
-            # Skips the update when the fp16 gradients overflowed, then adapts the scale.
+        stepped = True
+        if skip_nonfinite and self.scaler is None and not torch.isfinite(grad_norm).item():
+            stepped = False  # identical decision on every rank: the norm is of synced gradients
+        elif self.scaler is not None:
+            # Skips the update itself when the fp16 gradients overflowed, then adapts the scale.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, stepped
+
+    @property
+    def handles_overflow(self) -> bool:
+        return self.scaler is not None
 
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def save_state(self, folder: Path, writer: bool) -> None:
+        save_full_state(self.model, self.optimizer, folder, writer)
+        if writer:
+            torch.save(
+                {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None},
+                folder / SCHEDULE_FILE,
+            )
+
+    def load_state(self, folder: Path) -> None:
+        load_full_state(self.model, self.optimizer, folder)
+        extra = torch.load(folder / SCHEDULE_FILE, weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.scaler is not None and extra["scaler"] is not None:
+            self.scaler.load_state_dict(extra["scaler"])
 
 
 def _no_buffer_sync_per_forward() -> dict[str, bool]:

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, resume_step: int = 0):
+        """Append to the run's metrics; a resumed run first drops what was logged after
+        the step it resumes from (those steps are trained again)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self._jsonl = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        path = out_dir / "metrics.jsonl"
+        if resume_step and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        self._jsonl = path.open("a", encoding="utf-8")
+        # purge_step hides TensorBoard events of the steps being trained again.
+        self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict[str, Any]) -> None:
         """One record: `kind` (train/eval/...), `step`, then named numbers."""
-        self._jsonl.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite number (a skipped step's loss) is written as null.
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
+        self._jsonl.write(json.dumps(clean) + "\n")
         self._jsonl.flush()
         kind, step = record["kind"], record["step"]
         for key, value in record.items():

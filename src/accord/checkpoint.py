@@ -1,0 +1,275 @@
+"""Checkpoints that survive crashes, and the rules for resuming from them.
+
+A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/`, flushed to disk, marked
+COMPLETE and only then renamed to `checkpoints/step-NNNNNN/`; `latest` is replaced
+atomically after that and older checkpoints are pruned last. A crash at any moment
+therefore leaves the previous complete checkpoint untouched, and a folder without its
+marker is never used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accord import __version__, dist, faults
+from accord.recipe import Recipe, recipe_to_yaml
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+STATE_FILE = "state.json"
+RECIPE_FILE = "recipe.yaml"
+
+# What a resumed run must share with the run that wrote the checkpoint: anything else
+# (logging, evaluation, max_steps, micro batch, processes, checkpointing) may change.
+IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or used; earlier checkpoints are intact."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    step: int  # optimizer steps completed
+    epoch: int  # position of the next global batch in the global data order
+    index: int
+    world_size: int
+    micro_batch_size: int
+    accord_version: str = __version__
+    saved_at: float = 0.0
+
+
+# ------------------------------------------------------------------ writing
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo) -> Path:
+    """Collective: every rank writes its share into a temporary folder, rank 0 seals it."""
+    root = out_dir / CHECKPOINTS
+    final = root / step_name(state.step)
+    tmp = root / f".tmp-{final.name}"
+    error = None
+    if info.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            error = e
+    _agree_or_raise(error, state.step, tmp, info)
+    try:
+        engine.save_state(tmp, writer=info.is_main)
+        torch.save(_rng_state(), tmp / "rng" / f"rank-{info.rank:05d}.pt")
+    except OSError as e:
+        error = e
+    _agree_or_raise(error, state.step, tmp, info)
+    faults.pause_before_sealing_checkpoint(state.step)
+    if info.is_main:
+        try:
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
+            (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
+            _fsync_tree(tmp)
+            _write_durably(tmp / COMPLETE, "")
+            if final.exists():  # the same step written again by a resumed run
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_durably(root / LATEST, final.name + "\n", atomic=True)
+            prune(root, recipe.checkpoint.keep_last)
+        except OSError as e:
+            error = e
+    _agree_or_raise(error, state.step, tmp, info)
+    return final
+
+
+def _agree_or_raise(error: OSError | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
+    """All ranks learn whether any rank failed, so none waits forever in the next collective."""
+    (failed,) = dist.any_rank(error is not None)
+    if not failed:
+        return
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    reason = f"{error.strerror or error} ({error.filename})" if error is not None else "it failed on another rank"
+    raise CheckpointError(
+        f"could not write the checkpoint of step {step}: {reason}; earlier checkpoints are intact — "
+        f"free disk space or fix the output folder, then resume with --resume"
+    )
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Remove the oldest complete checkpoints beyond `keep_last` (called after a new one is sealed)."""
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    for path in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
+    target = path.with_name(f".{path.name}.tmp") if atomic else path
+    with target.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+    _fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------ finding and reading
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Sealed checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """Folders a crash left behind: never used, reported on resume."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = complete_checkpoints(out_dir / CHECKPOINTS)
+    return found[-1] if found else None
+
+
+def read_state(folder: Path) -> TrainingState:
+    data = json.loads((folder / STATE_FILE).read_text())
+    return TrainingState(**{k: v for k, v in data.items() if k in TrainingState.__dataclass_fields__})
+
+
+def read_checkpoint_recipe(folder: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load((folder / RECIPE_FILE).read_text())
+
+
+def restore_rng(folder: Path, state: TrainingState, info: dist.DistInfo, seed: int) -> bool:
+    """This rank's RNG as it was, when the world size is unchanged (else a seeded fresh one)."""
+    path = folder / "rng" / f"rank-{info.rank:05d}.pt"
+    if state.world_size == info.world_size and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        torch.set_rng_state(saved["torch"])
+        if "cuda" in saved and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved["cuda"])
+        return True
+    torch.manual_seed(seed_for(seed, state.step, info.rank))
+    return False
+
+
+def seed_for(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible torch seed per (run seed, step, rank)."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
+# ------------------------------------------------------------------ resume rules
+
+
+def resume_source(recipe: Recipe, restarted: bool = False) -> Path | None:
+    """The checkpoint this run continues from, or None for a fresh start.
+
+    `restarted` is true in workers that the elastic agent restarted after a failure:
+    they always continue from the latest checkpoint.
+    """
+    setting = "auto" if restarted else recipe.resume
+    if setting == "never":
+        return None
+    out_dir = Path(recipe.output.dir)
+    if setting == "auto":
+        return latest_checkpoint(out_dir)
+    folder = Path(setting)
+    if not (folder / COMPLETE).is_file():
+        raise CheckpointError(
+            f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with {COMPLETE})"
+        )
+    return folder
+
+
+def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
+    """Fields that define the run and differ from the checkpoint's recipe."""
+    current = recipe.model_dump(mode="json")
+    changes = []
+    for key in IDENTITY:
+        before, after = _get(saved, key), _get(current, key)
+        for name, old, new in _diff(key, before, after):
+            changes.append(f"{name} (checkpoint: {old!r}, recipe: {new!r})")
+    return changes
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += _diff(f"{prefix}.{key}", old.get(key), new.get(key))
+        return out
+    return [] if old == new else [(prefix, old, new)]
+
+
+def check_resume(recipe: Recipe) -> list[str]:
+    """Problems with resuming this recipe, found before any worker starts."""
+    try:
+        source = resume_source(recipe)
+    except CheckpointError as e:
+        return [str(e)]
+    out_dir = Path(recipe.output.dir)
+    if source is None:
+        if recipe.resume == "auto":
+            from accord.outputs import earlier_run
+
+            if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
+                return [f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"]
+        return []
+    changes = identity_changes(read_checkpoint_recipe(source), recipe)
+    if changes:
+        return [
+            f"resume: {source} was written by a different run: {change}; a resumed run keeps "
+            f"{', '.join(IDENTITY)} — restore it, or start a new run in another output.dir"
+            for change in changes
+        ]
+    return []

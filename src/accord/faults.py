@@ -1,0 +1,36 @@
+"""Fault injection for accord's own tests: ACCORD_FAULTS="name=value,...".
+
+Crash-safety claims (a SIGKILL while a checkpoint is being written, a NaN at a given
+step) need the fault to land at an exact point; these hooks put it there. Unset, they
+cost one dictionary lookup.
+
+  checkpoint_pause_at_step=N
+                         sleep (checkpoint_pause_s, default 60) seconds after the files
+                         of step N's checkpoint are written, before it is sealed: a
+                         window to kill the run mid-write
+  nan_loss_at_step=N     make the loss of optimizer step N (1-based) NaN on every rank
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import cache
+
+
+@cache
+def _faults() -> dict[str, float]:
+    spec = os.environ.get("ACCORD_FAULTS", "")
+    pairs = (item.split("=", 1) for item in spec.split(",") if "=" in item)
+    return {name.strip(): float(value) for name, value in pairs}
+
+
+def pause_before_sealing_checkpoint(step: int) -> None:
+    if _faults().get("checkpoint_pause_at_step") == step:
+        seconds = _faults().get("checkpoint_pause_s", 60.0)
+        print(f"accord: [fault injection] pausing {seconds:g} s inside the checkpoint write of step {step}", flush=True)
+        time.sleep(seconds)
+
+
+def nan_loss_at(step: int) -> bool:
+    return _faults().get("nan_loss_at_step") == step

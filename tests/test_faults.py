@@ -1,0 +1,97 @@
+"""Runs that cannot continue stop with one clear line and leave every checkpoint intact."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from accord.checkpoint import complete_checkpoints, incomplete_checkpoints
+from conftest import TINY_RECIPE, assert_ok, run_accord, step_losses, write_recipe
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    return write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+
+
+def _accord_faults(monkeypatch, spec: str) -> None:
+    monkeypatch.setenv("ACCORD_FAULTS", spec)
+
+
+@pytest.mark.distributed
+def test_nonfinite_loss_stops_naming_the_step(recipe, tmp_path, monkeypatch):
+    _accord_faults(monkeypatch, "nan_loss_at_step=7")
+    out = tmp_path / "nan"
+    proc = run_accord("train", recipe, "train.max_steps=12", "train.log_every=4", "checkpoint.every_steps=5", f"output.dir={out}")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "accord: error: step 7: loss nan is not finite; stopping" in proc.stdout
+    assert "step-000005) is intact" in proc.stdout
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000005"]
+    assert not (out / "final").exists()
+
+
+@pytest.mark.distributed
+def test_nonfinite_skip_mode_skips_that_update_and_finishes(recipe, tmp_path, monkeypatch):
+    _accord_faults(monkeypatch, "nan_loss_at_step=7")
+    out = tmp_path / "skip"
+    proc = run_accord("train", recipe, "train.max_steps=12", "train.on_nonfinite=skip", f"output.dir={out}")
+    assert_ok(proc)
+    assert "step 7: non-finite gradient norm; update skipped (1 so far)" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in records if r["kind"] == "train" and r["skipped"]]
+    assert skipped == [7]
+    losses = step_losses(out)
+    assert losses[7] is None and all(isinstance(losses[s], float) for s in losses if s != 7)
+
+
+def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path, monkeypatch):
+    """A disk that fills up mid-run: the error names the cause, the earlier checkpoint survives."""
+    import accord.engine.state as engine_state
+    from accord.recipe import validate_recipe
+    from accord.worker import train_worker
+
+    real_save = engine_state.save_file
+    calls = {"n": 0}
+
+    def save_file_until_disk_full(tensors, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(engine_state, "save_file", save_file_until_disk_full)
+    out = tmp_path / "full"
+    raw = TINY_RECIPE | {"output": {"dir": str(out)}, "checkpoint": {"every_steps": 4}}
+    raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
+    result = train_worker(validate_recipe(raw).model_dump(mode="json"))
+    assert result["status"] == "stopped"
+    assert "could not write the checkpoint of step 8: No space left on device" in result["message"]
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000004"]
+    assert incomplete_checkpoints(out / "checkpoints") == []  # the partial one was removed
+    assert not (out / "final").exists()
+
+
+@pytest.mark.distributed
+def test_resume_refuses_a_different_run_and_allows_extending_it(recipe, tmp_path):
+    out = tmp_path / "run"
+    assert_ok(run_accord("train", recipe, "train.max_steps=4", f"output.dir={out}"))
+
+    fresh = run_accord("train", recipe, "train.max_steps=4", f"output.dir={out}", timeout=60)
+    assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "--resume" in fresh.stderr
+
+    changed = run_accord("train", recipe, "train.max_steps=6", "seed=8", f"output.dir={out}", "--resume", timeout=60)
+    assert changed.returncode == 2
+    assert "resume: " in changed.stderr and "seed (checkpoint: 7, recipe: 8)" in changed.stderr
+    assert "Traceback" not in changed.stderr
+
+    both = run_accord("train", recipe, f"output.dir={out}", "--resume", "--overwrite", timeout=60)
+    assert both.returncode == 2 and "choose one" in both.stderr
+
+    extended = run_accord("train", recipe, "train.max_steps=6", "train.log_every=1", f"output.dir={out}", "--resume")
+    assert_ok(extended)
+    assert "at step 4 " in extended.stdout
+    assert sorted(step_losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000004", "step-000006"]

@@ -1,0 +1,135 @@
+"""Contract 3: a run resumes anywhere — on another number of processes, after preemption,
+after a worker dies, after a crash mid-checkpoint — and ends as if never interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from accord.checkpoint import COMPLETE, complete_checkpoints, read_state
+from accord.stopping import PREEMPTED_EXIT_CODE
+from conftest import (
+    TINY_RECIPE,
+    assert_ok,
+    final_params,
+    logged_steps,
+    max_param_diff,
+    run_accord,
+    start_accord,
+    step_losses,
+    wait_for,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.distributed
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.yaml", TINY_RECIPE)
+
+
+# ---------------------------------------------------------------- a different world size
+
+
+@pytest.fixture(scope="module")
+def twelve_steps(tmp_path_factory, recipe) -> dict[int, Path]:
+    """Uninterrupted 12-step runs on 2 and on 1 process, with a checkpoint at step 6."""
+    root = tmp_path_factory.mktemp("twelve")
+    outs = {}
+    for world in (2, 1):
+        out = root / f"world{world}"
+        assert_ok(run_accord("train", recipe, "train.max_steps=12", "checkpoint.every_steps=6", f"engine.processes={world}", f"output.dir={out}"))
+        outs[world] = out
+    return outs
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_resume_on_another_world_size_continues_same_data(twelve_steps, recipe, tmp_path, before, after):
+    checkpoint = twelve_steps[before] / "checkpoints" / "step-000006"
+    out = tmp_path / "resumed"
+    proc = run_accord("train", recipe, "train.max_steps=12", f"engine.processes={after}", f"resume={checkpoint}", f"output.dir={out}")
+    assert_ok(proc)
+    assert "resumed from" in proc.stdout and "at step 6 (epoch 0, example 192" in proc.stdout
+    reference = twelve_steps[before]
+    assert max_param_diff(final_params(reference), final_params(out)) <= TOLERANCE
+    resumed, original = step_losses(out), step_losses(reference)
+    assert sorted(resumed) == list(range(7, 13))  # only the steps it trained
+    assert max(abs(resumed[s] - original[s]) for s in resumed) <= TOLERANCE
+
+
+# ---------------------------------------------------------------- faults during a long run
+
+LONG = ["train.max_steps=150", "train.log_every=1", "checkpoint.every_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, recipe) -> Path:
+    out = tmp_path_factory.mktemp("long") / "uninterrupted"
+    assert_ok(run_accord("train", recipe, *LONG, f"output.dir={out}"))
+    return out
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    output, _ = proc.communicate(timeout=timeout)
+    return output
+
+
+def test_sigterm_checkpoints_exits_75_and_resume_matches(uninterrupted, recipe, tmp_path):
+    out = tmp_path / "preempted"
+    proc = start_accord("train", recipe, *LONG, f"output.dir={out}")
+    wait_for(lambda: logged_steps(out) >= 15)
+    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the launcher
+    output = _finish(proc)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, output
+    assert "stop requested (SIGTERM)" in output and "continue with --resume" in output
+    stopped_at = read_state(complete_checkpoints(out / "checkpoints")[-1]).step
+    assert 15 <= stopped_at < 150  # the step it was on when the signal came, not the last periodic one
+    assert not (out / "final").exists()
+
+    resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
+    assert_ok(resumed)
+    assert f"at step {stopped_at} " in resumed.stdout
+    assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
+    assert sorted(step_losses(out)) == list(range(1, 151))  # one record per step, none twice
+
+
+def test_killed_worker_restarts_the_group_and_ends_as_uninterrupted(uninterrupted, recipe, tmp_path):
+    out = tmp_path / "restarted"
+    proc = start_accord("train", recipe, *LONG, "engine.max_restarts=1", f"output.dir={out}")
+    wait_for(lambda: logged_steps(out) >= 25)
+    workers = _worker_pids(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    output = _finish(proc)
+    assert proc.returncode == 0, output
+    assert "worker group restarted (1 of 1)" in output and "resumed from" in output
+    assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, recipe, tmp_path):
+    out = tmp_path / "crashed"
+    proc = start_accord("train", recipe, *LONG, f"output.dir={out}", env_extra={"ACCORD_FAULTS": "checkpoint_pause_at_step=20"})
+    partial = out / "checkpoints" / ".tmp-step-000020"
+    wait_for(lambda: (partial / "model.safetensors").exists() and (partial / "rng" / "rank-00001.pt").exists())
+    for pid in [*_worker_pids(proc.pid), proc.pid]:  # the whole job dies at once, mid-write
+        os.kill(pid, signal.SIGKILL)
+    _finish(proc)
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000010"]
+    assert (out / "checkpoints" / "step-000010" / COMPLETE).is_file() and partial.is_dir()
+
+    resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
+    assert_ok(resumed)
+    assert "ignoring incomplete checkpoint" in resumed.stdout and "at step 10 " in resumed.stdout
+    assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
+
+
+def _worker_pids(launcher: int) -> list[int]:
+    """The training workers the launcher started (`python -m accord.worker ...`)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return sorted(pid for pid in map(int, children) if b"accord.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
