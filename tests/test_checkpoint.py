@@ -55,3 +55,11 @@ def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["loss"] is None  # strict JSON for a non-finite value
+
+
+def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
+    from accord.checkpoint import disk_space_warning
+
+    assert disk_space_warning(tmp_path, num_params=1000, keep_last=2) is None
+    warning = disk_space_warning(tmp_path, num_params=10**15, keep_last=2)
+    assert warning and "3 checkpoints" in warning and "GiB free" in warning

@@ -80,14 +80,15 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return output
 
 
-def test_sigterm_checkpoints_exits_75_and_resume_matches(uninterrupted, recipe, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_stop_signal_checkpoints_exits_75_and_resume_matches(uninterrupted, recipe, tmp_path, sig):
     out = tmp_path / "preempted"
     proc = start_accord("train", recipe, *LONG, f"output.dir={out}")
     wait_for(lambda: logged_steps(out) >= 15)
-    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the launcher
+    os.kill(proc.pid, sig)  # what a scheduler sends to the launcher (SLURM: USR1 before the limit)
     output = _finish(proc)
     assert proc.returncode == PREEMPTED_EXIT_CODE, output
-    assert "stop requested (SIGTERM)" in output and "continue with --resume" in output
+    assert f"stop requested ({sig.name})" in output and "continue with --resume" in output
     stopped_at = read_state(complete_checkpoints(out / "checkpoints")[-1]).step
     assert 15 <= stopped_at < 150  # the step it was on when the signal came, not the last periodic one
     assert not (out / "final").exists()

@@ -149,6 +149,20 @@ def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
     _fsync_dir(path.parent)
 
 
+def disk_space_warning(out_dir: Path, num_params: int, keep_last: int) -> str | None:
+    """A warning when the output disk cannot hold keep_last + 1 checkpoints (estimated:
+    fp32 weights plus AdamW's two moments, 12 bytes per parameter)."""
+    estimate = 12 * num_params
+    needed = (keep_last + 1) * estimate
+    free = shutil.disk_usage(out_dir).free
+    if free >= needed:
+        return None
+    return (
+        f"only {free / 2**30:.1f} GiB free under {out_dir}, but {keep_last + 1} checkpoints of "
+        f"~{estimate / 2**30:.2f} GiB each may be on disk at once; a write that runs out of space stops the run"
+    )
+
+
 # ------------------------------------------------------------------ finding and reading
 
 

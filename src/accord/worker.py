@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from accord import dist
-from accord.checkpoint import CHECKPOINTS, incomplete_checkpoints, resume_source
+from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, resume_source
 from accord.engine.device import select_device
 from accord.outputs import prepare_output_dir
 from accord.recipe import Recipe
@@ -70,6 +70,11 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
     trainer = Trainer.build(recipe, info, device)
+    if info.is_main:
+        num_params = sum(p.numel() for p in trainer.engine.module.parameters())
+        warning = disk_space_warning(out_dir, num_params, recipe.checkpoint.keep_last)
+        if warning:
+            dist.print0(f"accord: warning: {warning}")
     try:
         if source is not None:
             trainer.restore(source)
