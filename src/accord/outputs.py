@@ -49,11 +49,12 @@ def prepare_output_dir(recipe: Recipe, clear: bool) -> Path:
     return out_dir
 
 
-def save_final_model(module, tokenizer, final: Path) -> None:
-    """save_pretrained (safetensors) into a temporary sibling, then rename into place."""
+def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained (safetensors) into a temporary sibling, then rename into place.
+    `state_dict`: the full weights when the module itself holds only a shard."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        module.save_pretrained(tmp, safe_serialization=True)
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)

@@ -28,7 +28,7 @@ from accord.outputs import save_final_model
 from accord.recipe import Recipe
 from accord.stopping import StopRequest
 from accord.tasks import build_task
-from accord.tasks.base import Example, Task
+from accord.tasks.base import PADDING, Example, Task
 
 
 class TrainingStopped(RuntimeError):
@@ -294,14 +294,13 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            shard = self.eval_examples[self.info.rank :: self.info.world_size]
             size = self.recipe.train.eval_micro_batch_size
             totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
-            for start in range(0, len(shard), size):
-                batch = self._to_device(self.task.collate(shard[start : start + size]))
+            for chunk, weight in lockstep_batches(self.eval_examples, self.info, size):
+                batch = self._to_device(self.task.collate(chunk))
                 with self.engine.autocast():
                     loss_sum, targets = self.task.loss(model, batch)
-                totals += torch.stack([loss_sum.double(), targets.double()])
+                totals += weight * torch.stack([loss_sum.double(), targets.double()])
             dist.all_reduce_sum(totals)
             loss_sum, targets = totals.tolist()
             results = {"loss": loss_sum / max(targets, 1.0)}
@@ -316,9 +315,13 @@ class Trainer:
 
     def _generation_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         rows = self.eval_rows[: self.recipe.train.eval_generate]
-        shard = rows[self.info.rank :: self.info.world_size]
+        per_rank = -(-len(rows) // self.info.world_size)
+        shard = rows[self.info.rank * per_rank : (self.info.rank + 1) * per_rank]
+        shard = shard + [{**rows[0], PADDING: True}] * (per_rank - len(shard))  # same count on every rank
         with self.engine.autocast():
-            sums = self.task.evaluate_generation(model, shard, self.engine.device, self.recipe.train.max_new_tokens)
+            sums = self.task.evaluate_generation(
+                model, shard, self.engine.device, self.recipe.train.max_new_tokens, lockstep=self.engine.lockstep
+            )
         names = sorted(sums)
         totals = dist.all_reduce_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.engine.device))
         reduced = dict(zip(names, totals.tolist()))
@@ -341,8 +344,9 @@ class Trainer:
 
     def save(self) -> Path:
         final = self.out_dir / "final"
+        state = self.engine.full_model_state()  # collective under sharded strategies
         if self.info.is_main:
-            save_final_model(self.engine.module, self.tokenizer, final)
+            save_final_model(self.engine.module, self.tokenizer, final, state_dict=state)
         dist.barrier()
         return final
 
@@ -351,6 +355,19 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def lockstep_batches(examples: list[Example], info: dist.DistInfo, size: int):
+    """This rank's contiguous share of `examples` in micro-batches, as (batch, weight).
+
+    Every rank yields the same number of batches: a rank with fewer examples repeats one
+    with weight 0, because under sharded strategies each forward pass is a collective.
+    """
+    per_rank = -(-len(examples) // info.world_size)
+    shard = examples[info.rank * per_rank : (info.rank + 1) * per_rank]
+    for start in range(0, per_rank, size):
+        chunk = shard[start : start + size]
+        yield (chunk, 1.0) if chunk else (examples[:1], 0.0)
 
 
 def total_training_steps(recipe: Recipe, order: GlobalOrder) -> int:

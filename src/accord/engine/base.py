@@ -40,6 +40,17 @@ class Engine(ABC):
         update (this reads the norm: one host sync)."""
 
     @property
+    def lockstep(self) -> bool:
+        """True when every rank must run the same forward passes (sharded parameters are
+        gathered collectively in forward): evaluation and generation then keep ranks in step."""
+        return False
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's weights on rank 0 (CPU), for export. None means the
+        plain module already holds all of them (nothing to gather)."""
+        return None
+
+    @property
     def handles_overflow(self) -> bool:
         """True when inf gradients are expected and handled (fp16 loss scaling skips them)."""
         return False

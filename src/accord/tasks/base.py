@@ -41,6 +41,14 @@ class Task(Protocol):
         """
         ...
 
-    def evaluate_generation(self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int) -> dict[str, float]:
-        """Sums (not rates) of generation metrics over `rows`, so ranks can add them up."""
+    def evaluate_generation(
+        self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int, lockstep: bool = False
+    ) -> dict[str, float]:
+        """Sums (not rates) of generation metrics over `rows`, so ranks can add them up.
+        Rows marked PADDING keep ranks in lockstep and are not scored; with `lockstep`,
+        generation runs until every rank is done (sharded models)."""
         ...
+
+
+# A row that only keeps a rank's number of forward passes equal to the others'.
+PADDING = "__accord_padding__"

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from accord.data.generated import Rows
 from accord.recipe import DataConfig
-from accord.tasks.base import IGNORE, Example
+from accord.tasks.base import IGNORE, PADDING, Example
 
 
 class SFTTask:
@@ -58,9 +58,11 @@ class SFTTask:
         return loss_sum, (targets != IGNORE).sum()
 
     @torch.no_grad()
-    def evaluate_generation(self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int) -> dict[str, float]:
+    def evaluate_generation(
+        self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int, lockstep: bool = False
+    ) -> dict[str, float]:
         """Greedy completion of each prompt; exact match against the reference completion."""
-        correct = 0
+        correct = count = 0
         batch_size = 64
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
@@ -76,10 +78,14 @@ class SFTTask:
                 do_sample=False,
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
+                synced_gpus=lockstep,
             )
             for row, generated in zip(chunk, out[:, width:].tolist()):
+                if row.get(PADDING):
+                    continue
+                count += 1
                 if self.eos_id in generated:
                     generated = generated[: generated.index(self.eos_id)]
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 correct += int(text.strip() == row["completion"].strip())
-        return {"exact_match": float(correct), "count": float(len(rows))}
+        return {"exact_match": float(correct), "count": float(count)}
