@@ -48,7 +48,14 @@ def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
     proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={data}", timeout=60)
-    assert_clean_error(proc, f"{data}:2: field 'completion' must be a string (missing)")
+    assert_clean_error(proc, f"{data}: row 2: field 'completion' is missing or null")
+
+
+def test_malformed_json_line_names_file_and_line(tiny_recipe, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "a", "completion": \n')
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={data}", timeout=60)
+    assert_clean_error(proc, f"{data}:3: not valid JSON")
 
 
 def test_help_explains_itself():

@@ -9,43 +9,48 @@ tests can fail.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from accord.batching import BatchPlan
 from accord.data.order import GlobalOrder
-from accord.data.sources import load_rows
+from accord.data.packing import Rows
+from accord.data.prepare import prepare_data
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.models import build_model, build_tokenizer
 from accord.recipe import validate_recipe
 from accord.tasks import build_task
+from accord.trainer import fetch
 from conftest import TINY_RECIPE
 
 STEPS = 10
 
 
-def simulate(world: int, micro: int, normalisation: str) -> dict[str, torch.Tensor]:
-    recipe = validate_recipe(TINY_RECIPE)
+def simulate(world: int, micro: int, normalisation: str, cache_dir) -> dict[str, torch.Tensor]:
+    recipe = validate_recipe(TINY_RECIPE | {"data": TINY_RECIPE["data"] | {"cache_dir": str(cache_dir)}})
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
-    rows, _ = load_rows(recipe.data, recipe.seed, task.required_fields)
-    examples = [task.encode(r) for r in rows]
+    data = prepare_data(recipe, tokenizer, task, preparer=True)
+    task.packing = True
+    rows = Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), recipe.data.max_length)
     plan = BatchPlan.derive(recipe.batch.global_batch_size, micro, world)
-    order = GlobalOrder(len(examples), plan.global_batch_size, recipe.seed)
+    order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed)
     model = build_model(recipe.model, tokenizer, recipe.seed)
     optimizer = build_optimizer(model, recipe.optim, torch.device("cpu"))
     scheduler = build_scheduler(optimizer, recipe.optim, STEPS)
     for step in range(STEPS):
         global_batch = order.batch(step)
-        total_targets = sum(examples[i].num_targets for i in global_batch)
+        total_targets = int(rows.targets[global_batch].sum())
         for rank in range(world):
             for micro_step in range(plan.grad_accum):
-                batch = task.collate([examples[i] for i in global_batch[plan.micro_slice(rank, micro_step)]])
-                loss_sum, targets = task.loss(model, batch)
+                members = [rows.members[r] for r in global_batch[plan.micro_slice(rank, micro_step)]]
+                batch = task.collate([fetch(data.train, m, {}) for m in members])
+                out = task.loss(model, batch)
                 if normalisation == "global":
-                    loss = loss_sum / total_targets
+                    loss = out.loss_sum / total_targets
                 else:  # mean per micro-batch, averaged over micro-steps, then DDP's mean over ranks
-                    loss = loss_sum / targets / (plan.grad_accum * world)
+                    loss = out.loss_sum / out.num_targets / (plan.grad_accum * world)
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
         optimizer.step()
@@ -59,9 +64,10 @@ def max_diff(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
     return {
-        (norm, layout): simulate(world, micro, norm)
+        (norm, layout): simulate(world, micro, norm, cache)
         for norm in ("global", "mean_of_means")
         for layout, (world, micro) in {"1x8x4": (1, 8), "2x4x4": (2, 4)}.items()
     }

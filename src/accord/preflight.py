@@ -8,10 +8,10 @@ from pathlib import Path
 from accord import dist
 from accord.batching import BatchPlan, BatchPlanError
 from accord.checkpoint import check_resume
-from accord.data.sources import DataError, load_rows
+from accord.data.sources import DataError
 from accord.outputs import check_output_dir
+from accord.paths import PathError, resolve_path
 from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
-from accord.tasks import task_class
 
 
 def preflight(recipe: Recipe, world_size: int) -> list[str]:
@@ -28,32 +28,55 @@ def preflight(recipe: Recipe, world_size: int) -> list[str]:
         # created the folder by the time another rank looks.
         problems += check_output_dir(recipe)
     problems += check_resume(recipe)
+    if problems or dist.env_info().local_rank != 0:
+        # The data step is the expensive part: only for a sound recipe, and once per node
+        # (under an outer launcher the other local ranks wait for it in the workers).
+        return problems
+    return prepare_and_check_data(recipe)
+
+
+def prepare_and_check_data(recipe: Recipe) -> list[str]:
+    """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
+    worker starts and the workers only read the cache."""
+    from accord.data.prepare import prepare_data
+    from accord.models import build_tokenizer
+    from accord.tasks import build_task
+
     try:
-        train_rows, _ = load_rows(recipe.data, recipe.seed, task_class(recipe.task).required_fields)
-    except (DataError, ValueError) as e:
-        problems.append(str(e))
-    else:
-        if len(train_rows) < recipe.batch.global_batch_size:
-            problems.append(
-                f"only {len(train_rows)} training examples but batch.global_batch_size="
-                f"{recipe.batch.global_batch_size}; lower the global batch or add data"
-            )
-    return problems
+        tokenizer = build_tokenizer(recipe.model)
+        task = build_task(recipe, tokenizer)
+        data = prepare_data(recipe, tokenizer, task, preparer=True)
+    except DataError as e:
+        return [str(e)]
+    rows = data.report["train_examples"]
+    if rows < recipe.batch.global_batch_size:
+        return [
+            f"only {rows} training examples but batch.global_batch_size={recipe.batch.global_batch_size}; "
+            f"lower the global batch or add data"
+        ]
+    return []
 
 
 def check_model_source(cfg: ModelConfig) -> list[str]:
     """Problems with the model section that can be seen without loading anything."""
     problems = []
-    if cfg.path is not None:
-        folder = Path(cfg.path)
-        if not folder.is_dir():
+    try:
+        folder = resolve_path(cfg.path) if cfg.path is not None else None
+        tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer not in (None, BYTE_TOKENIZER) else None
+    except PathError as e:
+        return [f"model: {e}"]
+    if folder is not None:
+        if folder.suffix == ".gguf":
+            if not folder.is_file():
+                problems.append(f"model.path: GGUF file not found: {folder}")
+        elif not folder.is_dir():
             problems.append(f"model.path: folder not found: {folder}")
         elif not (folder / "config.json").is_file():
-            problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder)")
+            problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
         else:
             problems += _check_config_loads(folder, cfg.trust_remote_code)
-    if cfg.tokenizer not in (None, BYTE_TOKENIZER) and not Path(cfg.tokenizer).is_dir():
-        problems.append(f"model.tokenizer: folder not found: {cfg.tokenizer} (use `byte` or a local tokenizer folder)")
+    if tokenizer is not None and not tokenizer.is_dir():
+        problems.append(f"model.tokenizer: folder not found: {tokenizer} (use `byte` or a local tokenizer folder)")
     if cfg.config is not None:
         # The name table only: importing the model classes would cost seconds here.
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES

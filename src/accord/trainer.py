@@ -19,16 +19,14 @@ from accord import dist, faults
 from accord.batching import BatchPlan
 from accord.checkpoint import CheckpointError, TrainingState, latest_checkpoint, read_state, restore_rng, save_checkpoint, seed_for
 from accord.data.order import GlobalOrder
-from accord.data.sources import load_rows
-from accord.engine import Engine, build_engine
-from accord.models import build_model, build_tokenizer
+from accord.data.packing import Rows
+from accord.engine import Engine
 from accord.observe.metrics import MetricsWriter
 from accord.observe.progress import Progress
 from accord.outputs import save_final_model
 from accord.recipe import Recipe
 from accord.stopping import StopRequest
-from accord.tasks import build_task
-from accord.tasks.base import PADDING, Example, Task
+from accord.tasks.base import PADDING, Task
 
 
 class TrainingStopped(RuntimeError):
@@ -44,6 +42,7 @@ class StepStats:
     targets: int  # targets in the whole global batch
     tokens: int  # non-pad tokens in the whole global batch
     lr: float
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's sums
     skipped: bool = False
 
 
@@ -56,14 +55,16 @@ class RunResult:
 
 
 class Trainer:
+    """Built by accord.assemble.build_trainer; every rank holds the same global plan."""
+
     def __init__(
         self,
         recipe: Recipe,
         info: dist.DistInfo,
         task: Task,
-        train_examples: list[Example],
-        eval_examples: list[Example],
-        eval_rows: list[dict[str, str]],
+        train_data,
+        eval_data,
+        rows: Rows,
         engine: Engine,
         plan: BatchPlan,
         order: GlobalOrder,
@@ -73,9 +74,9 @@ class Trainer:
         self.recipe = recipe
         self.info = info
         self.task = task
-        self.train_examples = train_examples
-        self.eval_examples = eval_examples
-        self.eval_rows = eval_rows
+        self.train_data = train_data  # datasets.Dataset of encoded examples
+        self.eval_data = eval_data
+        self.rows = rows  # which examples form each row of the global order
         self.engine = engine
         self.plan = plan
         self.order = order
@@ -85,43 +86,33 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.metrics: MetricsWriter | None = None
-        self._targets = np.array([e.num_targets for e in train_examples], dtype=np.int64)
-        self._lengths = np.array([len(e.input_ids) for e in train_examples], dtype=np.int64)
+        self.extra_columns: dict[str, dict[str, np.ndarray]] = {"train": {}, "eval": {}}
         self._pending: list[StepStats] = []
         self._last_log = time.perf_counter()
         self._last_checkpoint = time.monotonic()
         torch.manual_seed(seed_for(recipe.seed, 0, info.rank))  # dropout etc.: distinct per rank
 
-    # ------------------------------------------------------------------ build
-
-    @classmethod
-    def build(cls, recipe: Recipe, info: dist.DistInfo, device: torch.device) -> Trainer:
-        tokenizer = build_tokenizer(recipe.model)
-        task = build_task(recipe, tokenizer)
-        train_rows, eval_rows = load_rows(recipe.data, recipe.seed, task.required_fields)
-        train_examples = [task.encode(row) for row in train_rows]
-        eval_examples = [task.encode(row) for row in eval_rows]
-        plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size)
-        order = GlobalOrder(len(train_examples), plan.global_batch_size, recipe.seed, recipe.data.shuffle)
-        total_steps = total_training_steps(recipe, order)
-        model = build_model(recipe.model, tokenizer, recipe.seed)
-        engine = build_engine(recipe, model, info, device, plan, total_steps)
-        trainer = cls(recipe, info, task, train_examples, eval_examples, eval_rows, engine, plan, order, total_steps, tokenizer)
-        trainer._announce(model)
-        return trainer
-
-    def _announce(self, model: torch.nn.Module) -> None:
-        params = sum(p.numel() for p in model.parameters())
-        dropped = sum(1 for e in self.train_examples if e.num_targets == 0)
+    def announce(self, num_params: int, trainable: int, report: dict) -> None:
+        name = type(self.engine.module).__name__
+        params = f"{num_params / 1e6:.2f}M parameters" + (f", {trainable / 1e6:.2f}M trained" if trainable != num_params else "")
+        layout = "packed rows" if self.task.packable and getattr(self.task, "packing", False) else "rows"
         lines = [
-            f"accord: {self.recipe.task} on {type(model).__name__} ({params / 1e6:.2f}M parameters), "
-            f"{self.recipe.engine.strategy} on {self.engine.device.type}, precision {self.recipe.engine.precision}",
+            f"accord: {self.recipe.task} on {name} ({params}), {self.recipe.engine.strategy} on "
+            f"{self.engine.device.type}, precision {self.recipe.engine.precision}",
             f"accord: batch {self.plan.describe()}",
-            f"accord: {len(self.train_examples)} training examples ({self.order.steps_per_epoch} steps per epoch), "
-            f"{len(self.eval_examples)} held out; {self.total_steps} steps",
+            f"accord: {report['train_examples']} training examples in {len(self.rows)} {layout} "
+            f"({self.order.steps_per_epoch} steps per epoch), {report['eval_examples']} held out; {self.total_steps} steps",
         ]
-        if dropped:
-            lines.append(f"accord: {dropped} training examples have no target tokens left after truncation to data.max_length")
+        if layout == "packed rows":
+            fill = self.rows.lengths.sum() / (len(self.rows) * self.recipe.data.max_length)
+            lines.append(f"accord: packing fills {100 * fill:.1f}% of each {self.recipe.data.max_length}-token row")
+        if report.get("train_over_length"):
+            policy = self.recipe.data.truncation
+            lines.append(
+                f"accord: {report['train_over_length']} training examples were longer than data.max_length="
+                f"{self.recipe.data.max_length} ({'dropped' if policy == 'drop' else 'truncated'}; "
+                f"{report['train_dropped']} left out in all)"
+            )
         for line in lines:
             dist.print0(line)
 
@@ -156,25 +147,39 @@ class Trainer:
         """One optimizer step over global batch `self.step`."""
         global_batch = self.order.batch(self.step)
         # The normaliser: targets in the whole global batch, known to every rank from the plan.
-        targets = int(self._targets[global_batch].sum())
+        targets = int(self.rows.targets[global_batch].sum())
         loss_sum = torch.zeros((), device=self.engine.device)
+        metrics: dict[str, torch.Tensor] = {}
         for micro_step in range(self.plan.grad_accum):
-            indices = global_batch[self.plan.micro_slice(self.info.rank, micro_step)]
-            batch = self._to_device(self.task.collate([self.train_examples[i] for i in indices]))
+            row_ids = global_batch[self.plan.micro_slice(self.info.rank, micro_step)]
+            batch = self.to_device(self.task.collate(self._rows(row_ids)))
             with self.engine.sync_context(last_micro_step=micro_step == self.plan.grad_accum - 1):
                 with self.engine.autocast():
-                    micro_loss, _ = self.task.loss(self.engine.model, batch)
+                    out = self.task.loss(self.engine.model, batch)
+                micro_loss = out.loss_sum
                 if faults.nan_loss_at(self.step + 1):
                     micro_loss = micro_loss * float("nan")
                 self.engine.backward(micro_loss, max(targets, 1))
             loss_sum += micro_loss.detach()
+            for name, value in out.metrics.items():
+                metrics[name] = metrics.get(name, 0) + value.detach().float()
         lr = self.engine.lr
         grad_norm, stepped = self.engine.step(skip_nonfinite=self.recipe.train.on_nonfinite == "skip")
         self.step += 1
-        tokens = int(self._lengths[global_batch].sum())
-        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, lr, skipped=not stepped)
+        tokens = int(self.rows.lengths[global_batch].sum())
+        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, lr, metrics, skipped=not stepped)
 
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _rows(self, row_ids) -> list[list[dict]]:
+        """The examples of each row (one, or several when packed), fetched in one read."""
+        members = [self.rows.members[r] for r in row_ids]
+        examples = fetch(self.train_data, [i for m in members for i in m], self.extra_columns["train"])
+        out, at = [], 0
+        for m in members:
+            out.append(examples[at : at + len(m)])
+            at += len(m)
+        return out
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
 
     # ------------------------------------------------------------------ the loop
@@ -197,7 +202,7 @@ class Trainer:
                 at_end = self.step == self.total_steps
                 if self.step % cfg.log_every == 0 or at_end:
                     self._flush_metrics(progress)
-                if self.eval_examples and ((cfg.eval_every and self.step % cfg.eval_every == 0) or at_end):
+                if self.eval_data is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or at_end):
                     self._flush_metrics(progress)
                     final_eval = self.evaluate()
                     progress.write(_format_eval(self.step, final_eval))
@@ -244,15 +249,18 @@ class Trainer:
             return
         now = time.perf_counter()
         seconds, self._last_log = max(now - self._last_log, 1e-9), now
-        # One collective for the whole interval: each step's loss summed over ranks.
-        loss_sums = dist.all_reduce_sum(torch.stack([s.loss_sum for s in pending]).double()).tolist()
+        # One collective for the whole interval: each step's loss (and task metrics) summed over ranks.
+        names = sorted(pending[0].metrics)
+        table = torch.stack([torch.stack([s.loss_sum.double(), *(s.metrics[n].double() for n in names)]) for s in pending])
+        reduced = dist.all_reduce_sum(table).tolist()
         grad_norms = torch.stack([s.grad_norm.float() for s in pending]).tolist()
-        losses = [loss_sum / max(s.targets, 1) for s, loss_sum in zip(pending, loss_sums)]
+        losses = [row[0] / max(s.targets, 1) for s, row in zip(pending, reduced)]
         self._stop_if_nonfinite(pending, losses, grad_norms)
         tokens = sum(s.tokens for s in pending)
         if self.metrics is not None:
-            for stats, loss, grad_norm in zip(pending, losses, grad_norms):
+            for stats, loss, grad_norm, row in zip(pending, losses, grad_norms, reduced):
                 record = {"kind": "train", "step": stats.step, "loss": loss, "lr": stats.lr, "grad_norm": grad_norm}
+                record |= {name: value / max(stats.targets, 1) for name, value in zip(names, row[1:])}
                 self.metrics.write(record | {"targets": stats.targets, "tokens": stats.tokens, "skipped": stats.skipped})
             self.metrics.write(
                 {
@@ -288,23 +296,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-normalised loss on the held-out set (and generation metrics when the recipe
+        """The task's metrics on the held-out set (and generation metrics when the recipe
         asks for them), over all ranks."""
         model = self.engine.module
         was_training = model.training
         model.eval()
         try:
+            totals: dict[str, torch.Tensor] = {}
             size = self.recipe.train.eval_micro_batch_size
-            totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
-            for chunk, weight in lockstep_batches(self.eval_examples, self.info, size):
-                batch = self._to_device(self.task.collate(chunk))
+            for indices, weight in lockstep_batches(len(self.eval_data), self.info, size):
+                rows = [[e] for e in fetch(self.eval_data, indices, self.extra_columns["eval"])]
+                batch = self.to_device(self.task.collate(rows))
                 with self.engine.autocast():
-                    loss_sum, targets = self.task.loss(model, batch)
-                totals += weight * torch.stack([loss_sum.double(), targets.double()])
-            dist.all_reduce_sum(totals)
-            loss_sum, targets = totals.tolist()
-            results = {"loss": loss_sum / max(targets, 1.0)}
-            results["perplexity"] = math.exp(min(results["loss"], 50.0))
+                    sums = self.task.eval_sums(model, batch)
+                for name, value in sums.items():
+                    totals[name] = totals.get(name, 0) + weight * value.double()
+            names = sorted(totals)
+            reduced = dist.all_reduce_sum(torch.stack([totals[n] for n in names])).tolist()
+            results = self.task.eval_summary(dict(zip(names, reduced)))
+            if "loss" in results and self.recipe.task in ("sft", "pretrain"):
+                results["perplexity"] = math.exp(min(results["loss"], 50.0))
             if self.recipe.train.eval_generate:
                 results.update(self._generation_metrics(model))
         finally:
@@ -314,7 +325,8 @@ class Trainer:
         return results
 
     def _generation_metrics(self, model: torch.nn.Module) -> dict[str, float]:
-        rows = self.eval_rows[: self.recipe.train.eval_generate]
+        count = min(self.recipe.train.eval_generate, len(self.eval_data))
+        rows = fetch(self.eval_data, range(count), {})
         per_rank = -(-len(rows) // self.info.world_size)
         shard = rows[self.info.rank * per_rank : (self.info.rank + 1) * per_rank]
         shard = shard + [{**rows[0], PADDING: True}] * (per_rank - len(shard))  # same count on every rank
@@ -357,20 +369,33 @@ class Trainer:
             self.metrics = None
 
 
-def lockstep_batches(examples: list[Example], info: dist.DistInfo, size: int):
-    """This rank's contiguous share of `examples` in micro-batches, as (batch, weight).
+def fetch(ds, indices, extra: dict[str, np.ndarray]) -> list[dict]:
+    """Examples `indices` of an Arrow dataset as dicts (one read), plus in-memory columns."""
+    indices = [int(i) for i in indices]
+    columns = ds[indices]
+    examples = [{name: values[k] for name, values in columns.items()} for k in range(len(indices))]
+    for name, values in extra.items():
+        for example, i in zip(examples, indices):
+            example[name] = values[i]
+    return examples
+
+
+def lockstep_batches(count: int, info: dist.DistInfo, size: int):
+    """This rank's contiguous share of `count` examples in micro-batches, as (indices, weight).
 
     Every rank yields the same number of batches: a rank with fewer examples repeats one
     with weight 0, because under sharded strategies each forward pass is a collective.
     """
-    per_rank = -(-len(examples) // info.world_size)
-    shard = examples[info.rank * per_rank : (info.rank + 1) * per_rank]
-    for start in range(0, per_rank, size):
-        chunk = shard[start : start + size]
-        yield (chunk, 1.0) if chunk else (examples[:1], 0.0)
+    per_rank = -(-count // info.world_size)
+    start = info.rank * per_rank
+    share = list(range(start, min(start + per_rank, count)))
+    for at in range(0, per_rank, size):
+        chunk = share[at : at + size]
+        yield (chunk, 1.0) if chunk else ([0], 0.0)
 
 
 def total_training_steps(recipe: Recipe, order: GlobalOrder) -> int:
+    """train.max_steps, or the steps that train.epochs passes over the rows take."""
     if recipe.train.max_steps is not None:
         return recipe.train.max_steps
     assert recipe.train.epochs is not None

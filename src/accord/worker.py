@@ -18,7 +18,9 @@ from accord.engine.device import select_device
 from accord.outputs import prepare_output_dir
 from accord.recipe import Recipe
 from accord.stopping import EXIT_CODES, StopRequest
-from accord.trainer import RunResult, Trainer, TrainingStopped
+from accord.assemble import build_trainer
+from accord.data.sources import DataError
+from accord.trainer import RunResult, TrainingStopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +71,10 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     if restarted:
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
-    trainer = Trainer.build(recipe, info, device)
+    try:
+        trainer = build_trainer(recipe, info, device)
+    except DataError as e:
+        raise TrainingStopped(str(e)) from None
     if info.is_main:
         num_params = sum(p.numel() for p in trainer.engine.module.parameters())
         warning = disk_space_warning(out_dir, num_params, recipe.checkpoint.keep_last)

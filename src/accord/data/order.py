@@ -19,7 +19,9 @@ class Position:
 
 
 class GlobalOrder:
-    def __init__(self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True, group_lengths: np.ndarray | None = None
+    ):
         if num_examples < global_batch_size:
             raise ValueError(
                 f"only {num_examples} training examples but batch.global_batch_size={global_batch_size}; "
@@ -29,6 +31,7 @@ class GlobalOrder:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.group_lengths = group_lengths
         # The tail that does not fill a whole global batch is left out of that epoch
         # (a different tail every epoch when shuffling), so every step sees G examples.
         self.steps_per_epoch = num_examples // global_batch_size
@@ -37,14 +40,26 @@ class GlobalOrder:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._cached_epoch:
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed, epoch])
-                self._cached_order = rng.permutation(self.num_examples)
-            else:
-                self._cached_order = np.arange(self.num_examples)
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(self.num_examples) if self.shuffle else np.arange(self.num_examples)
+            if self.group_lengths is not None:
+                order = self._group_by_length(order, rng)
+            self._cached_order = order
             self._cached_epoch = epoch
         assert self._cached_order is not None
         return self._cached_order
+
+    def _group_by_length(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Sort windows of 50 global batches by length, then shuffle whole batches: each
+        batch holds similar lengths (less padding) and the order is still global and seeded."""
+        assert self.group_lengths is not None
+        g = self.global_batch_size
+        window = 50 * g
+        chunks = [order[i : i + window] for i in range(0, len(order), window)]
+        grouped = np.concatenate([c[np.argsort(-self.group_lengths[c], kind="stable")] for c in chunks])
+        usable = self.steps_per_epoch * g
+        batches = grouped[:usable].reshape(self.steps_per_epoch, g)
+        return np.concatenate([batches[rng.permutation(self.steps_per_epoch)].reshape(-1), grouped[usable:]])
 
     def position(self, step: int) -> Position:
         epoch, batch = divmod(step, self.steps_per_epoch)

@@ -1,57 +1,249 @@
-"""Read rows from local files, with errors that name the file and line."""
+"""Read raw rows from local files with `datasets`, with errors that name the file and row.
+
+Every source becomes a `datasets.Dataset` whose columns carry the names the task reads
+(after `fields` renames), plus `__source` / `__row` columns so that a later problem with
+a row (a label outside the set, an over-long example) can still name where it came from.
+Nothing is ever fetched from a hub: a name that is not a local path is an error.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from accord.data.generated import Rows, generate
-from accord.recipe import DataConfig
+from accord.paths import PathError, resolve_path
+from accord.recipe import DataConfig, SourceConfig
+
+SOURCE = "__source"
+ROW = "__row"
+_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text", ".yml": "chatterbot", ".yaml": "chatterbot"}
 
 
 class DataError(ValueError):
-    """Unusable input data; the message names the file and line."""
+    """Unusable input data; the message names the file and row and how to fix it."""
 
 
-def read_jsonl(path: str | Path, required: tuple[str, ...]) -> Rows:
-    """Rows of a JSON-lines file; each must be an object with string `required` fields."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
-    rows: Rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def load_source(source: SourceConfig, required: tuple[str, ...]):
+    """One source as a Dataset with the `required` columns (as strings unless the task says otherwise)."""
+    import datasets
+
+    try:
+        path = resolve_path(source.path)
+    except PathError as e:
+        raise DataError(str(e)) from None
+    if not path.exists():
+        raise DataError(
+            f"data source {source.path!r} not found: accord reads local files only (no hub downloads); "
+            f"save a hub dataset once with datasets' save_to_disk and point to that folder"
+        )
+    fmt = detect_format(path, source.format)
+    files = _files(path, fmt)
+    datasets.disable_progress_bars()
+    if fmt == "arrow":
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    elif fmt == "chatterbot":
+        ds = datasets.Dataset.from_list(_chatterbot_rows(files))
+    else:
+        ds = _load_files(files, fmt, source)
+    ds = _rename(ds, source, path)
+    if fmt == "contrastive":
+        ds = _split_common_prefix(ds, path)
+    ds = ds.add_column(SOURCE, [str(path)] * len(ds)).add_column(ROW, list(range(1, len(ds) + 1)))
+    check_columns(ds, required, str(path))
+    if len(ds) == 0:
+        raise DataError(f"{path}: no rows")
+    return ds
+
+
+def detect_format(path: Path, declared: str) -> str:
+    if declared != "auto":
+        return declared
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "arrow"
+        suffixes = {p.suffix for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES}
+        if len(suffixes) == 1:
+            return _SUFFIXES[suffixes.pop()]
+        raise DataError(f"{path}: cannot tell the format of this folder (found {sorted(suffixes) or 'no data files'}); set format: ...")
+    fmt = _SUFFIXES.get(path.suffix)
+    if fmt is None:
+        raise DataError(f"{path}: unknown file type {path.suffix!r}; set format: jsonl | json | csv | tsv | parquet | text")
+    return fmt
+
+
+def _files(path: Path, fmt: str) -> list[str]:
+    if fmt == "arrow" or path.is_file():
+        return [str(path)]
+    suffixes = [s for s, f in _SUFFIXES.items() if f == fmt] or [".json", ".jsonl"]
+    files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
+    if not files:
+        raise DataError(f"{path}: no {fmt} files in this folder")
+    return files
+
+
+def _load_files(files: list[str], fmt: str, source: SourceConfig):
+    import datasets
+
+    builder, kwargs = {
+        "jsonl": ("json", {}),
+        "json": ("json", {}),
+        "contrastive": ("json", {}),
+        "csv": ("csv", {"encoding": source.encoding}),
+        "tsv": ("csv", {"encoding": source.encoding, "delimiter": "\t"}),
+        "parquet": ("parquet", {}),
+        # One row per file: a text file is a document.
+        "text": ("text", {"encoding": source.encoding, "sample_by": "document"}),
+    }[fmt]
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    except Exception as e:  # datasets wraps parser errors; find the line ourselves for JSON
+        if builder == "json":
+            for file in files:
+                _raise_on_bad_json(Path(file))
+        cause = e.__cause__ or e
+        raise DataError(f"{', '.join(files)}: cannot be read as {fmt}: {' '.join(str(cause).split())[:300]}") from None
+
+
+def _raise_on_bad_json(path: Path) -> None:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object with {', '.join(required)}")
-            for field in required:
-                if not isinstance(row.get(field), str):
-                    found = "missing" if field not in row else f"a {type(row[field]).__name__}"
-                    raise DataError(f"{path}:{number}: field {field!r} must be a string ({found})")
-            rows.append({field: row[field] for field in required})
+                raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+
+
+def _rename(ds, source: SourceConfig, path: Path):
+    missing = [column for column in source.fields.values() if column not in ds.column_names]
+    if missing:
+        raise DataError(f"{path}: fields maps to column(s) {missing} that the data does not have (columns: {ds.column_names})")
+    return ds.rename_columns({column: name for name, column in source.fields.items() if column != name})
+
+
+def check_columns(ds, required: tuple[str, ...], where: str) -> None:
+    """Every required column exists and holds text (the first bad row is named)."""
+    missing = [field for field in required if field not in ds.column_names]
+    if missing:
+        present = [c for c in ds.column_names if not c.startswith("__")]
+        raise DataError(
+            f"{where}: missing field {', '.join(map(repr, missing))} (fields present: {', '.join(present)}); "
+            f"rename with fields: {{{missing[0]}: <column>}}"
+        )
+    for field in required:
+        feature = ds.features[field]
+        if getattr(feature, "dtype", None) in ("string", "large_string"):
+            nulls = [i for i, v in enumerate(ds[field]) if v is None]
+            if nulls:
+                raise DataError(f"{_where(ds, nulls[0], where)}: field {field!r} is missing or null")
+            continue
+        if field == "messages":
+            continue  # checked by the chat task, which knows its structure
+        for i, value in enumerate(ds[field]):
+            if not isinstance(value, str):
+                raise DataError(f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})")
+
+
+def _where(ds, index: int, default: str) -> str:
+    if SOURCE in ds.column_names:
+        return f"{ds[index][SOURCE]}: row {ds[index][ROW]}"
+    return f"{default}: row {index + 1}"
+
+
+def row_origin(row: dict[str, Any]) -> str:
+    """"file: row N" for a row that went through load_source."""
+    return f"{row.get(SOURCE, '?')}: row {row.get(ROW, '?')}"
+
+
+def _chatterbot_rows(files: list[str]) -> list[dict[str, Any]]:
+    """chatterbot-corpus YAML: each conversation is a list of alternating user / assistant turns."""
+    import yaml
+
+    rows = []
+    for file in files:
+        data = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
+        for conversation in data.get("conversations") or []:
+            turns = [str(t) for t in conversation if t is not None]
+            if len(turns) >= 2:
+                roles = ["user", "assistant"] * len(turns)
+                rows.append({"messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]})
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{', '.join(files)}: no conversations found")
     return rows
 
 
-def load_rows(cfg: DataConfig, seed: int, required: tuple[str, ...]) -> tuple[Rows, Rows]:
-    """(train, eval) rows from the recipe's data section."""
+def _split_common_prefix(ds, path: Path):
+    """Rows of two texts (positive / negative) that share a prompt: the shared part up to
+    the last line break or space becomes `prompt`, the rest `chosen` and `rejected`."""
+    for field in ("positive", "negative"):
+        if field not in ds.column_names:
+            raise DataError(f"{path}: format contrastive needs fields positive and negative (columns: {ds.column_names})")
+
+    def split(row: dict[str, str]) -> dict[str, str]:
+        good, bad = row["positive"], row["negative"]
+        shared = len(_common_prefix(good, bad))
+        cut = max(good.rfind("\n", 0, shared), good.rfind(" ", 0, shared)) + 1
+        return {"prompt": good[:cut], "chosen": good[cut:], "rejected": bad[cut:]}
+
+    return ds.map(split, remove_columns=["positive", "negative"])
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
+    """(train, eval or None) Datasets from the recipe's data section (files or generated)."""
+    import datasets
+
     if cfg.generate is not None:
-        return generate(cfg.generate, seed)
+        from accord.data.generated import generate
+
+        train_rows, eval_rows = generate(cfg.generate, seed)
+        to_ds = datasets.Dataset.from_list
+        return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
     assert cfg.train is not None
-    train = read_jsonl(cfg.train, required)
+    train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
-        return train, read_jsonl(cfg.eval, required)
+        return train, mix([load_source(s, required) for s in cfg.eval], [s.weight for s in cfg.eval], seed)
     if cfg.eval_fraction:
         held_out = max(1, round(len(train) * cfg.eval_fraction))
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(train))
-        keep = sorted(order[held_out:])
-        return [train[i] for i in keep], [train[i] for i in sorted(order[:held_out])]
-    return train, []
+        return train.select(sorted(order[held_out:])), train.select(sorted(order[:held_out]))
+    return train, None
+
+
+def mix(parts: list, weights: list[float], seed: int):
+    """One dataset from several: concatenated when the weights are equal, otherwise sampled
+    in the given proportions (smaller sources repeat) until every source was seen once."""
+    import datasets
+
+    if len(parts) == 1:
+        return parts[0]
+    columns = set.intersection(*(set(p.column_names) for p in parts))
+    parts = [p.select_columns(sorted(columns)) for p in parts]
+    parts = [p.cast(parts[0].features) for p in parts]
+    if len(set(weights)) == 1:
+        return datasets.concatenate_datasets(parts)
+    total = sum(weights)
+    return datasets.interleave_datasets(
+        parts, probabilities=[w / total for w in weights], seed=seed, stopping_strategy="all_exhausted"
+    )

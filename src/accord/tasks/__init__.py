@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 from accord.recipe import Recipe
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from accord.tasks.base import Task
 
 
@@ -17,8 +15,20 @@ def task_class(name: str) -> type:
         from accord.tasks.sft import SFTTask
 
         return SFTTask
+    if name == "pretrain":
+        from accord.tasks.pretrain import PretrainTask
+
+        return PretrainTask
+    if name == "classify":
+        from accord.tasks.classify import ClassifyTask
+
+        return ClassifyTask
+    if name == "dpo":
+        from accord.tasks.dpo import DPOTask
+
+        return DPOTask
     raise ValueError(f"unknown task {name!r}")
 
 
-def build_task(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> Task:
-    return task_class(recipe.task)(tokenizer, recipe.data)
+def build_task(recipe: Recipe, tokenizer) -> Task:
+    return task_class(recipe.task)(tokenizer, recipe)

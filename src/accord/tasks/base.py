@@ -1,54 +1,129 @@
-"""The one interface every training method implements."""
+"""The one interface every training method implements, and what the methods share.
+
+A task turns raw rows into token columns once (cached by the data layer), and a
+micro-batch into a LossOutput: the *summed* loss over the batch's targets and how many
+targets that is. The trainer divides by the target count of the whole global batch, which
+keeps every method's update independent of how the batch is split over ranks and
+micro-steps. Tasks know nothing of ranks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from accord.data.generated import Rows
-
-
-@dataclass(frozen=True)
-class Example:
-    """One tokenized training sequence; `labels` is -100 where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
-
-    @property
-    def num_targets(self) -> int:
-        return sum(label != IGNORE for label in self.labels)
-
 
 IGNORE = -100
 
-
-class Task(Protocol):
-    required_fields: tuple[str, ...]
-
-    def encode(self, row: dict[str, str]) -> Example: ...
-
-    def collate(self, examples: list[Example]) -> dict[str, torch.Tensor]: ...
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss over the batch's targets, number of targets): never a mean.
-
-        The trainer divides by the target count of the whole global batch, which keeps
-        the update independent of how the batch is split over ranks and micro-steps.
-        """
-        ...
-
-    def evaluate_generation(
-        self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int, lockstep: bool = False
-    ) -> dict[str, float]:
-        """Sums (not rates) of generation metrics over `rows`, so ranks can add them up.
-        Rows marked PADDING keep ranks in lockstep and are not scored; with `lockstep`,
-        generation runs until every rank is done (sharded models)."""
-        ...
-
-
 # A row that only keeps a rank's number of forward passes equal to the others'.
 PADDING = "__accord_padding__"
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor
+    num_targets: torch.Tensor
+    # Further per-step sums (e.g. DPO's correctly ranked pairs); logged divided by the
+    # step's target count, like the loss.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Task:
+    """Base class with the defaults most methods share; subclasses override what differs."""
+
+    name = "task"
+    text_fields: tuple[str, ...] = ()  # string columns every row must have
+    model_kind = "causal_lm"  # or "sequence_classification"
+    packable = False  # may several examples share one row (sft)?
+
+    def __init__(self, tokenizer, recipe):
+        self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.max_length = recipe.data.max_length
+        self.pad_id = tokenizer.pad_token_id
+
+    # ---------------------------------------------------------------- data (run once, cached)
+
+    def settings(self) -> dict[str, Any]:
+        """Everything besides data and tokenizer that changes the encoded columns."""
+        return {"max_length": self.max_length}
+
+    def fit(self, train, eval_ds) -> None:
+        """Learn what encoding needs from the data (e.g. the label set); may raise DataError."""
+
+    def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
+        """Columns for a batch of rows: at least `num_targets`, `length` and `over_length`
+        (the untruncated length exceeded max_length)."""
+        raise NotImplementedError
+
+    def regroup(self, ds):
+        """A dataset-level step after encoding (pretraining joins documents into blocks)."""
+        return ds
+
+    def state(self) -> dict[str, Any]:
+        """What the task learned in fit(), stored with the cached data."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Extra arguments for building the model (e.g. num_labels)."""
+        return {}
+
+    # ---------------------------------------------------------------- batches and losses
+
+    def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        """Tensors for a micro-batch; each row is one example (or several, packed)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        raise NotImplementedError
+
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sums over an evaluation batch; the trainer adds them over batches and ranks."""
+        out = self.loss(model, batch)
+        return {"loss_sum": out.loss_sum.double(), "targets": out.num_targets.double()} | {
+            k: v.double() for k, v in out.metrics.items()
+        }
+
+    def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
+        targets = max(sums.pop("targets"), 1.0)
+        results = {"loss": sums.pop("loss_sum") / targets}
+        return results | {name: value / targets for name, value in sums.items()}
+
+    def evaluate_generation(self, model, rows, device, max_new_tokens, lockstep=False) -> dict[str, float]:
+        """Sums of generation metrics over `rows` (rows marked PADDING are not scored)."""
+        return {}
+
+
+def causal_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over labelled positions, in fp32, and their count."""
+    targets = labels[:, 1:]
+    loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss_sum, (targets != IGNORE).sum()
+
+
+def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of the log-probabilities of the labelled next tokens (fp32)."""
+    targets = labels[:, 1:]
+    mask = targets != IGNORE
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logps.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(-1)
+
+
+def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
+    """Right-pad lists of ids to the longest."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def truncate(ids: list[int], labels: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    return ids[:max_length], labels[:max_length]

@@ -1,67 +1,109 @@
-"""Supervised fine-tuning of a causal LM on prompt -> completion pairs."""
+"""Supervised fine-tuning of a causal LM: prompt -> completion pairs, or chat `messages`
+rendered with the tokenizer's chat template (loss on assistant turns only by default)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
-from accord.data.generated import Rows
-from accord.recipe import DataConfig
-from accord.tasks.base import IGNORE, PADDING, Example
+from accord.data.sources import DataError, check_columns
+from accord.tasks.base import IGNORE, PADDING
+from accord.tasks.causal import CausalLMTask
 
 
-class SFTTask:
-    required_fields = ("prompt", "completion")
+class SFTTask(CausalLMTask):
+    name = "sft"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig):
-        self.tokenizer = tokenizer
-        self.max_length = cfg.max_length
-        self.completion_only_loss = cfg.completion_only_loss
-        self.pad_id = tokenizer.pad_token_id
+    def __init__(self, tokenizer, recipe):
+        super().__init__(tokenizer, recipe)
+        self.completion_only = recipe.data.completion_only_loss
         self.eos_id = tokenizer.eos_token_id
         # Tokenizers without a BOS (e.g. GPT-2 style) start the sequence with the prompt.
         self.prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.chat = False
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"completion_only_loss": self.completion_only}
+
+    def fit(self, train, eval_ds) -> None:
+        for ds in (train, eval_ds):
+            if ds is None:
+                continue
+            if "messages" in ds.column_names:
+                self.chat = True
+                _check_messages(ds)
+            else:
+                check_columns(ds, ("prompt", "completion"), "sft data")
+        if self.chat and self.tokenizer.chat_template is None:
+            raise DataError("sft on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)")
+
+    def state(self) -> dict[str, Any]:
+        return {"chat": self.chat}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.chat = state["chat"]
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def encode(self, row: dict[str, str]) -> Example:
-        prompt = self.prefix + self._tokens(row["prompt"])
-        completion = self._tokens(row["completion"]) + [self.eos_id]
-        input_ids = (prompt + completion)[: self.max_length]
-        prompt_labels = [IGNORE] * len(prompt) if self.completion_only_loss else [IGNORE] + prompt[1:]
-        labels = (prompt_labels + completion)[: self.max_length]
-        return Example(input_ids, labels)
+    def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
+        if self.chat:
+            pairs = [self._encode_chat(messages) for messages in batch["messages"]]
+        else:
+            prompts = self.tokenizer(batch["prompt"], add_special_tokens=False)["input_ids"]
+            completions = self.tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
+            pairs = [self._encode_pair(p, c) for p, c in zip(prompts, completions)]
+        out: dict[str, list] = {"input_ids": [], "labels": [], "num_targets": [], "length": [], "over_length": []}
+        for ids, labels in pairs:
+            out["over_length"].append(len(ids) > self.max_length)
+            ids, labels = ids[: self.max_length], labels[: self.max_length]
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["num_targets"].append(sum(label != IGNORE for label in labels[1:]))
+            out["length"].append(len(ids))
+        return out
 
-    def collate(self, examples: list[Example]) -> dict[str, torch.Tensor]:
-        """Right-pad to the longest sequence of the micro-batch."""
-        width = max(len(e.input_ids) for e in examples)
-        input_ids = torch.full((len(examples), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-        for i, e in enumerate(examples):
-            n = len(e.input_ids)
-            input_ids[i, :n] = torch.tensor(e.input_ids)
-            labels[i, :n] = torch.tensor(e.labels)
-            attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    def _encode_pair(self, prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
+        prompt = self.prefix + prompt
+        completion = completion + [self.eos_id]
+        prompt_labels = [IGNORE] * len(prompt) if self.completion_only else [IGNORE] + prompt[1:]
+        return prompt + completion, prompt_labels + completion
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # Token t predicts token t+1; cross-entropy in fp32 whatever the compute dtype.
-        targets = batch["labels"][:, 1:]
-        loss_sum = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
-        return loss_sum, (targets != IGNORE).sum()
+    def _encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """Render with the chat template; label the characters of each assistant turn
+        (its content and the template's end-of-turn text), found as the difference between
+        the conversation rendered up to that turn and up to the turn before it."""
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tokenize=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            through = render(messages[: i + 1], tokenize=False)
+            if not (text.startswith(through) and through.startswith(before)):
+                raise DataError(
+                    "the tokenizer's chat template renders a conversation differently from its beginning, so "
+                    "assistant turns cannot be located; set data.completion_only_loss=false"
+                )
+            spans.append((len(before), len(through)))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        if not self.completion_only:
+            return ids, [IGNORE] + ids[1:]
+        labels = [
+            token if any(start <= begin < end for start, end in spans) else IGNORE
+            for token, (begin, _) in zip(ids, encoded["offset_mapping"])
+        ]
+        return ids, labels
 
     @torch.no_grad()
-    def evaluate_generation(
-        self, model: nn.Module, rows: Rows, device: torch.device, max_new_tokens: int, lockstep: bool = False
-    ) -> dict[str, float]:
+    def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
         """Greedy completion of each prompt; exact match against the reference completion."""
+        if self.chat:
+            return {}
         correct = count = 0
         batch_size = 64
         for start in range(0, len(rows), batch_size):
@@ -89,3 +131,18 @@ class SFTTask:
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 correct += int(text.strip() == row["completion"].strip())
         return {"exact_match": float(correct), "count": float(count)}
+
+
+def _check_messages(ds) -> None:
+    from accord.data.sources import row_origin
+
+    for i, messages in enumerate(ds["messages"]):
+        problem = None
+        if not isinstance(messages, list) or not messages:
+            problem = "`messages` must be a non-empty list of {role, content}"
+        elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            problem = "every message needs string `role` and `content`"
+        elif not any(m["role"] == "assistant" for m in messages):
+            problem = "no assistant turn, so nothing to train on (zero target tokens)"
+        if problem:
+            raise DataError(f"{row_origin(ds[i])}: {problem}")

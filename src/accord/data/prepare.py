@@ -1,0 +1,177 @@
+"""Raw rows -> token columns, once: cached on disk under a fingerprint of (data files,
+tokenizer, task settings), prepared by one process while the others wait for it.
+
+The launcher prepares before any worker starts, so bad data stops the run early with
+one line; under an outer launcher local rank 0 prepares and the other ranks wait (with
+data.prepare_timeout_s, not a silent collective timeout), then everyone memory-maps the
+same Arrow files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accord.data.sources import DataError, load_split, row_origin
+from accord.paths import PathError, resolve_path
+from accord.recipe import Recipe
+
+FORMAT_VERSION = 1  # bump when the cached columns change meaning
+_DONE = "done.json"
+
+
+@dataclass
+class PreparedData:
+    train: Any  # datasets.Dataset of encoded examples
+    eval: Any | None
+    report: dict[str, Any]  # counts (examples, truncated, dropped) and the task's learned state
+
+
+def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool) -> PreparedData:
+    """The encoded data for `recipe`, preparing it here when `preparer` and not cached."""
+    folder = cache_folder(recipe, tokenizer, task)
+    if not (folder / _DONE).exists():
+        if preparer:
+            _prepare_into(folder, recipe, tokenizer, task)
+        else:
+            _wait_for(folder, recipe.data.prepare_timeout_s)
+    return _load(folder, task)
+
+
+def cache_folder(recipe: Recipe, tokenizer, task) -> Path:
+    root = Path(os.path.expanduser(recipe.data.cache_dir))
+    return root / f"{recipe.task}-{fingerprint(recipe, tokenizer, task)}"
+
+
+def fingerprint(recipe: Recipe, tokenizer, task) -> str:
+    """Changes whenever the encoded data could: source files (path, size, mtime), data
+    settings, seed (splits and mixing), tokenizer (vocabulary, specials, chat template)
+    and the task's own settings."""
+    data = recipe.data.model_dump(mode="json", exclude={"cache_dir", "prepare_timeout_s", "shuffle", "group_by_length"})
+    if recipe.task != "pretrain":
+        data.pop("packing")  # packing is applied after the cache, except pretrain's blocks
+    h = hashlib.sha256()
+    h.update(json.dumps({"v": FORMAT_VERSION, "task": recipe.task, "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
+    h.update(_tokenizer_identity(tokenizer).encode())
+    for source in (recipe.data.train or []) + (recipe.data.eval or []):
+        try:
+            path = resolve_path(source.path)
+        except PathError as e:
+            raise DataError(str(e)) from None
+        for file in _source_files(path):
+            stat = file.stat()
+            h.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _tokenizer_identity(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = {"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map, "chat": tokenizer.chat_template}
+    return hashlib.sha256((body + json.dumps(extra, sort_keys=True, default=str)).encode()).hexdigest()
+
+
+def _source_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return []
+
+
+def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _failed(folder).unlink(missing_ok=True)
+    try:
+        train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
+        task.fit(train, eval_ds)
+        train, train_report = _encode(train, task, recipe, "train")
+        if eval_ds is not None:
+            eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
+        tmp.mkdir()
+        train.save_to_disk(str(tmp / "train"))
+        if eval_ds is not None:
+            eval_ds.save_to_disk(str(tmp / "eval"))
+        report = train_report | {"eval_examples": len(eval_ds) if eval_ds is not None else 0, "task_state": task.state()}
+        (tmp / _DONE).write_text(json.dumps(report))
+        if (folder / _DONE).exists():  # another node prepared the same data meanwhile: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)  # an unfinished attempt
+            os.rename(tmp, folder)
+    except DataError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _failed(folder).write_text(str(e))  # waiting ranks stop with the same message
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
+    """Encode, then apply the truncation policy; returns (dataset, counts)."""
+    raw_columns = ds.column_names
+    encoded = ds.map(task.encode_batch, batched=True, desc=f"tokenize {split}")
+    policy = recipe.data.truncation
+    over = [i for i, flag in enumerate(encoded["over_length"]) if flag] if "over_length" in encoded.column_names else []
+    if over and policy == "error":
+        raise DataError(
+            f"{row_origin(ds[over[0]])}: {len(over)} {split} example(s) are longer than data.max_length="
+            f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
+        )
+    drop = set(over) if policy == "drop" else set()
+    empty = [i for i, n in enumerate(encoded["num_targets"]) if n == 0] if "num_targets" in encoded.column_names else []
+    for i in empty:
+        if i in drop:
+            continue
+        if i in set(over):
+            drop.add(i)  # truncation cut every target token away: nothing to learn from it
+            continue
+        raise DataError(f"{row_origin(ds[i])}: this example has no target tokens (nothing to train on); fix or remove it")
+    if drop:
+        encoded = encoded.select([i for i in range(len(encoded)) if i not in drop])
+    if not keep_raw:
+        encoded = encoded.remove_columns([c for c in raw_columns if c in encoded.column_names])
+    encoded = task.regroup(encoded)
+    if len(encoded) == 0:
+        raise DataError(f"no {split} examples left after data.truncation={policy} (data.max_length={recipe.data.max_length})")
+    counts = {f"{split}_examples": len(encoded), f"{split}_over_length": len(over), f"{split}_dropped": len(drop)}
+    return encoded, counts
+
+
+def _failed(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".failed")
+
+
+def _wait_for(folder: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (folder / _DONE).exists():
+        if _failed(folder).exists():
+            raise DataError(_failed(folder).read_text())
+        if time.monotonic() > deadline:
+            raise DataError(
+                f"the data was not prepared within data.prepare_timeout_s={timeout_s:g} s (waiting for {folder}); "
+                f"is the first process stuck, or is the data very large? raise data.prepare_timeout_s"
+            )
+        time.sleep(0.5)
+
+
+def _load(folder: Path, task) -> PreparedData:
+    import datasets
+
+    report = json.loads((folder / _DONE).read_text())
+    task.load_state(report["task_state"])
+    train = datasets.load_from_disk(str(folder / "train"))
+    eval_ds = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
+    return PreparedData(train, eval_ds, report)

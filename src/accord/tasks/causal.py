@@ -1,0 +1,76 @@
+"""What the causal-LM methods (sft, pretrain) share: batching rows that may pack several
+examples, and the summed next-token loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from accord.tasks.base import IGNORE, LossOutput, Task, causal_token_loss, pad_rows
+
+
+class CausalLMTask(Task):
+    packable = True
+
+    def __init__(self, tokenizer, recipe):
+        super().__init__(tokenizer, recipe)
+        self.packing = False  # set by the trainer once the data layout is known
+        self.attn_implementation = "sdpa"
+
+    def configure_model(self, model: nn.Module) -> None:
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+
+    def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        input_ids = pad_rows([[t for ex in row for t in ex["input_ids"]] for row in rows], self.pad_id)
+        labels = pad_rows([[t for ex in row for t in ex["labels"]] for row in rows], IGNORE)
+        if not self.packing:
+            lengths = torch.tensor([sum(len(ex["input_ids"]) for ex in row) for row in rows])
+            attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+            return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        doc_lengths = [[len(ex["input_ids"]) for ex in row] for row in rows]
+        batch = {"input_ids": input_ids, "labels": labels, "position_ids": packed_position_ids(doc_lengths, input_ids.shape[1])}
+        if self.attn_implementation != "flash_attention_2":
+            # flash-attention's varlen path finds the documents from the restarting
+            # position ids; sdpa and eager need the block-diagonal mask spelled out.
+            batch["attention_mask"] = block_causal_mask(doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager")
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits
+        loss_sum, targets = causal_token_loss(logits, batch["labels"])
+        return LossOutput(loss_sum, targets)
+
+
+def packed_position_ids(doc_lengths: list[list[int]], width: int) -> torch.Tensor:
+    """Positions restart at 0 at every packed document (padding continues the count)."""
+    out = torch.zeros((len(doc_lengths), width), dtype=torch.long)
+    for i, lengths in enumerate(doc_lengths):
+        start = 0
+        for n in lengths:
+            out[i, start : start + n] = torch.arange(n)
+            start += n
+        out[i, start:] = torch.arange(width - start)
+    return out
+
+
+def block_causal_mask(doc_lengths: list[list[int]], width: int, float_mask: bool) -> torch.Tensor:
+    """B×1×L×L mask letting each token see only earlier tokens of its own document.
+
+    Padding positions see only themselves, so no softmax row is empty. `float_mask` gives
+    the additive form (0 / -inf) that eager attention needs; sdpa takes booleans.
+    """
+    doc_id = torch.full((len(doc_lengths), width), -1, dtype=torch.long)
+    for i, lengths in enumerate(doc_lengths):
+        start = 0
+        for d, n in enumerate(lengths):
+            doc_id[i, start : start + n] = d
+            start += n
+    same_doc = doc_id[:, :, None] == doc_id[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    padding = doc_id < 0
+    allowed = (same_doc & causal & ~padding[:, :, None]) | (torch.eye(width, dtype=torch.bool) & padding[:, :, None])
+    allowed = allowed[:, None]
+    if not float_mask:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)

@@ -1,0 +1,122 @@
+"""Sequence classification: `text` (and optionally `text_pair`) -> `label`, with an encoder
+or decoder model and a classification head (AutoModelForSequenceClassification)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accord.data.sources import DataError, row_origin
+from accord.tasks.base import LossOutput, Task, pad_rows
+
+
+class ClassifyTask(Task):
+    name = "classify"
+    text_fields = ("text",)
+    model_kind = "sequence_classification"
+
+    def __init__(self, tokenizer, recipe):
+        super().__init__(tokenizer, recipe)
+        self.labels: list[str] | None = list(recipe.classify.labels) if recipe.classify.labels else None
+        self.pair = False
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"labels": self.labels}
+
+    def fit(self, train, eval_ds) -> None:
+        for ds in (train, eval_ds):
+            if ds is not None and "label" not in ds.column_names:
+                present = [c for c in ds.column_names if not c.startswith("__")]
+                raise DataError(f"classify data: missing field 'label' (fields present: {', '.join(present)}); rename with fields: {{label: <column>}}")
+        self.pair = "text_pair" in train.column_names
+        if self.labels is None:
+            self.labels = sorted({str(v) for v in train["label"] if v is not None})
+        if len(self.labels) < 2:
+            raise DataError(f"classify: found {len(self.labels)} distinct label(s) in the training data; need at least 2")
+        known = set(self.labels)
+        for ds in (train, eval_ds):
+            if ds is None:
+                continue
+            for i, value in enumerate(ds["label"]):
+                if value is None or str(value) not in known:
+                    raise DataError(f"{row_origin(ds[i])}: label {value!r} is not in the label set {self.labels} (classify.labels)")
+
+    def state(self) -> dict[str, Any]:
+        return {"labels": self.labels, "pair": self.pair}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.labels, self.pair = state["labels"], state["pair"]
+
+    def model_kwargs(self) -> dict[str, Any]:
+        assert self.labels is not None
+        return {
+            "num_labels": len(self.labels),
+            "id2label": dict(enumerate(self.labels)),
+            "label2id": {label: i for i, label in enumerate(self.labels)},
+        }
+
+    def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
+        assert self.labels is not None
+        index = {label: i for i, label in enumerate(self.labels)}
+        pairs = batch["text_pair"] if self.pair else None
+        full = self.tokenizer(batch["text"], pairs, truncation=False)
+        cut = self.tokenizer(batch["text"], pairs, truncation=True, max_length=self.max_length)
+        out = {
+            "input_ids": cut["input_ids"],
+            "label_id": [index[str(v)] for v in batch["label"]],
+            "num_targets": [1] * len(batch["text"]),
+            "length": [len(ids) for ids in cut["input_ids"]],
+            "over_length": [len(ids) > self.max_length for ids in full["input_ids"]],
+        }
+        if "token_type_ids" in cut:
+            out["token_type_ids"] = cut["token_type_ids"]
+        return out
+
+    def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        examples = [row[0] for row in rows]
+        input_ids = pad_rows([e["input_ids"] for e in examples], self.pad_id)
+        lengths = torch.tensor([len(e["input_ids"]) for e in examples])
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long(),
+            "labels": torch.tensor([e["label_id"] for e in examples]),
+        }
+        if "token_type_ids" in examples[0]:
+            batch["token_type_ids"] = pad_rows([e["token_type_ids"] for e in examples], 0)
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        loss_sum = F.cross_entropy(logits, batch["labels"], reduction="sum")
+        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        return LossOutput(loss_sum, torch.tensor(len(batch["labels"]), device=logits.device), {"accuracy": correct})
+
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Loss, accuracy and per-class true/false positives and false negatives (for F1)."""
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        labels = batch["labels"]
+        predicted = logits.argmax(-1)
+        n = len(self.labels or [])
+        onehot_pred = F.one_hot(predicted, n).double()
+        onehot_true = F.one_hot(labels, n).double()
+        sums = {
+            "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+            "targets": torch.tensor(float(len(labels)), dtype=torch.float64, device=logits.device),
+            "correct": (predicted == labels).sum().double(),
+        }
+        for c in range(n):
+            sums[f"tp{c}"] = (onehot_pred[:, c] * onehot_true[:, c]).sum()
+            sums[f"fp{c}"] = (onehot_pred[:, c] * (1 - onehot_true[:, c])).sum()
+            sums[f"fn{c}"] = ((1 - onehot_pred[:, c]) * onehot_true[:, c]).sum()
+        return sums
+
+    def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
+        targets = max(sums["targets"], 1.0)
+        f1s = []
+        for c in range(len(self.labels or [])):
+            tp, fp, fn = sums[f"tp{c}"], sums[f"fp{c}"], sums[f"fn{c}"]
+            f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+        return {"loss": sums["loss_sum"] / targets, "accuracy": sums["correct"] / targets, "macro_f1": sum(f1s) / max(len(f1s), 1)}
