@@ -117,3 +117,70 @@ def step_losses(out: Path) -> dict[int, float]:
     from accord.observe.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(out) if r["kind"] == "train"}
+
+
+# ---------------------------------------------------------------- small data for every task
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def task_data(folder: Path, task: str) -> dict:
+    """Deterministic little data sets (and the recipe overrides to use them) per task."""
+    import random
+
+    rng = random.Random(0)
+    words = "the a cat dog sat ran on under mat log sun moon red blue small big".split()
+    folder.mkdir(parents=True, exist_ok=True)
+    if task == "pretrain":
+        docs = folder / "docs"
+        docs.mkdir(exist_ok=True)
+        for d in range(24):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 90)))
+            (docs / f"doc{d:02d}.txt").write_text(text + ".\n")
+        return {"task": "pretrain", "data": {"train": str(docs), "max_length": 32}}
+    if task == "classify":
+        rows = []
+        for _ in range(160):
+            label = rng.choice(["pos", "neg", "neu"])
+            cue = {"pos": "great", "neg": "awful", "neu": "fine"}[label]
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) + f" {cue}"
+            rows.append({"sentence": text, "sentiment": label})
+        path = folder / "labels.csv"
+        path.write_text("sentence,sentiment\n" + "".join(f"{r['sentence']},{r['sentiment']}\n" for r in rows))
+        return {
+            "task": "classify",
+            "model": {"config": {"architecture": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+                                 "attention_probs_dropout_prob": 0.0}, "tokenizer": "byte"},
+            "data": {"train": [{"path": str(path), "fields": {"text": "sentence", "label": "sentiment"}}], "eval_fraction": 0.2, "max_length": 32},
+        }
+    if task == "dpo":
+        rows = []
+        for _ in range(96):
+            a, b = rng.randint(0, 50), rng.randint(0, 50)
+            rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))})
+        return {"task": "dpo", "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.1, "max_length": 32}}
+    if task == "chat":
+        rows = []
+        for _ in range(128):
+            a, b = rng.randint(0, 50), rng.randint(0, 50)
+            rows.append({"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": str(a + b)}]})
+        return {"task": "sft", "data": {"train": str(write_jsonl(folder / "chat.jsonl", rows)), "eval_fraction": 0.1, "max_length": 48}}
+    raise ValueError(task)
+
+
+def recipe_for(task: str, folder: Path, **sections) -> dict:
+    """TINY_RECIPE switched to `task` on task_data, with extra section overrides."""
+    import copy
+
+    recipe = copy.deepcopy(TINY_RECIPE)
+    overrides = task_data(folder, task)
+    for key, value in {**overrides, **sections}.items():
+        recipe[key] = value if not isinstance(value, dict) or key not in recipe else {**recipe[key], **value}
+    recipe["data"] = {**{"cache_dir": str(folder / "cache")}, **recipe["data"]}
+    recipe["data"].pop("generate", None) if "train" in recipe["data"] else None
+    return recipe

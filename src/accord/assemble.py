@@ -41,7 +41,7 @@ def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> 
     reference = _dpo_reference(recipe, model, tokenizer, task, device) if recipe.task == "dpo" else None
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
-        model = apply_lora(model, recipe.lora, task.model_kind)
+        model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine = build_engine(recipe, model, info, device, plan, total_steps)
     if recipe.task == "dpo":

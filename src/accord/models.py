@@ -110,15 +110,18 @@ def build_model(
     return model
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str) -> PreTrainedModel:
-    """Wrap with peft adapters; only they (and a classification head) are trained."""
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:
+    """Wrap with peft adapters; only they (and a classification head) are trained. The
+    adapters' random init is seeded, so it is the same for any number of processes."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
     task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
     target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
     peft_config = PeftLoraConfig(task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target)
-    return get_peft_model(model, peft_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        return get_peft_model(model, peft_config)
 
 
 def convert_gguf(gguf: Path) -> Path:

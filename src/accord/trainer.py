@@ -358,7 +358,14 @@ class Trainer:
         final = self.out_dir / "final"
         state = self.engine.full_model_state()  # collective under sharded strategies
         if self.info.is_main:
-            save_final_model(self.engine.module, self.tokenizer, final, state_dict=state)
+            module = self.engine.module
+            if self.recipe.lora is not None:
+                # The adapter on its own, then the model with it merged in (plain transformers
+                # loads that without peft). Merging changes the module: training is over.
+                save_final_model(module, self.tokenizer, self.out_dir / "adapter")
+                if self.recipe.lora.merge_on_export:
+                    module, state = module.merge_and_unload(), None
+            save_final_model(module, self.tokenizer, final, state_dict=state)
         dist.barrier()
         return final
 
@@ -403,8 +410,14 @@ def total_training_steps(recipe: Recipe, order: GlobalOrder) -> int:
 
 
 def _format_eval(step: int, results: dict[str, float]) -> str:
-    parts = [f"eval loss {results['loss']:.4f}"]
+    parts = []
     for name, value in results.items():
-        if name.endswith("_accuracy"):
-            parts.append(f"{name.removesuffix('_accuracy').replace('_', '-')} {100 * value:.1f}% of {int(results['generated'])}")
-    return f"accord: step {step}: " + ", ".join(parts)
+        if name in ("perplexity", "generated"):
+            continue
+        if name == "exact_match_accuracy":
+            parts.append(f"exact-match {100 * value:.1f}% of {int(results['generated'])}")
+        elif name.endswith("accuracy") or name.endswith("f1"):
+            parts.append(f"{name.replace('_', ' ')} {100 * value:.1f}%")
+        else:
+            parts.append(f"{name.replace('_', ' ')} {value:.4f}")
+    return f"accord: step {step}: eval " + ", ".join(parts)

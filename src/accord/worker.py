@@ -8,8 +8,10 @@ the launcher how the run ended (see EXIT_CODES).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import traceback
 from typing import Any
 
 from accord import dist
@@ -26,7 +28,16 @@ from accord.trainer import RunResult, TrainingStopped
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0], encoding="utf-8") as f:
-        result = train_worker(json.load(f))
+        recipe_data = json.load(f)
+    try:
+        result = train_worker(recipe_data)
+    except BaseException:
+        # A crash: report it, then leave at once. Interpreter teardown after a failed
+        # collective can abort in C++ destructors (exit -6) and hide the real exit code.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return EXIT_CODES[result["status"]]
 
 

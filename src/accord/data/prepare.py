@@ -95,7 +95,7 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
     _failed(folder).unlink(missing_ok=True)
     try:
         train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
-        task.fit(train, eval_ds)
+        train, eval_ds = task.fit(train, eval_ds)
         train, train_report = _encode(train, task, recipe, "train")
         if eval_ds is not None:
             eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)

@@ -54,7 +54,7 @@ def load_source(source: SourceConfig, required: tuple[str, ...]):
     if fmt == "contrastive":
         ds = _split_common_prefix(ds, path)
     ds = ds.add_column(SOURCE, [str(path)] * len(ds)).add_column(ROW, list(range(1, len(ds) + 1)))
-    check_columns(ds, required, str(path))
+    ds = check_columns(ds, required, str(path))
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
     return ds
@@ -134,8 +134,11 @@ def _rename(ds, source: SourceConfig, path: Path):
     return ds.rename_columns({column: name for name, column in source.fields.items() if column != name})
 
 
-def check_columns(ds, required: tuple[str, ...], where: str) -> None:
-    """Every required column exists and holds text (the first bad row is named)."""
+def check_columns(ds, required: tuple[str, ...], where: str):
+    """Every required column exists and holds text (numbers from CSV become text); returns
+    the dataset with those columns as strings, or names the first bad row."""
+    import datasets
+
     missing = [field for field in required if field not in ds.column_names]
     if missing:
         present = [c for c in ds.column_names if not c.startswith("__")]
@@ -144,17 +147,19 @@ def check_columns(ds, required: tuple[str, ...], where: str) -> None:
             f"rename with fields: {{{missing[0]}: <column>}}"
         )
     for field in required:
-        feature = ds.features[field]
-        if getattr(feature, "dtype", None) in ("string", "large_string"):
+        dtype = getattr(ds.features[field], "dtype", None)
+        if dtype is not None and dtype not in ("string", "large_string") and dtype != "null" and ("int" in dtype or "float" in dtype or dtype == "bool"):
+            ds = ds.cast_column(field, datasets.Value("string"))
+            dtype = "string"
+        if dtype in ("string", "large_string"):
             nulls = [i for i, v in enumerate(ds[field]) if v is None]
             if nulls:
                 raise DataError(f"{_where(ds, nulls[0], where)}: field {field!r} is missing or null")
             continue
-        if field == "messages":
-            continue  # checked by the chat task, which knows its structure
         for i, value in enumerate(ds[field]):
             if not isinstance(value, str):
                 raise DataError(f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})")
+    return ds
 
 
 def _where(ds, index: int, default: str) -> str:

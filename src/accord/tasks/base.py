@@ -51,8 +51,10 @@ class Task:
         """Everything besides data and tokenizer that changes the encoded columns."""
         return {"max_length": self.max_length}
 
-    def fit(self, train, eval_ds) -> None:
-        """Learn what encoding needs from the data (e.g. the label set); may raise DataError."""
+    def fit(self, train, eval_ds):
+        """Check the rows and learn what encoding needs (e.g. the label set); returns the
+        (train, eval) datasets, possibly with columns normalised. May raise DataError."""
+        return train, eval_ds
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         """Columns for a batch of rows: at least `num_targets`, `length` and `over_length`

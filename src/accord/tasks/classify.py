@@ -26,7 +26,7 @@ class ClassifyTask(Task):
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"labels": self.labels}
 
-    def fit(self, train, eval_ds) -> None:
+    def fit(self, train, eval_ds):
         for ds in (train, eval_ds):
             if ds is not None and "label" not in ds.column_names:
                 present = [c for c in ds.column_names if not c.startswith("__")]
@@ -43,6 +43,7 @@ class ClassifyTask(Task):
             for i, value in enumerate(ds["label"]):
                 if value is None or str(value) not in known:
                     raise DataError(f"{row_origin(ds[i])}: label {value!r} is not in the label set {self.labels} (classify.labels)")
+        return train, eval_ds
 
     def state(self) -> dict[str, Any]:
         return {"labels": self.labels, "pair": self.pair}

@@ -27,17 +27,18 @@ class SFTTask(CausalLMTask):
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"completion_only_loss": self.completion_only}
 
-    def fit(self, train, eval_ds) -> None:
+    def fit(self, train, eval_ds):
+        self.chat = "messages" in train.column_names
+        checked = []
         for ds in (train, eval_ds):
-            if ds is None:
-                continue
-            if "messages" in ds.column_names:
-                self.chat = True
+            if ds is not None and self.chat:
                 _check_messages(ds)
-            else:
-                check_columns(ds, ("prompt", "completion"), "sft data")
+            elif ds is not None:
+                ds = check_columns(ds, ("prompt", "completion"), "sft data (prompt/completion or messages)")
+            checked.append(ds)
         if self.chat and self.tokenizer.chat_template is None:
             raise DataError("sft on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)")
+        return tuple(checked)
 
     def state(self) -> dict[str, Any]:
         return {"chat": self.chat}

@@ -1,0 +1,69 @@
+"""Every training method keeps the contract: 1 and 2 processes end with the same parameters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from accord.observe.metrics import read_metrics
+from conftest import assert_ok, final_params, max_param_diff, recipe_for, run_accord, write_recipe
+
+pytestmark = pytest.mark.distributed
+TOLERANCE = 1e-5
+
+CASES = {
+    "pretrain": ("pretrain", {}),
+    "classify": ("classify", {}),
+    "dpo": ("dpo", {}),
+    "chat-sft-lora": ("chat", {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def runs(request, tmp_path_factory):
+    task, sections = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    recipe = write_recipe(root / "recipe.yaml", recipe_for(task, root, **sections))
+    outs = {}
+    for world in (1, 2):
+        out = root / f"world{world}"
+        proc = run_accord("train", recipe, f"engine.processes={world}", "train.log_every=1", f"output.dir={out}")
+        assert_ok(proc)
+        outs[world] = out
+    return request.param, outs, proc
+
+
+def test_one_and_two_processes_end_with_the_same_parameters(runs):
+    name, outs, _ = runs
+    diff = max_param_diff(final_params(outs[1]), final_params(outs[2]))
+    print(f"{name}: max |Δparam| 1 vs 2 processes = {diff:.2e}")
+    assert diff <= TOLERANCE
+
+
+def test_the_task_logs_its_metrics(runs):
+    name, outs, proc = runs
+    records = read_metrics(outs[2])
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 10 and all(r["loss"] is not None for r in train)
+    evals = [r for r in records if r["kind"] == "eval"]
+    if name == "classify":
+        assert {"accuracy", "macro_f1"} <= set(evals[-1])
+        assert "accuracy" in train[-1]
+    if name == "dpo":
+        assert {"reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected"} <= set(train[-1])
+        assert "reward accuracy" in proc.stdout + proc.stderr
+    if name == "chat-sft-lora":
+        assert ", 0.00M trained" in proc.stdout or "M trained" in proc.stdout
+
+
+def test_lora_export_is_merged_and_loads_without_peft(runs):
+    name, outs, _ = runs
+    if name != "chat-sft-lora":
+        pytest.skip("LoRA case only")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(outs[2] / "final")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    adapter = json.loads((outs[2] / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4
