@@ -46,7 +46,10 @@ def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> 
     engine = build_engine(recipe, model, info, device, plan, total_steps)
     if recipe.task == "dpo":
         task.attach_reference(reference, engine.module)
-    trainer = Trainer(recipe, info, task, data.train, data.eval, rows, engine, plan, order, total_steps, tokenizer)
+    eval_data = data.eval
+    if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
+        eval_data = eval_data.select(range(recipe.train.eval_limit))
+    trainer = Trainer(recipe, info, task, data.train, eval_data, rows, engine, plan, order, total_steps, tokenizer)
     trainer.announce(num_params, trainable, data.report)
     if recipe.task == "dpo" and recipe.dpo.precompute_reference:
         precompute_reference(trainer)

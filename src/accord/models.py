@@ -130,12 +130,17 @@ def convert_gguf(gguf: Path) -> Path:
     GGUF-loaded model directly, so the weights go through a model built from its config."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = GGUF_CACHE.expanduser() / f"{gguf.stem}-{key}"
+    folder = GGUF_CACHE.expanduser() / f"{gguf.stem}-{key}-v2"
     if (folder / "config.json").exists():
         return folder
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    # The weights are dequantised now: a kept quantization_config would make transformers
+    # treat the folder as GGUF-quantised again (and refuse to save fine-tuned copies).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

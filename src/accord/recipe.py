@@ -158,6 +158,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0, description="Write metrics every N steps (each step's loss is still recorded).")
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (always at the end when eval data exists).")
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
+    eval_limit: int | None = Field(None, gt=0, description="Evaluate on the first N held-out examples only (default: all).")
     eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")
     max_new_tokens: int = Field(32, gt=0, description="Longest generated completion during eval_generate.")
     on_nonfinite: Literal["stop", "skip"] = Field(
@@ -233,12 +234,21 @@ class EngineConfig(Section):
         needs_deepspeed = self.strategy in ("zero2", "zero3") or (
             self.strategy == "zero1" and (self.zero1_implementation == "deepspeed" or self.offload != "none")
         )
-        if needs_deepspeed:
+        if needs_deepspeed or (self.strategy == "zero1" and self.zero1_implementation == "auto"):
             import importlib.util
 
-            if importlib.util.find_spec("deepspeed") is None:
+            installed = importlib.util.find_spec("deepspeed") is not None
+            if needs_deepspeed and not installed:
                 what = f"engine.strategy={self.strategy}" + (f" with engine.offload={self.offload}" if self.offload != "none" else "")
                 raise ValueError(f"{what} needs DeepSpeed, which is not installed: pip install deepspeed (or pip install 'accord[deepspeed]')")
+            if installed and self.precision == "fp16" and self.device != "cuda":
+                import torch
+
+                if self.device == "cpu" or not torch.cuda.is_available():
+                    raise ValueError(
+                        f"engine.precision=fp16 with engine.strategy={self.strategy} (DeepSpeed) needs a GPU: DeepSpeed has no "
+                        f"fp16 on the CPU; use engine.precision=bf16 or no, or engine.strategy=fsdp or ddp"
+                    )
         return self
 
 

@@ -101,7 +101,9 @@ class Trainer:
             f"{self.engine.device.type}, precision {self.recipe.engine.precision}",
             f"accord: batch {self.plan.describe()}",
             f"accord: {report['train_examples']} training examples in {len(self.rows)} {layout} "
-            f"({self.order.steps_per_epoch} steps per epoch), {report['eval_examples']} held out; {self.total_steps} steps",
+            f"({self.order.steps_per_epoch} steps per epoch), {report['eval_examples']} held out"
+            + (f" ({len(self.eval_data)} used)" if self.eval_data is not None and len(self.eval_data) < report["eval_examples"] else "")
+            + f"; {self.total_steps} steps",
         ]
         if layout == "packed rows":
             fill = self.rows.lengths.sum() / (len(self.rows) * self.recipe.data.max_length)

