@@ -67,3 +67,17 @@ def test_lora_export_is_merged_and_loads_without_peft(runs):
     assert not any("lora" in n for n, _ in model.named_parameters())
     adapter = json.loads((outs[2] / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 4
+
+
+def test_dpo_with_precomputed_reference_matches_the_live_reference(tmp_path):
+    recipe = write_recipe(tmp_path / "dpo.yaml", recipe_for("dpo", tmp_path))
+    outs = {}
+    for name, precompute in (("live", "false"), ("precomputed", "true")):
+        out = tmp_path / name
+        proc = run_accord("train", recipe, f"dpo.precompute_reference={precompute}", f"output.dir={out}")
+        assert_ok(proc)
+        outs[name] = out
+    assert "reference log-probabilities precomputed" in proc.stdout
+    diff = max_param_diff(final_params(outs["live"]), final_params(outs["precomputed"]))
+    print(f"dpo: max |Δparam| live vs precomputed reference = {diff:.2e}")
+    assert diff <= TOLERANCE

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output.dir (same as resume=auto)")
     train.add_argument("--devices", metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
     train.add_argument("--processes", type=int, metavar="N", help="CPU worker processes (same as engine.processes=N)")
+    nodes = train.add_argument_group("several nodes (run the same command on each; SLURM's environment is read by itself)")
+    nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (env NNODES)")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1 (env NODE_RANK)")
+    nodes.add_argument("--master-addr", metavar="HOST", help="address of node 0 (env MASTER_ADDR)")
+    nodes.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (default 29500; env MASTER_PORT)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="meet through a c10d rendezvous instead of a fixed node 0")
     train.set_defaults(func=_train)
     return parser
 
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from accord.cluster import ClusterError, resolve_topology
     from accord.launch import Interrupted, WorkerFailed, planned_world_size, run
     from accord.stopping import PREEMPTED_EXIT_CODE
     from accord.preflight import preflight
@@ -78,13 +85,14 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"engine.processes={args.processes}")
     try:
         recipe = load_recipe(args.recipe, overrides)
-        problems = preflight(recipe, planned_world_size(recipe.engine))
-    except (RecipeError, RuntimeError) as e:
+        topology = resolve_topology(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
+        problems = preflight(recipe, planned_world_size(recipe.engine, topology), writer=topology.hosts_rank_zero)
+    except (RecipeError, ClusterError, RuntimeError) as e:
         return _fail(str(e))
     if problems:
         return _fail("\n".join(problems))
     try:
-        status = run(recipe)
+        status = run(recipe, topology)
     except WorkerFailed as e:
         return _fail(str(e), code=1)
     except Interrupted as e:

@@ -7,8 +7,10 @@ import json
 import os
 import tempfile
 import uuid
+from typing import Any
 
 from accord import dist
+from accord.cluster import Topology, interface_towards, is_local_address
 from accord.recipe import EngineConfig, Recipe
 
 
@@ -31,30 +33,37 @@ def local_world_size(cfg: EngineConfig) -> int:
     return cfg.processes
 
 
-def planned_world_size(cfg: EngineConfig) -> int:
+def planned_world_size(cfg: EngineConfig, topology: Topology = Topology()) -> int:
     """The world size the run will have, known before anything starts."""
     if dist.outer_launcher() is not None:
         return dist.env_info().world_size
-    return local_world_size(cfg)
+    return topology.nnodes * local_world_size(cfg)
 
 
-def run(recipe: Recipe) -> str:
+def run(recipe: Recipe, topology: Topology = Topology()) -> str:
     """Train `recipe` here (outer launcher, or one process) or on freshly started local
-    workers; returns how the run ended: completed | preempted | stopped."""
+    workers (joining the other nodes' when multi-node); returns how the run ended:
+    completed | preempted | stopped."""
     data = recipe.model_dump(mode="json")
     nproc = local_world_size(recipe.engine)
     if dist.outer_launcher() is None:
-        _set_worker_environment(recipe.engine, nproc)
-    if dist.outer_launcher() is not None or nproc == 1:
+        _set_worker_environment(recipe.engine, nproc, topology)
+    if dist.outer_launcher() is not None or (nproc == 1 and not topology.multi_node):
         from accord.worker import train_worker  # this process is the (only) worker
 
         return train_worker(data)["status"]
-    return _elastic_launch(json.dumps(data), nproc, recipe.engine.max_restarts)
+    return _elastic_launch(json.dumps(data), nproc, recipe.engine.max_restarts, topology)
 
 
-def _set_worker_environment(cfg: EngineConfig, nproc: int) -> None:
-    """Environment the workers inherit: visible GPUs, and CPU threads split between processes."""
+def _set_worker_environment(cfg: EngineConfig, nproc: int, topology: Topology) -> None:
+    """Environment the workers inherit: visible GPUs, CPU threads split between processes,
+    and for several nodes the network interface gloo must use."""
     from accord.engine.device import wants_cuda
+
+    if topology.multi_node and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface, _ = interface_towards(_meeting_host(topology))
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
 
     if wants_cuda(cfg):
         if cfg.devices is not None:
@@ -70,26 +79,51 @@ def _set_worker_environment(cfg: EngineConfig, nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int) -> str:
+def _meeting_host(topology: Topology) -> str:
+    return topology.rdzv_endpoint.rsplit(":", 1)[0] if topology.rdzv_endpoint else str(topology.master_addr)
+
+
+def _rendezvous(topology: Topology) -> dict[str, Any]:
+    """LaunchConfig settings for how the nodes' agents meet."""
+    if not topology.multi_node:
+        # Port 0: the agent's store takes a free port itself, so there is no race with
+        # other programs for a port picked in advance.
+        return dict(
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"is_host": True},
+            local_addr="127.0.0.1",
+            run_id=f"accord-{uuid.uuid4().hex[:8]}",
+        )
+    _, local_addr = interface_towards(_meeting_host(topology))
+    if topology.rdzv_endpoint is not None:
+        host = topology.rdzv_endpoint.rsplit(":", 1)[0]
+        # The node whose address is the endpoint hosts the store (else the c10d agent hangs).
+        configs = {"is_host": is_local_address(host)}
+        return dict(rdzv_backend="c10d", rdzv_endpoint=topology.rdzv_endpoint, rdzv_configs=configs, local_addr=local_addr, run_id=topology.run_id)
+    return dict(
+        rdzv_backend="static",
+        rdzv_endpoint=f"{topology.master_addr}:{topology.master_port}",
+        rdzv_configs={"rank": topology.node_rank},
+        local_addr=local_addr,
+        run_id=topology.run_id,
+    )
+
+
+def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: Topology) -> str:
     """Workers are separate `python -m accord.worker` programs (not functions run through
     multiprocessing): a worker that finished after a stop signal can then simply exit,
     where a function worker would wait for the agent to collect its return value."""
     from torch.distributed.launcher.api import LaunchConfig
 
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=topology.nnodes,
+        max_nodes=topology.nnodes,
         nproc_per_node=nproc,
-        run_id=f"accord-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        # Port 0: the agent's store takes a free port itself, so there is no race with
-        # other programs for a port picked in advance.
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"is_host": True},
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        local_addr="127.0.0.1",
+        **_rendezvous(topology),
         # The agent forwards these to the workers, which finish their step, checkpoint
         # and exit; SIGUSR1 is what SLURM sends before the time limit.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",

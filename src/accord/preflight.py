@@ -14,8 +14,9 @@ from accord.paths import PathError, resolve_path
 from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
 
 
-def preflight(recipe: Recipe, world_size: int) -> list[str]:
-    """One line per problem (empty when the run can start)."""
+def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]:
+    """One line per problem (empty when the run can start). `writer`: this process (or its
+    node) will hold global rank 0, the one that writes the outputs."""
     problems: list[str] = []
     try:
         BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
@@ -23,9 +24,9 @@ def preflight(recipe: Recipe, world_size: int) -> list[str]:
         problems.append(str(e))
     problems += check_model_source(recipe.model)
     problems += check_devices(recipe.engine)
-    if dist.is_main():
-        # Only the writer checks: under an outer launcher rank 0 may already have
-        # created the folder by the time another rank looks.
+    if writer and dist.is_main():
+        # Only the writer checks: another rank or node may look after rank 0 already
+        # created the folder.
         problems += check_output_dir(recipe)
     problems += check_resume(recipe)
     if problems or dist.env_info().local_rank != 0:
