@@ -51,6 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (default 29500; env MASTER_PORT)")
     nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="meet through a c10d rendezvous instead of a fixed node 0")
     train.set_defaults(func=_train)
+
+    slurm = commands.add_parser(
+        "slurm",
+        help="write a SLURM job script that runs a recipe on N nodes (checkpoints before the time limit, requeues)",
+        description="Write an sbatch script: one accord per node (srun --ntasks-per-node=1), SIGUSR1 two minutes "
+        "before the time limit so accord checkpoints and exits 75, then the job requeues itself and resumes.",
+    )
+    slurm.add_argument("recipe", help="recipe YAML file")
+    slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, passed on to accord train")
+    slurm.add_argument("--nodes", type=int, required=True, metavar="N")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)")
+    slurm.add_argument("--partition", metavar="P")
+    slurm.add_argument("--time", metavar="T", help="time limit, e.g. 04:00:00")
+    slurm.add_argument("--account", metavar="A")
+    slurm.add_argument("--cpus-per-task", type=int, metavar="C")
+    slurm.add_argument("--job-name", metavar="NAME")
+    slurm.add_argument("--out", metavar="FILE", help="script path (default: <recipe name>.sbatch)")
+    slurm.set_defaults(func=_slurm)
     return parser
 
 
@@ -60,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     # after an option as unknown arguments.
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command != "train"):
+    if unknown or (extra and args.command not in ("train", "slurm")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command == "train":
+    if args.command in ("train", "slurm"):
         args.overrides = list(args.overrides) + extra
     return args.func(args)
 
@@ -103,6 +121,32 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(f"stopped early on request; {_resume_hint(recipe)}", code=PREEMPTED_EXIT_CODE)
     if status == "stopped":
         return 1  # the worker already printed why
+    return 0
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from accord.batching import BatchPlan, BatchPlanError
+    from accord.recipe import RecipeError, load_recipe
+    from accord.slurm import JobRequest, SlurmError, job_script
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        per_node = args.gpus_per_node or recipe.engine.processes
+        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node)
+        job = JobRequest(
+            Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
+            args.partition, args.time, args.account, args.cpus_per_task, args.job_name,
+        )
+        script = job_script(job, output_dir=str(Path(recipe.output.dir).resolve()), workdir=Path.cwd())
+    except (RecipeError, BatchPlanError, SlurmError) as e:
+        return _fail(str(e))
+    out = Path(args.out or f"{Path(args.recipe).stem}.sbatch")
+    out.write_text(script)
+    Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
+    out.chmod(0o755)
+    print(f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}")
     return 0
 
 
