@@ -69,6 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--job-name", metavar="NAME")
     slurm.add_argument("--out", metavar="FILE", help="script path (default: <recipe name>.sbatch)")
     slurm.set_defaults(func=_slurm)
+
+    config = commands.add_parser(
+        "config",
+        help="write the accelerate config matching a recipe (for `accelerate launch --config_file`)",
+        description="Write an accelerate config file that launches the recipe as `accord train` would: "
+        "`accelerate launch --config_file FILE -m accord train RECIPE` is then the same run.",
+    )
+    config.add_argument("recipe", help="recipe YAML file")
+    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    config.add_argument("--out", required=True, metavar="FILE", help="accelerate config YAML to write")
+    config.add_argument("--processes", type=int, metavar="N", help="processes in all (default: what accord would start here, times --nodes)")
+    config.add_argument("--nodes", type=int, default=1, metavar="N")
+    config.add_argument("--node-rank", type=int, default=0, metavar="R")
+    config.add_argument("--master-addr", metavar="HOST")
+    config.add_argument("--master-port", type=int, default=29500, metavar="PORT")
+    config.set_defaults(func=_config)
     return parser
 
 
@@ -78,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     # after an option as unknown arguments.
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command not in ("train", "slurm")):
+    if unknown or (extra and args.command not in ("train", "slurm", "config")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command in ("train", "slurm"):
+    if args.command in ("train", "slurm", "config"):
         args.overrides = list(args.overrides) + extra
     return args.func(args)
 
 
 def _train(args: argparse.Namespace) -> int:
     from accord.cluster import ClusterError, resolve_topology
+    from accord.interop import accelerate_settings, reconcile
     from accord.launch import Interrupted, WorkerFailed, planned_world_size, run
     from accord.stopping import PREEMPTED_EXIT_CODE
     from accord.preflight import preflight
@@ -104,7 +121,9 @@ def _train(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe, overrides)
         topology = resolve_topology(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
-        problems = preflight(recipe, planned_world_size(recipe.engine, topology), writer=topology.hosts_rank_zero)
+        world_size = planned_world_size(recipe.engine, topology)
+        recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
+        problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
     except (RecipeError, ClusterError, RuntimeError) as e:
         return _fail(str(e))
     if problems:
@@ -147,6 +166,28 @@ def _slurm(args: argparse.Namespace) -> int:
     Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
     out.chmod(0o755)
     print(f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from accord.batching import BatchPlanError
+    from accord.interop import accelerate_config, write_accelerate_config
+    from accord.launch import local_world_size
+    from accord.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        processes = args.processes or args.nodes * local_world_size(recipe.engine)
+        if args.nodes > 1 and not args.master_addr:
+            raise RecipeError("--nodes > 1 needs --master-addr (the address of node 0)")
+        config = accelerate_config(recipe, processes, args.nodes, args.node_rank, args.master_addr, args.master_port)
+    except (RecipeError, BatchPlanError, RuntimeError) as e:
+        return _fail(str(e))
+    write_accelerate_config(config, Path(args.out))
+    print(f"accord: wrote {args.out} ({config['distributed_type']}, {processes} processes); "
+          f"launch with: accelerate launch --config_file {args.out} -m accord train {args.recipe}")
     return 0
 
 

@@ -31,9 +31,10 @@ class DistInfo:
 
 
 def outer_launcher() -> str | None:
-    """Name of the launcher that started this process as one worker of many, if any."""
+    """Name of the launcher that started this process as one worker of many, if any.
+    `accelerate launch` with a single-process config sets no RANK: still its worker."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
+        return "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else None
     for var, name in _LAUNCHER_MARKERS:
         if var in os.environ:
             return name

@@ -1,0 +1,121 @@
+"""accelerate at the edges: its launch environment is honoured, contradictions are errors,
+and `accord config` writes the config that reproduces `accord train`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from accord.interop import accelerate_config, accelerate_settings, reconcile
+from accord.recipe import RecipeError, validate_recipe
+from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
+
+BASE_ENV = {"ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def test_outside_accelerate_there_is_nothing_to_honour():
+    assert accelerate_settings({}) == {}
+
+
+def test_deepspeed_environment_maps_to_the_zero_strategy():
+    env = BASE_ENV | {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+        "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+    }
+    assert accelerate_settings(env) == {
+        "engine.precision": "no",
+        "engine.strategy": "zero3",
+        "engine.offload": "optimizer",
+        "batch.grad_accum": 2,
+        "optim.max_grad_norm": 1.0,
+    }
+
+
+def test_a_users_deepspeed_json_is_read(tmp_path):
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}, "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    settings = accelerate_settings(BASE_ENV | {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)})
+    assert settings["engine.strategy"] == "zero2" and settings["engine.precision"] == "bf16"
+    assert "batch.micro_batch_size" not in settings  # "auto" is accord's to decide
+
+
+def test_fsdp_environment_maps_to_fsdp():
+    env = BASE_ENV | {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
+    assert accelerate_settings(env) == {
+        "engine.precision": "no",
+        "engine.strategy": "fsdp",
+        "engine.activation_checkpointing": True,
+        "engine.fsdp_layer_class": "LlamaDecoderLayer",
+    }
+
+
+def test_settings_fill_what_the_recipe_leaves_open():
+    recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
+    merged = reconcile(recipe, {"engine.strategy": "zero2", "engine.precision": "no", "batch.grad_accum": 2}, world_size=2)
+    assert merged.engine.strategy == "zero2"
+
+
+def test_a_contradiction_names_both_values():
+    recipe = validate_recipe(TINY_RECIPE)  # says engine.strategy: ddp
+    with pytest.raises(RecipeError, match=r"accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'"):
+        reconcile(recipe, {"engine.strategy": "zero2"}, world_size=2)
+
+
+def test_an_accumulation_mismatch_says_what_would_agree():
+    recipe = validate_recipe(TINY_RECIPE)  # 32 global, micro 8: 2 processes -> accumulation 2
+    with pytest.raises(RecipeError, match=r"gradient_accumulation_steps=4 but the recipe gives 2 .* set batch.micro_batch_size=4"):
+        reconcile(recipe, {"batch.grad_accum": 4}, world_size=2)
+
+
+def test_accord_config_describes_each_strategy():
+    recipe = validate_recipe(TINY_RECIPE)
+    ddp = accelerate_config(recipe, 2)
+    assert (ddp["distributed_type"], ddp["num_processes"], ddp["use_cpu"]) == ("MULTI_GPU", 2, False)
+    zero = accelerate_config(validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer"}}), 2)
+    assert (zero["distributed_type"], zero["deepspeed_config"]["zero_stage"]) == ("DEEPSPEED", 3)
+    assert zero["deepspeed_config"]["gradient_accumulation_steps"] == 2 and zero["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+    fsdp = accelerate_config(validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": "fsdp"}}), 2)
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["fsdp_config"]["fsdp_version"] == 2
+    # and the settings accelerate derives from each config map back to the same recipe
+    multi = accelerate_config(recipe, 4, num_machines=2, main_process_ip="10.0.0.1")
+    assert (multi["num_machines"], multi["main_process_ip"]) == (2, "10.0.0.1")
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_of_accord_config_equals_accord_train(tmp_path):
+    pytest.importorskip("accelerate")
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    config = tmp_path / "accelerate.yaml"
+    assert_ok(run_accord("config", recipe, "--out", config, timeout=60))
+    assert yaml.safe_load(config.read_text())["distributed_type"] == "MULTI_GPU"
+    direct = tmp_path / "direct"
+    assert_ok(run_accord("train", recipe, f"output.dir={direct}"))
+    launched = tmp_path / "launched"
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    proc = run_accord("train", recipe, f"output.dir={launched}", launcher=accelerate)
+    assert_ok(proc)
+    assert (proc.stdout + proc.stderr).count("accord: batch 2 processes") == 1
+    assert max_param_diff(final_params(direct), final_params(launched)) <= 1e-5
+
+
+def test_a_launch_config_that_contradicts_the_recipe_stops_before_training(tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    config = tmp_path / "zero2.yaml"
+    config.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "mixed_precision": "no",
+        "num_machines": 1, "num_processes": 2, "machine_rank": 0, "use_cpu": False,
+        "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 1, "offload_optimizer_device": "none", "offload_param_device": "none"},
+    }))
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    proc = run_accord("train", recipe, f"output.dir={tmp_path / 'o'}", launcher=accelerate, timeout=180)
+    assert proc.returncode != 0
+    assert "accord: error: accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'" in proc.stderr
+    assert "accord: batch" not in proc.stdout  # nothing trained
