@@ -15,6 +15,7 @@ from accord.data.packing import Rows
 from accord.data.prepare import prepare_data
 from accord.engine import build_engine
 from accord.models import apply_lora, build_model, build_tokenizer
+from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe import ModelConfig, Recipe
 from accord.tasks import build_task
 from accord.trainer import Trainer, total_training_steps
@@ -50,6 +51,8 @@ def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> 
     if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
         eval_data = eval_data.select(range(recipe.train.eval_limit))
     trainer = Trainer(recipe, info, task, data.train, eval_data, rows, engine, plan, order, total_steps, tokenizer)
+    trainer.flops_per_token = flops_per_token(engine.module, context=float(rows.lengths.mean()))
+    trainer.peak_tflops = peak_tflops(device, recipe.engine.peak_tflops)
     trainer.announce(num_params, trainable, data.report)
     if recipe.task == "dpo" and recipe.dpo.precompute_reference:
         precompute_reference(trainer)

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--out", metavar="FILE", help="script path (default: <recipe name>.sbatch)")
     slurm.set_defaults(func=_slurm)
 
+    report = commands.add_parser("report", help="render a run's metrics as PNG plots and an HTML page")
+    report.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's output.dir")
+    report.set_defaults(func=_report)
+
     config = commands.add_parser(
         "config",
         help="write the accelerate config matching a recipe (for `accelerate launch --config_file`)",
@@ -166,6 +170,18 @@ def _slurm(args: argparse.Namespace) -> int:
     Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
     out.chmod(0o755)
     print(f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if not (Path(args.output_dir) / "metrics.jsonl").is_file():
+        return _fail(f"{args.output_dir}: no metrics.jsonl here (give the output.dir of a run)")
+    from accord.observe.report import render_report
+
+    page = render_report(args.output_dir)
+    print(f"accord: wrote {page} and its plots in {page.parent}/")
     return 0
 
 

@@ -191,6 +191,9 @@ class EngineConfig(Section):
     max_restarts: int = Field(
         0, ge=0, description="When a worker dies, restart the whole local group up to this many times; it resumes from the latest checkpoint."
     )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense bf16 TFLOP/s of one device, for MFU (default: looked up from the GPU's name)."
+    )
     offload: Literal["none", "optimizer", "optimizer+params"] = Field(
         "none",
         description="zero strategies: keep the optimizer state (and with zero3 also the parameters) in CPU memory "

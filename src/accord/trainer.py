@@ -41,6 +41,7 @@ class StepStats:
     grad_norm: torch.Tensor
     targets: int  # targets in the whole global batch
     tokens: int  # non-pad tokens in the whole global batch
+    padded_tokens: int  # tokens computed on, padding included
     lr: float
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's sums
     skipped: bool = False
@@ -87,6 +88,8 @@ class Trainer:
         self.skipped_steps = 0
         self.metrics: MetricsWriter | None = None
         self.extra_columns: dict[str, dict[str, np.ndarray]] = {"train": {}, "eval": {}}
+        self.flops_per_token = 0.0  # set by assemble: for MFU
+        self.peak_tflops: float | None = None
         self._pending: list[StepStats] = []
         self._last_log = time.perf_counter()
         self._last_checkpoint = time.monotonic()
@@ -169,7 +172,16 @@ class Trainer:
         grad_norm, stepped = self.engine.step(skip_nonfinite=self.recipe.train.on_nonfinite == "skip")
         self.step += 1
         tokens = int(self.rows.lengths[global_batch].sum())
-        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, lr, metrics, skipped=not stepped)
+        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, self._padded(global_batch), lr, metrics, skipped=not stepped)
+
+    def _padded(self, global_batch: np.ndarray) -> int:
+        """Tokens computed on over all ranks: each micro-batch is padded to its longest row."""
+        total = 0
+        for rank in range(self.info.world_size):
+            for micro_step in range(self.plan.grad_accum):
+                lengths = self.rows.lengths[global_batch[self.plan.micro_slice(rank, micro_step)]]
+                total += int(lengths.max()) * len(lengths)
+        return total
 
     def _rows(self, row_ids) -> list[list[dict]]:
         """The examples of each row (one, or several when packed), fetched in one read."""
@@ -264,17 +276,23 @@ class Trainer:
                 record = {"kind": "train", "step": stats.step, "loss": loss, "lr": stats.lr, "grad_norm": grad_norm}
                 record |= {name: value / max(stats.targets, 1) for name, value in zip(names, row[1:])}
                 self.metrics.write(record | {"targets": stats.targets, "tokens": stats.tokens, "skipped": stats.skipped})
-            self.metrics.write(
-                {
-                    "kind": "throughput",
-                    "step": self.step,
-                    "tokens_per_s": tokens / seconds,
-                    "target_tokens_per_s": sum(s.targets for s in pending) / seconds,
-                    "samples_per_s": len(pending) * self.plan.global_batch_size / seconds,
-                    "seconds_per_step": seconds / len(pending),
-                }
-            )
+            self.metrics.write({"kind": "throughput", "step": self.step, **self._throughput(pending, seconds)})
         progress.show(losses[-1], pending[-1].lr, tokens / seconds)
+
+    def _throughput(self, pending: list[StepStats], seconds: float) -> dict[str, float]:
+        tokens = sum(s.tokens for s in pending)
+        numbers = {
+            "tokens_per_s": tokens / seconds,
+            "target_tokens_per_s": sum(s.targets for s in pending) / seconds,
+            "padded_tokens_per_s": sum(s.padded_tokens for s in pending) / seconds,
+            "samples_per_s": len(pending) * self.plan.global_batch_size / seconds,
+            "seconds_per_step": seconds / len(pending),
+            "peak_memory_gib": peak_memory_gib(self.engine.device),
+        }
+        if self.peak_tflops:
+            achieved = self.flops_per_token * tokens / seconds
+            numbers["mfu"] = achieved / (self.peak_tflops * 1e12 * self.info.world_size)
+        return numbers
 
     def _stop_if_nonfinite(self, pending: list[StepStats], losses: list[float], grad_norms: list[float]) -> None:
         # The values are reduced / identical on every rank, so every rank stops together.
@@ -376,6 +394,15 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak: allocated device memory on GPU, resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def fetch(ds, indices, extra: dict[str, np.ndarray]) -> list[dict]:
