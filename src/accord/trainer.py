@@ -275,7 +275,8 @@ class Trainer:
             for stats, loss, grad_norm, row in zip(pending, losses, grad_norms, reduced):
                 record = {"kind": "train", "step": stats.step, "loss": loss, "lr": stats.lr, "grad_norm": grad_norm}
                 record |= {name: value / max(stats.targets, 1) for name, value in zip(names, row[1:])}
-                self.metrics.write(record | {"targets": stats.targets, "tokens": stats.tokens, "skipped": stats.skipped})
+                counts = {"targets": stats.targets, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens}
+                self.metrics.write(record | counts | {"skipped": stats.skipped})
             self.metrics.write({"kind": "throughput", "step": self.step, **self._throughput(pending, seconds)})
         progress.show(losses[-1], pending[-1].lr, tokens / seconds)
 

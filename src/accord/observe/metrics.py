@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ class MetricsWriter:
         """One record: `kind` (train/eval/...), `step`, then named numbers."""
         # Strict JSON: a non-finite number (a skipped step's loss) is written as null.
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
+        clean.setdefault("time", time.time())  # wall clock when written (after the step's sync)
         self._jsonl.write(json.dumps(clean) + "\n")
         self._jsonl.flush()
         kind, step = record["kind"], record["step"]
