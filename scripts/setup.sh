@@ -26,6 +26,15 @@ fi
 stamp="$VENV/.accord-installed"
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "${PIP[@]}" -e ".[dev]"
+    # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
+    # in ~20 s; its C++/CUDA ops are compiled on first use, not at install.
+    "${PIP[@]}" -e ".[dev,deepspeed]"
+    if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        # On a CPU-only machine DeepSpeed compiles one op (shared-memory collectives) the
+        # first time a run starts, ~1.5 min on 2 cores; do it now, once (cached under
+        # ~/.cache/torch_extensions), so the first zero run and the tests do not pay for it.
+        DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
+            || echo "setup: DeepSpeed's CPU op was not pre-built; the first zero1/2/3 run builds it (needs a C++ compiler)"
+    fi
     echo "$want" > "$stamp"
 fi

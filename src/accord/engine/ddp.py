@@ -15,11 +15,9 @@ from accord.dist import DistInfo
 from accord.engine.base import Engine
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.engine.precision import autocast, build_grad_scaler
-from accord.engine.state import load_full_state, save_full_state
+from accord.engine.state import load_full_state, load_schedule, save_full_state, save_schedule
+from accord.engine.wrapping import enable_activation_checkpointing
 from accord.recipe import Recipe
-
-
-SCHEDULE_FILE = "schedule.pt"
 
 
 class DDPEngine(Engine):
@@ -29,6 +27,8 @@ class DDPEngine(Engine):
         self.precision = recipe.engine.precision
         self.max_grad_norm = recipe.optim.max_grad_norm
         self._module = model.to(device)
+        if recipe.engine.activation_checkpointing:
+            enable_activation_checkpointing(self._module)
         if info.world_size > 1:
             self.model = DistributedDataParallel(
                 self._module,
@@ -38,10 +38,13 @@ class DDPEngine(Engine):
             )
         else:
             self.model = self._module
-        self.optimizer = build_optimizer(self._module, recipe.optim, device)
+        self.optimizer = self._build_optimizer(recipe, device)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, total_steps)
         self.scaler = build_grad_scaler(self.precision, device)
         self._params = [p for p in self._module.parameters() if p.requires_grad]
+
+    def _build_optimizer(self, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
+        return build_optimizer(self._module, recipe.optim, device)
 
     @property
     def module(self) -> nn.Module:
@@ -92,17 +95,11 @@ class DDPEngine(Engine):
     def save_state(self, folder: Path, writer: bool) -> None:
         save_full_state(self.model, self.optimizer, folder, writer)
         if writer:
-            torch.save(
-                {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None},
-                folder / SCHEDULE_FILE,
-            )
+            save_schedule(folder, self.scheduler, self.scaler)
 
     def load_state(self, folder: Path) -> None:
         load_full_state(self.model, self.optimizer, folder)
-        extra = torch.load(folder / SCHEDULE_FILE, weights_only=True)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        if self.scaler is not None and extra["scaler"] is not None:
-            self.scaler.load_state_dict(extra["scaler"])
+        load_schedule(folder, self.scheduler, self.scaler)
 
 
 def _no_buffer_sync_per_forward() -> dict[str, bool]:

@@ -11,15 +11,21 @@ from accord.recipe import OptimConfig
 _SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; biases and norm weights (1-D tensors) are not decayed, as is customary."""
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """The trainable parameters in AdamW groups: biases and norm weights (1-D tensors) are
+    not decayed, as is customary. Every strategy builds its optimizer from these groups."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over param_groups(model)."""
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        param_groups(model, cfg),
         lr=cfg.lr,
         betas=cfg.betas,
         eps=cfg.eps,

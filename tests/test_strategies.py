@@ -1,0 +1,270 @@
+"""Sharded strategies behind the one Engine interface: FSDP2, DeepSpeed ZeRO-1/2/3 (with
+CPU offload) and torch's ZeroRedundancyOptimizer give the DDP run's updates, write
+checkpoints that any strategy resumes on any number of processes, and export a model that
+plain transformers loads. Activation checkpointing changes memory, not results."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from accord.batching import BatchPlan
+from accord.recipe import RecipeError, validate_recipe
+from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
+
+TOLERANCE = 1e-5
+STEPS = TINY_RECIPE["train"]["max_steps"]
+MID = STEPS // 2  # every run also writes a checkpoint here, for the resume tests
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install deepspeed)")
+
+# name -> recipe overrides; every run: TINY_RECIPE (fp32), 2 processes × 8 × 2 accumulation steps
+RUNS = {
+    "ddp": ["engine.strategy=ddp"],
+    "fsdp": ["engine.strategy=fsdp"],
+    "zero1": ["engine.strategy=zero1", "engine.zero1_implementation=deepspeed"],
+    "zero1-torch": ["engine.strategy=zero1", "engine.zero1_implementation=torch"],
+    "zero2": ["engine.strategy=zero2"],
+    "zero3": ["engine.strategy=zero3"],
+    "zero2-offload": ["engine.strategy=zero2", "engine.offload=optimizer"],
+    "zero3-offload": ["engine.strategy=zero3", "engine.offload=optimizer+params"],
+    "ddp-ac": ["engine.strategy=ddp", "engine.activation_checkpointing=true"],
+    "fsdp-ac": ["engine.strategy=fsdp", "engine.activation_checkpointing=true"],
+    "zero3-ac": ["engine.strategy=zero3", "engine.activation_checkpointing=true"],
+}
+DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac"}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    return write_recipe(tmp_path_factory.mktemp("strategies") / "tiny.yaml", TINY_RECIPE)
+
+
+@pytest.fixture(scope="module")
+def run(recipe):
+    """Each named run happens once per module, when a test first asks for it (so the runs
+    of deselected slow tests cost nothing)."""
+    done: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str) -> tuple[Path, str]:
+        if name not in done:
+            out = recipe.parent / name
+            proc = run_accord("train", recipe, f"checkpoint.every_steps={MID}", f"output.dir={out}", *RUNS[name])
+            assert_ok(proc)
+            done[name] = (out, proc.stdout + proc.stderr)
+        return done[name]
+
+    return get
+
+
+def _compare(reference: Path, out: Path, label: str) -> None:
+    diff = max_param_diff(final_params(reference), final_params(out))
+    ref_losses, losses = step_losses(reference), step_losses(out)
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
+    loss_diff = max(abs(ref_losses[s] - losses[s]) for s in ref_losses)
+    print(f"max |Δparam| {label}: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
+    assert diff <= TOLERANCE, f"{label}: {diff}"
+    assert loss_diff <= TOLERANCE, f"{label}: {loss_diff}"
+
+
+def _strategy_params(names: list[str], slow: set[str] = frozenset()) -> list:
+    params = []
+    for name in names:
+        marks = [needs_deepspeed] if name in DEEPSPEED_RUNS else []
+        if name in slow:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+# ---------------------------------------------------------------- same updates as DDP
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name",
+    _strategy_params(["fsdp", "zero1", "zero2", "zero3", "zero1-torch", "zero2-offload", "zero3-offload"], slow={"zero2-offload", "zero3-offload"}),
+)
+def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
+    reference, _ = run("ddp")
+    out, output = run(name)
+    _compare(reference, out, f"ddp vs {name}")
+    if name == "zero1-torch":
+        assert output.count("zero1 uses torch's ZeroRedundancyOptimizer") == 1  # said once, by rank 0
+
+    # The final model (gathered from the shards) loads in plain transformers, whole and in fp32.
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    loaded = {k: v for k, v in model.state_dict().items() if k in final_params(reference)}
+    assert loaded.keys() == final_params(reference).keys()
+    assert max_param_diff(final_params(reference), loaded) <= TOLERANCE
+    assert model.config.architectures == ["LlamaForCausalLM"]
+
+
+# ---------------------------------------------------------------- resume across strategies and world sizes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "written_by, processes, resumed_with",
+    [
+        pytest.param("fsdp", 1, "ddp", id="fsdp-2-to-ddp-1"),
+        pytest.param("zero2", 1, "ddp", marks=needs_deepspeed, id="zero2-2-to-ddp-1"),
+        pytest.param("zero2", 2, "zero2", marks=[needs_deepspeed, pytest.mark.slow], id="zero2-2-to-zero2-2"),
+        pytest.param("ddp", 2, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="ddp-2-to-zero3-2"),
+        pytest.param("zero3", 1, "fsdp", marks=[needs_deepspeed, pytest.mark.slow], id="zero3-2-to-fsdp-1"),
+        pytest.param("fsdp", 1, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="fsdp-2-to-zero3-1"),
+    ],
+)
+def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, tmp_path, written_by, processes, resumed_with):
+    reference, _ = run("ddp")
+    source, _ = run(written_by)
+    checkpoint = source / "checkpoints" / f"step-{MID:06d}"
+    out = tmp_path / "resumed"
+    proc = run_accord(
+        "train", recipe, f"engine.strategy={resumed_with}", f"engine.processes={processes}", f"resume={checkpoint}", f"output.dir={out}"
+    )
+    assert_ok(proc)
+    assert f"resumed from {checkpoint} at step {MID} " in proc.stdout
+    diff = max_param_diff(final_params(reference), final_params(out))
+    resumed, original = step_losses(out), step_losses(reference)
+    assert sorted(resumed) == list(range(MID + 1, STEPS + 1))
+    loss_diff = max(abs(resumed[s] - original[s]) for s in resumed)
+    print(f"max |Δparam| {written_by}×2 -> {resumed_with}×{processes} vs uninterrupted ddp: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
+    assert diff <= TOLERANCE and loss_diff <= TOLERANCE
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", _strategy_params(["fsdp", "ddp", "zero3"], slow={"ddp", "zero3"}))
+def test_activation_checkpointing_gives_the_same_parameters(run, strategy):
+    off, _ = run(strategy)
+    on, _ = run(f"{strategy}-ac")
+    _compare(off, on, f"{strategy} activation checkpointing on vs off")
+
+
+SAVED_TENSORS = """
+import copy, json, sys, torch
+from conftest import TINY_RECIPE
+from accord.batching import BatchPlan
+from accord.dist import DistInfo
+from accord.engine import build_engine
+from accord.models import build_model, build_tokenizer
+from accord.recipe import validate_recipe
+
+counts = {}
+for strategy in sys.argv[1:]:
+    for ac in (False, True):
+        raw = copy.deepcopy(TINY_RECIPE)
+        raw["engine"] |= {"strategy": strategy, "activation_checkpointing": ac, "processes": 1}
+        recipe = validate_recipe(raw)
+        model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
+        engine = build_engine(recipe, model, DistInfo(), torch.device("cpu"), BatchPlan.derive(8, 8, 1), 10)
+        engine.model.train()
+        saved = []
+        with engine.sync_context(True), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            loss = engine.model(input_ids=torch.randint(0, 200, (2, 12))).logits.float().sum()
+        engine.backward(loss, 1)
+        engine.step()
+        engine.close()
+        counts[f"{strategy} {'on' if ac else 'off'}"] = len(saved)
+print(json.dumps(counts))
+"""
+
+
+def test_activation_checkpointing_is_really_on():
+    """The equality above would also hold if checkpointing were silently off: count the
+    tensors the forward keeps for backward (one process per strategy, through the engine)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, accord_env
+
+    strategies = ["ddp", "fsdp"] + (["zero3"] if HAS_DEEPSPEED else [])
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVED_TENSORS, *strategies],
+        cwd=REPO / "tests", env=accord_env() | {"DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"tensors saved for backward: {counts}")
+    for strategy in strategies:
+        assert counts[f"{strategy} on"] < counts[f"{strategy} off"] / 3, counts
+
+
+# ---------------------------------------------------------------- recipe rules and the derived DeepSpeed config
+
+
+def _recipe(**engine) -> dict:
+    raw = copy.deepcopy(TINY_RECIPE)
+    raw["engine"] |= engine
+    return raw
+
+
+@pytest.mark.parametrize(
+    "engine, message",
+    [
+        ({"strategy": "ddp", "offload": "optimizer"}, "engine.offload=optimizer needs a DeepSpeed strategy"),
+        ({"strategy": "fsdp", "offload": "optimizer+params"}, "needs a DeepSpeed strategy"),
+        ({"strategy": "zero2", "offload": "optimizer+params"}, "engine.offload=optimizer+params needs engine.strategy=zero3"),
+        ({"strategy": "zero1", "zero1_implementation": "torch", "offload": "optimizer"}, "cannot offload"),
+        ({"strategy": "zero4"}, "engine.strategy"),
+    ],
+)
+def test_impossible_engine_combinations_are_one_line_recipe_errors(engine, message):
+    with pytest.raises(RecipeError) as error:
+        validate_recipe(_recipe(**engine))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@needs_deepspeed
+def test_fp16_with_deepspeed_on_the_cpu_is_refused():
+    with pytest.raises(RecipeError, match="DeepSpeed has no fp16 on the CPU"):
+        validate_recipe(_recipe(strategy="zero2", precision="fp16", device="cpu"))
+    validate_recipe(_recipe(strategy="fsdp", precision="fp16", device="cpu"))  # FSDP2 + GradScaler runs there
+
+
+def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
+    for strategy in ("zero2", "zero3"):
+        with pytest.raises(RecipeError, match=r"needs DeepSpeed, which is not installed: pip install deepspeed"):
+            validate_recipe(_recipe(strategy=strategy))
+    validate_recipe(_recipe(strategy="zero1"))  # torch's ZeroRedundancyOptimizer then
+    from accord.engine import deepspeed_available
+
+    assert not deepspeed_available()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_config_is_derived_from_the_recipe(stage):
+    from accord.engine.deepspeed_engine import deepspeed_config
+
+    import torch
+
+    offload = {1: "none", 2: "optimizer", 3: "optimizer+params"}[stage]
+    recipe = validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload, precision="bf16") | {"optim": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.5}})
+    plan = BatchPlan.derive(32, 4, 2)
+    config = deepspeed_config(recipe, plan, torch.device("cpu"))
+    assert "auto" not in repr(config)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert config["gradient_clipping"] == 0.5
+    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    assert config["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+    }
+    zero = config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert ("offload_optimizer" in zero) == (stage >= 2) and ("offload_param" in zero) == (stage == 3)
