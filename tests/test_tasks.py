@@ -81,3 +81,14 @@ def test_dpo_with_precomputed_reference_matches_the_live_reference(tmp_path):
     diff = max_param_diff(final_params(outs["live"]), final_params(outs["precomputed"]))
     print(f"dpo: max |Δparam| live vs precomputed reference = {diff:.2e}")
     assert diff <= TOLERANCE
+
+
+def test_lora_under_a_sharded_strategy_exports_the_same_merged_model(runs, tmp_path):
+    name, outs, _ = runs
+    if name != "chat-sft-lora":
+        pytest.skip("LoRA case only")
+    recipe = outs[2].parent / "recipe.yaml"
+    out = tmp_path / "fsdp"
+    assert_ok(run_accord("train", recipe, "engine.strategy=fsdp", f"output.dir={out}"))
+    assert max_param_diff(final_params(outs[2]), final_params(out)) <= TOLERANCE
+    assert (out / "adapter" / "adapter_config.json").is_file()

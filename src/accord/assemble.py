@@ -44,6 +44,9 @@ def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> 
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    name = type(model).__name__
+    # Counted before the engine shards the parameters (zero3 leaves local stubs).
+    model_flops = flops_per_token(model, context=float(rows.lengths.mean()))
     engine = build_engine(recipe, model, info, device, plan, total_steps)
     if recipe.task == "dpo":
         task.attach_reference(reference, engine.module)
@@ -51,9 +54,10 @@ def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> 
     if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
         eval_data = eval_data.select(range(recipe.train.eval_limit))
     trainer = Trainer(recipe, info, task, data.train, eval_data, rows, engine, plan, order, total_steps, tokenizer)
-    trainer.flops_per_token = flops_per_token(engine.module, context=float(rows.lengths.mean()))
+    trainer.flops_per_token = model_flops
     trainer.peak_tflops = peak_tflops(device, recipe.engine.peak_tflops)
-    trainer.announce(num_params, trainable, data.report)
+    trainer.announce(name, num_params, trainable, data.report)
+    trainer.num_params = num_params
     if recipe.task == "dpo" and recipe.dpo.precompute_reference:
         precompute_reference(trainer)
     return trainer

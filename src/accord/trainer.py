@@ -88,6 +88,7 @@ class Trainer:
         self.skipped_steps = 0
         self.metrics: MetricsWriter | None = None
         self.extra_columns: dict[str, dict[str, np.ndarray]] = {"train": {}, "eval": {}}
+        self.num_params = 0  # set by assemble (before sharding: the whole model's count)
         self.flops_per_token = 0.0  # set by assemble: for MFU
         self.peak_tflops: float | None = None
         self._pending: list[StepStats] = []
@@ -95,9 +96,8 @@ class Trainer:
         self._last_checkpoint = time.monotonic()
         torch.manual_seed(seed_for(recipe.seed, 0, info.rank))  # dropout etc.: distinct per rank
 
-    def announce(self, num_params: int, trainable: int, report: dict) -> None:
-        name = type(self.engine.module).__name__
-        params = f"{num_params / 1e6:.2f}M parameters" + (f", {trainable / 1e6:.2f}M trained" if trainable != num_params else "")
+    def announce(self, name: str, num_params: int, trainable: int, report: dict) -> None:
+        params = f"{_count(num_params)} parameters" + (f", {_count(trainable)} trained" if trainable != num_params else "")
         layout = "packed rows" if self.task.packable and getattr(self.task, "packing", False) else "rows"
         lines = [
             f"accord: {self.recipe.task} on {name} ({params}), {self.recipe.engine.strategy} on "
@@ -382,19 +382,36 @@ class Trainer:
             module = self.engine.module
             if self.recipe.lora is not None:
                 # The adapter on its own, then the model with it merged in (plain transformers
-                # loads that without peft). Merging changes the module: training is over.
-                save_final_model(module, self.tokenizer, self.out_dir / "adapter")
+                # loads that without peft).
+                save_final_model(module, self.tokenizer, self.out_dir / "adapter", state_dict=state)
                 if self.recipe.lora.merge_on_export:
-                    module, state = module.merge_and_unload(), None
+                    module, state = self._merged(module, state), None
             save_final_model(module, self.tokenizer, final, state_dict=state)
         dist.barrier()
         return final
+
+    def _merged(self, module, state):
+        """The adapters merged into the weights. Training is over, so a full module is
+        merged in place; a sharded one (fsdp, zero3) is rebuilt on the CPU from the
+        gathered state first."""
+        if state is None:
+            return module.merge_and_unload()
+        from accord.models import apply_lora, build_model
+
+        plain = build_model(self.recipe.model, self.tokenizer, self.recipe.seed, self.task.model_kind, self.task.model_kwargs())
+        plain = apply_lora(plain, self.recipe.lora, self.task.model_kind, self.recipe.seed)
+        plain.load_state_dict(state)
+        return plain.merge_and_unload()
 
     def close(self) -> None:
         self.engine.close()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -87,8 +87,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     except DataError as e:
         raise TrainingStopped(str(e)) from None
     if info.is_main:
-        num_params = sum(p.numel() for p in trainer.engine.module.parameters())
-        warning = disk_space_warning(out_dir, num_params, recipe.checkpoint.keep_last)
+        warning = disk_space_warning(out_dir, trainer.num_params, recipe.checkpoint.keep_last)
         if warning:
             dist.print0(f"accord: warning: {warning}")
     try:
