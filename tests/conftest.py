@@ -184,3 +184,14 @@ def recipe_for(task: str, folder: Path, **sections) -> dict:
     recipe["data"] = {**{"cache_dir": str(folder / "cache")}, **recipe["data"]}
     recipe["data"].pop("generate", None) if "train" in recipe["data"] else None
     return recipe
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, output dir) of TINY_RECIPE on 2 processes with DDP (2 × 8 × 2), with a
+    checkpoint at step 5: the run that many tests compare against, made once per session."""
+    root = tmp_path_factory.mktemp("reference")
+    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
+    out = root / "ddp"
+    assert_ok(run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}"))
+    return recipe, out

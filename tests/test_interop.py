@@ -90,14 +90,12 @@ def test_accord_config_describes_each_strategy():
 
 
 @pytest.mark.distributed
-def test_accelerate_launch_of_accord_config_equals_accord_train(tmp_path):
+def test_accelerate_launch_of_accord_config_equals_accord_train(tmp_path, tiny_reference):
     pytest.importorskip("accelerate")
-    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    recipe, direct = tiny_reference
     config = tmp_path / "accelerate.yaml"
     assert_ok(run_accord("config", recipe, "--out", config, timeout=60))
     assert yaml.safe_load(config.read_text())["distributed_type"] == "MULTI_GPU"
-    direct = tmp_path / "direct"
-    assert_ok(run_accord("train", recipe, f"output.dir={direct}"))
     launched = tmp_path / "launched"
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     proc = run_accord("train", recipe, f"output.dir={launched}", launcher=accelerate)

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import TINY_RECIPE, accord_env, assert_ok, final_params, max_param_diff, run_accord, write_recipe
+from conftest import accord_env, final_params, max_param_diff
 
 pytestmark = pytest.mark.distributed
 ADDRESSES = ("10.123.0.1", "10.123.0.2")
@@ -52,11 +52,8 @@ def _start_node(namespace: str, args: list[str]) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    root = tmp_path_factory.mktemp("single")
-    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
-    assert_ok(run_accord("train", recipe, "engine.processes=2", f"output.dir={root / 'out'}"))
-    return recipe, root / "out"
+def single(tiny_reference):
+    return tiny_reference  # one node, 2 processes
 
 
 @pytest.mark.parametrize("meeting", ["static", "c10d"])

@@ -45,10 +45,10 @@ def recipe(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(recipe):
+def run(recipe, tiny_reference):
     """Each named run happens once per module, when a test first asks for it (so the runs
-    of deselected slow tests cost nothing)."""
-    done: dict[str, tuple[Path, str]] = {}
+    of deselected slow tests cost nothing); the ddp run is the session's reference run."""
+    done: dict[str, tuple[Path, str]] = {"ddp": (tiny_reference[1], "")}
 
     def get(name: str) -> tuple[Path, str]:
         if name not in done:

@@ -54,7 +54,7 @@ def test_the_task_logs_its_metrics(runs):
         assert {"reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected"} <= set(train[-1])
         assert "reward accuracy" in proc.stdout + proc.stderr
     if name == "chat-sft-lora":
-        assert ", 0.00M trained" in proc.stdout or "M trained" in proc.stdout
+        assert "k trained)" in proc.stdout  # only the adapters train
 
 
 def test_lora_export_is_merged_and_loads_without_peft(runs):
