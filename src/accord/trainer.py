@@ -160,7 +160,7 @@ class Trainer:
             batch = self.to_device(self.task.collate(self._rows(row_ids)))
             with self.engine.sync_context(last_micro_step=micro_step == self.plan.grad_accum - 1):
                 with self.engine.autocast():
-                    out = self.task.loss(self.engine.model, batch)
+                    out = self.task.loss(self.engine.train_model, batch)
                 micro_loss = out.loss_sum
                 if faults.nan_loss_at(self.step + 1):
                     micro_loss = micro_loss * float("nan")

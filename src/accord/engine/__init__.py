@@ -26,6 +26,13 @@ def deepspeed_available() -> bool:
 
 
 def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
+    engine = _build(recipe, model, info, device, plan, total_steps)
+    if recipe.engine.compile:
+        engine.compile()
+    return engine
+
+
+def _build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
     if device.type == "cpu":
         # transformers imports DeepSpeed (when installed) to ask whether ZeRO-3 is active;
         # naming the accelerator spares every run DeepSpeed's "no GPU found" warning.

@@ -12,7 +12,18 @@ from torch import nn
 
 class Engine(ABC):
     device: torch.device
-    model: nn.Module  # what the training forward runs (possibly wrapped)
+    model: nn.Module  # the wrapped model (DDP, FSDP, DeepSpeed): state, sync control
+    compiled: nn.Module | None = None
+
+    @property
+    def train_model(self) -> nn.Module:
+        """What the training forward runs: the wrapped model, compiled when asked."""
+        return self.compiled if self.compiled is not None else self.model
+
+    def compile(self) -> None:
+        """torch.compile the training forward (engine.compile); state and hooks stay on
+        the uncompiled wrapper, so checkpoints and gradient sync are unchanged."""
+        self.compiled = torch.compile(self.model)
 
     @property
     @abstractmethod

@@ -331,6 +331,11 @@ class DeepSpeedEngine(Engine):
                 if key in saved:
                     group[key] = saved[key]
 
+    def compile(self) -> None:
+        # DeepSpeed compiles its own wrapped module in place (its engine keeps the hooks).
+        self.model.compile()
+        self.compiled = self.model
+
     def close(self) -> None:
         destroy = getattr(self.model, "destroy", None)
         if destroy is not None:

@@ -1,0 +1,128 @@
+"""The GPU check: one prepared command for a lent GPU machine (one H200: under 5 minutes).
+
+    python benchmarks/gpu_check.py [--out gpu_check.json]
+
+Prints a table of:
+  1. bf16 training throughput and MFU of a ~0.5B Llama built from a config, packed
+     2048-token rows, with engine.compile off and on (target: MFU >= 45%);
+  2. one short run each of zero2, zero3 and fsdp on one GPU (they start, step and export);
+  3. `accord plan`'s predicted peak memory next to torch.cuda.max_memory_allocated, when
+     `accord plan` is available.
+Everything runs through `accord train` itself; figures come from each run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+MODEL = {  # ~0.45B parameters with the byte-level vocabulary
+    "architecture": "llama", "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
+    "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 2048,
+}
+SEQ = 2048
+
+
+def write_corpus(folder: Path, documents: int = 400) -> Path:
+    rng = random.Random(0)
+    words = "the of and to in is was for on that with as by at from his her they were this are which be had".split()
+    docs = folder / "docs"
+    docs.mkdir(parents=True)
+    for d in range(documents):
+        (docs / f"{d:04d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(500, 3000))))
+    return docs
+
+
+def recipe(folder: Path, name: str, strategy: str, steps: int, compile_: bool, batch: int) -> Path:
+    data = {
+        "seed": 0, "task": "pretrain",
+        "model": {"config": MODEL, "tokenizer": "byte", "attn_implementation": "sdpa"},
+        "data": {"train": str(folder / "docs"), "max_length": SEQ, "cache_dir": str(folder / "cache")},
+        "batch": {"global_batch_size": batch, "micro_batch_size": batch},
+        "optim": {"lr": 3e-4, "warmup_steps": 2},
+        "train": {"max_steps": steps, "log_every": 1},
+        "engine": {"strategy": strategy, "precision": "bf16", "compile": compile_},
+        "checkpoint": {"keep_last": 1},
+        "output": {"dir": str(folder / name), "overwrite": True},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train(path: Path, timeout: int) -> tuple[float, dict]:
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "accord", "train", str(path)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return time.time() - start, {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]}
+    out = Path(yaml.safe_load(path.read_text())["output"]["dir"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    throughput = [r for r in records if r["kind"] == "throughput"]
+    steady = throughput[len(throughput) // 2:] or throughput  # after compile / warm-up
+    summary = {
+        "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
+        "mfu": sum(r.get("mfu") or 0.0 for r in steady) / len(steady),
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in throughput),
+        "final_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
+    }
+    return time.time() - start, summary
+
+
+def planned_peak(path: Path) -> float | None:
+    proc = subprocess.run([sys.executable, "-m", "accord", "plan", str(path), "--gpus", "1", "--json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    data = json.loads(proc.stdout)
+    strategy = yaml.safe_load(path.read_text())["engine"]["strategy"]
+    return next((row["total_gib"] for row in data["strategies"] if row["strategy"] == strategy), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="also write the results as JSON")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible")
+    folder = Path(tempfile.mkdtemp(prefix="accord-gpu-check-"))
+    write_corpus(folder)
+    runs = [
+        ("bf16 ddp, compile off", "ddp", 24, False, 8),
+        ("bf16 ddp, compile on", "ddp", 24, True, 8),
+        ("zero2 (1 GPU)", "zero2", 4, False, 4),
+        ("zero3 (1 GPU)", "zero3", 4, False, 4),
+        ("fsdp (1 GPU)", "fsdp", 4, False, 4),
+    ]
+    results = []
+    print(f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens")
+    header = f"{'run':24} {'wall s':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'planned GiB':>11} {'loss':>7}"
+    print(header)
+    print("-" * len(header))
+    for label, strategy, steps, compile_, batch in runs:
+        path = recipe(folder, label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}", strategy, steps, compile_, batch)
+        seconds, summary = train(path, timeout=240)
+        summary |= {"run": label, "wall_s": seconds, "planned_gib": planned_peak(path)}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
+            continue
+        planned = f"{summary['planned_gib']:.1f}" if summary["planned_gib"] is not None else "-"
+        print(
+            f"{label:24} {seconds:>7.0f} {summary['tokens_per_s']:>10,.0f} {100 * summary['mfu']:>5.1f}% "
+            f"{summary['peak_memory_gib']:>9.1f} {planned:>11} {summary['final_loss']:>7.3f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
