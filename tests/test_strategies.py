@@ -268,3 +268,36 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     zero = config["zero_optimization"]
     assert zero["stage"] == stage
     assert ("offload_optimizer" in zero) == (stage >= 2) and ("offload_param" in zero) == (stage == 3)
+
+
+# ---------------------------------------------------------------- accord plan vs the real tensors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", _strategy_params(["ddp", "fsdp", "zero1", "zero2", "zero3"]))
+def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
+    """`accord plan`'s parameter, optimizer-state and master-weight bytes per rank are the
+    bytes of the tensors the run really held (the largest rank's, after step 1)."""
+    from accord.observe.metrics import read_metrics
+    from accord.plan import meta_model, model_state
+
+    out, _ = run(name)
+    held = next(r for r in read_metrics(out) if r["kind"] == "model_state")
+    recipe = validate_recipe(TINY_RECIPE)
+    planned = model_state(meta_model(recipe), name, world=2, precision="no", offload="none")
+    for part in ("params", "optimizer", "master"):
+        assert planned[part] == held[f"{part}_bytes"], f"{name} {part}: planned {planned[part]}, held {held[f'{part}_bytes']}"
+
+
+def test_plan_cli_recommends_and_refuses(tiny_recipe):
+    import json
+
+    proc = run_accord("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "1GB", "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [r["strategy"] for r in data["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+    assert data["advice"].startswith("recommended: engine.strategy=ddp with batch.micro_batch_size=16")
+    tight = run_accord("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "0.0001GB", timeout=60)
+    assert tight.returncode == 0 and "nothing fits in" in tight.stdout
+    bad = run_accord("plan", tiny_recipe, "--gpus", "3", "--gpu-memory", "1GB", timeout=60)
+    assert bad.returncode == 2 and "cannot be split over 3 processes" in bad.stderr

@@ -70,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--out", metavar="FILE", help="script path (default: <recipe name>.sbatch)")
     slurm.set_defaults(func=_slurm)
 
+    plan = commands.add_parser(
+        "plan",
+        help="per-GPU memory of each strategy for a recipe, and what fits",
+        description="Estimate, for each strategy, the bytes per GPU of parameters, gradients, optimizer state, "
+        "master weights and activations, and recommend the cheapest strategy and largest micro batch that fit.",
+    )
+    plan.add_argument("recipe", help="recipe YAML file")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node")
+    plan.add_argument("--nodes", type=int, default=1, metavar="M")
+    plan.add_argument("--gpu-memory", metavar="80GB", help="memory per GPU (e.g. 80GB, 24GiB); default: the visible GPU's")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(func=_plan)
+
     report = commands.add_parser("report", help="render a run's metrics as PNG plots and an HTML page")
     report.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's output.dir")
     report.set_defaults(func=_report)
@@ -98,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     # after an option as unknown arguments.
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command not in ("train", "slurm", "config")):
+    if unknown or (extra and args.command not in ("train", "slurm", "config", "plan")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command in ("train", "slurm", "config"):
+    if args.command in ("train", "slurm", "config", "plan"):
         args.overrides = list(args.overrides) + extra
     return args.func(args)
 
@@ -171,6 +185,50 @@ def _slurm(args: argparse.Namespace) -> int:
     out.chmod(0o755)
     print(f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from accord.batching import BatchPlanError
+    from accord.plan import format_table, plan, recommend
+    from accord.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.gpus < 1 or args.nodes < 1:
+            raise RecipeError("--gpus and --nodes must be at least 1")
+        memory = _parse_memory(args.gpu_memory) if args.gpu_memory else _visible_gpu_memory()
+        rows, world = plan(recipe, args.gpus, args.nodes)
+    except (RecipeError, BatchPlanError, ValueError) as e:
+        return _fail(str(e))
+    advice = recommend(rows, recipe, world, memory) if memory else "give --gpu-memory to see what fits"
+    if args.json:
+        print(json.dumps({"world_size": world, "gpu_memory_gib": memory, "strategies": [r.as_dict() for r in rows], "advice": advice}))
+        return 0
+    print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {args.gpus} GPU(s), per GPU (GiB):")
+    print(format_table(rows, memory))
+    print(f"accord: {advice}")
+    return 0
+
+
+def _parse_memory(text: str) -> float:
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(GB|GiB|G|MB|MiB)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 80GB or 24GiB")
+    value, unit = float(match.group(1)), (match.group(2) or "GB").lower()
+    bytes_ = value * {"gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20}[unit]
+    return bytes_ / 2**30
+
+
+def _visible_gpu_memory() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def _report(args: argparse.Namespace) -> int:

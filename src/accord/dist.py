@@ -121,6 +121,13 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in tensor.tolist())
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks, in place and returned (identity for one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -210,6 +210,8 @@ class Trainer:
                 dist.print0(f"accord: the run is already complete at step {self.step}")
             while self.step < self.total_steps:
                 stats = self.train_step()
+                if stats.step == start_step + 1:
+                    self._record_model_state()  # optimizer state exists from the first step on
                 self._pending.append(stats)
                 self._count_skip(stats)
                 progress.advance()
@@ -236,6 +238,14 @@ class Trainer:
         seconds = time.perf_counter() - start
         dist.print0(f"accord: trained {self.step - start_step} steps in {seconds:.1f} s")
         return RunResult("completed", self.step, final_eval)
+
+    def _record_model_state(self) -> None:
+        """The largest per-rank bytes of parameters, optimizer state and master weights."""
+        held = self.engine.model_state_bytes()
+        names = sorted(held)
+        largest = dist.all_reduce_max(torch.tensor([float(held[n]) for n in names], dtype=torch.float64, device=self.engine.device))
+        if self.metrics is not None:
+            self.metrics.write({"kind": "model_state", "step": self.step} | {f"{n}_bytes": v for n, v in zip(names, largest.tolist())})
 
     def _count_skip(self, stats: StepStats) -> None:
         if not stats.skipped:

@@ -79,5 +79,34 @@ class Engine(ABC):
     def load_state(self, folder: Path) -> None:
         """Collective: restore what save_state wrote, whatever the world size then was."""
 
+    def state_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that holds this rank's state tensors (the inner one of wrappers)."""
+        optimizer = getattr(self, "_base_optimizer", None) or self.optimizer  # type: ignore[attr-defined]
+        return getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local one
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, from the real tensors: parameters (local
+        shards), optimizer state, and master weights when the optimizer updates copies
+        (DeepSpeed's fp32 partitions). What `accord plan` predicts."""
+        module_params = {id(p) for p in self.module.parameters()}
+        optimizer = self.state_optimizer()
+        states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in module_params]
+        return {
+            "params": sum(_local_bytes(p) for p in self.module.parameters()),
+            "optimizer": sum(_local_bytes(t) for t in states),
+            "master": sum(_local_bytes(p) for p in masters),
+        }
+
     def close(self) -> None:
         """Release what the strategy holds (hooks, buffers); called on every rank."""
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition."""
+    local = getattr(tensor, "_local_tensor", None)
+    if local is None:
+        local = getattr(tensor, "ds_tensor", None)
+    if local is None:
+        local = tensor
+    return local.numel() * local.element_size()
