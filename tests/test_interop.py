@@ -117,3 +117,63 @@ def test_a_launch_config_that_contradicts_the_recipe_stops_before_training(tmp_p
     assert proc.returncode != 0
     assert "accord: error: accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'" in proc.stderr
     assert "accord: batch" not in proc.stdout  # nothing trained
+
+
+def _trl_style_config(distributed_type: str, **section) -> dict:
+    """The field set of TRL's examples/accelerate_configs, with num_processes and
+    mixed_precision adjusted to a 2-core CPU machine."""
+    config = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": distributed_type,
+        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main", "mixed_precision": "no",
+        "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True,
+        "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False,
+    }
+    return config | section
+
+
+TRL_CONFIGS = {
+    "multi_gpu": _trl_style_config("MULTI_GPU", gpu_ids="all"),
+    "fsdp2": _trl_style_config("FSDP", fsdp_config={
+        "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": False, "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_version": 2}),
+    "deepspeed_zero2": _trl_style_config("DEEPSPEED", deepspeed_config={
+        "deepspeed_multinode_launcher": "standard", "gradient_accumulation_steps": 2, "offload_optimizer_device": "none",
+        "offload_param_device": "none", "zero3_init_flag": False, "zero_stage": 2}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(TRL_CONFIGS))
+def test_trl_example_configs_run_the_same_training(name, tmp_path, tiny_reference):
+    """A recipe that leaves the strategy open, launched with a user's accelerate config,
+    trains under what the config says and ends where the DDP run ends."""
+    if name.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    _, reference = tiny_reference
+    open_recipe = {k: v for k, v in TINY_RECIPE.items() if k != "engine"}
+    recipe = write_recipe(tmp_path / "open.yaml", open_recipe)
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(TRL_CONFIGS[name]))
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    out = tmp_path / "out"
+    proc = run_accord("train", recipe, f"output.dir={out}", launcher=accelerate)
+    assert_ok(proc)
+    expected = {"multi_gpu": "ddp", "fsdp2": "fsdp", "deepspeed_zero2": "zero2"}[name]
+    assert f", {expected} on cpu" in proc.stdout
+    assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
+
+
+def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
+    from accord.interop import deepspeed_file_settings
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": "auto"}))
+    open_recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {"engine": {"deepspeed_config": str(path)}})
+    merged = reconcile(open_recipe, deepspeed_file_settings(str(path)), world_size=2, source=str(path))
+    assert merged.engine.strategy == "zero3"
+    with pytest.raises(RecipeError, match=r"ds.json has engine.strategy='zero3' but the recipe has engine.strategy='ddp'"):
+        reconcile(validate_recipe(TINY_RECIPE), deepspeed_file_settings(str(path)), world_size=2, source=str(path))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(RecipeError, match="is not valid JSON"):
+        deepspeed_file_settings(str(tmp_path / "bad.json"))

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from accord.cluster import ClusterError, resolve_topology
-    from accord.interop import accelerate_settings, reconcile
+    from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
     from accord.launch import Interrupted, WorkerFailed, planned_world_size, run
     from accord.stopping import PREEMPTED_EXIT_CODE
     from accord.preflight import preflight
@@ -141,6 +141,9 @@ def _train(args: argparse.Namespace) -> int:
         topology = resolve_topology(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
         world_size = planned_world_size(recipe.engine, topology)
         recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
+        if recipe.engine.deepspeed_config:
+            path = recipe.engine.deepspeed_config
+            recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
         problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
     except (RecipeError, ClusterError, RuntimeError) as e:
         return _fail(str(e))

@@ -48,6 +48,16 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     return settings
 
 
+def deepspeed_file_settings(path: str) -> dict[str, Any]:
+    """Recipe values a user's DeepSpeed JSON implies (engine.deepspeed_config)."""
+    if not Path(path).is_file():
+        raise RecipeError(f"engine.deepspeed_config: file not found: {path}")
+    try:
+        return _deepspeed_settings({"ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"engine.deepspeed_config: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+
+
 def _deepspeed_settings(env: dict[str, str]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")

@@ -191,6 +191,11 @@ class EngineConfig(Section):
     max_restarts: int = Field(
         0, ge=0, description="When a worker dies, restart the whole local group up to this many times; it resumes from the latest checkpoint."
     )
+    deepspeed_config: str | None = Field(
+        None,
+        description="A DeepSpeed JSON you already have: its stage, offload, batch sizes, accumulation, clipping and "
+        "precision must agree with the recipe (checked before starting; they fill in what the recipe leaves open).",
+    )
     compile: bool = Field(False, description="torch.compile the model's training forward (first steps are slower while it compiles).")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak dense bf16 TFLOP/s of one device, for MFU (default: looked up from the GPU's name)."
