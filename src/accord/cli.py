@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     from accord.cluster import ClusterError, resolve_topology
     from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
-    from accord.launch import Interrupted, WorkerFailed, planned_world_size, run
+    from accord.engine.device import wants_cuda
+    from accord.forked import call_in_fork
+    from accord.launch import Interrupted, WorkerFailed, planned_world_size, run, starts_workers
     from accord.stopping import PREEMPTED_EXIT_CODE
     from accord.preflight import preflight
     from accord.recipe import RecipeError, load_recipe
@@ -144,7 +146,13 @@ def _train(args: argparse.Namespace) -> int:
         if recipe.engine.deepspeed_config:
             path = recipe.engine.deepspeed_config
             recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
-        problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
+        if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
+            # The launcher keeps running for the whole job: check in a child, so the
+            # libraries the checks load do not stay resident beside the workers. Not with
+            # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
+            problems = call_in_fork(preflight, recipe, world_size, writer=topology.hosts_rank_zero)
+        else:
+            problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
     except (RecipeError, ClusterError, RuntimeError) as e:
         return _fail(str(e))
     if problems:

@@ -40,6 +40,13 @@ def planned_world_size(cfg: EngineConfig, topology: Topology = Topology()) -> in
     return topology.nnodes * local_world_size(cfg)
 
 
+def starts_workers(cfg: EngineConfig, topology: Topology = Topology()) -> bool:
+    """Whether this process launches worker processes (else it is the worker itself)."""
+    if dist.outer_launcher() is not None:
+        return False
+    return local_world_size(cfg) > 1 or topology.multi_node
+
+
 def run(recipe: Recipe, topology: Topology = Topology()) -> str:
     """Train `recipe` here (outer launcher, or one process) or on freshly started local
     workers (joining the other nodes' when multi-node); returns how the run ended:
@@ -48,7 +55,7 @@ def run(recipe: Recipe, topology: Topology = Topology()) -> str:
     nproc = local_world_size(recipe.engine)
     if dist.outer_launcher() is None:
         _set_worker_environment(recipe.engine, nproc, topology)
-    if dist.outer_launcher() is not None or (nproc == 1 and not topology.multi_node):
+    if not starts_workers(recipe.engine, topology):
         from accord.worker import train_worker  # this process is the (only) worker
 
         return train_worker(data)["status"]

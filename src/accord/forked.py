@@ -1,0 +1,65 @@
+"""Run a function in a forked child and take its result back, so what the function
+imports and allocates leaves with the child. The launcher checks a recipe this way before
+it starts its workers: those checks import transformers and datasets (~170 MB), which the
+launcher itself never needs again while it watches the workers for hours."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+from typing import Any, Callable
+
+
+def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in a forked child: its return value, or its exception re-raised
+    here. Runs in this process where fork does not exist. Only for a process that has
+    started no threads of its own (fork copies the calling thread only)."""
+    if not hasattr(os, "fork"):
+        return fn(*args, **kwargs)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _child(write_end, fn, args, kwargs)  # never returns
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not payload:
+        raise RuntimeError(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
+    outcome, value = pickle.loads(payload)
+    if outcome == "raised":
+        raise value
+    return value
+
+
+def _child(write_end: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    code = 0
+    try:
+        try:
+            payload = pickle.dumps(("returned", fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - every outcome goes back to the parent
+            if hasattr(e, "add_note"):  # where it happened, for an unexpected error's traceback
+                e.add_note("raised in the forked child, at:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+            try:
+                payload = pickle.dumps(("raised", e))
+            except Exception:  # an exception that does not pickle: keep its message
+                payload = pickle.dumps(("raised", RuntimeError(f"{type(e).__name__}: {e}")))
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(payload)
+    except BaseException:  # noqa: BLE001
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no atexit handlers or finalizers of the parent's objects in the child
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"

@@ -1,0 +1,41 @@
+"""The launcher's checks run in a forked child: results and errors come back, memory does not."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from accord.forked import call_in_fork
+from accord.recipe import RecipeError
+
+
+def _load_a_module_and_answer(name: str) -> tuple[int, bool]:
+    __import__(name)
+    return os.getpid(), name in sys.modules
+
+
+def test_the_result_comes_back_and_the_imports_stay_in_the_child():
+    assert "wave" not in sys.modules  # a standard module nothing here imports
+    pid, imported = call_in_fork(_load_a_module_and_answer, "wave")
+    assert imported and pid != os.getpid()
+    assert "wave" not in sys.modules
+
+
+def _refuse(message: str) -> None:
+    raise RecipeError(message)
+
+
+def test_an_error_in_the_child_is_raised_here_with_its_message():
+    with pytest.raises(RecipeError, match="batch.global_batch_size: must be positive"):
+        call_in_fork(_refuse, "batch.global_batch_size: must be positive")
+
+
+def _die() -> None:
+    os._exit(9)
+
+
+def test_a_child_that_dies_is_reported_as_one_line():
+    with pytest.raises(RuntimeError, match=r"checks before start died \(exit code 9\)"):
+        call_in_fork(_die)
