@@ -26,6 +26,8 @@ def assert_clean_error(proc, *needles):
         ("model.config.architecture=lama", "unknown model type 'lama'; did you mean llama"),
         ("data.generate.train_examples=8", "only 8 training examples"),
         ("batch.micro_batch_size", "expected key.sub=value"),
+        ("engine.deepspeed_config=/nowhere/ds.json", "engine.deepspeed_config: file not found: /nowhere/ds.json"),
+        ("train.eval_on_start=maybe", "train.eval_on_start: expected"),
     ],
 )
 def test_bad_input_fails_with_one_clear_line(tiny_recipe, tmp_path, override, needle):

@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("recipe", help="recipe YAML file")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3")
+    _recipe_arguments(train, "recipe overrides, e.g. optim.lr=1e-3")
     train.add_argument("--overwrite", action="store_true", help="replace an earlier run in output.dir")
     train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output.dir (same as resume=auto)")
     train.add_argument("--devices", metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
@@ -58,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write an sbatch script: one accord per node (srun --ntasks-per-node=1), SIGUSR1 two minutes "
         "before the time limit so accord checkpoints and exits 75, then the job requeues itself and resumes.",
     )
-    slurm.add_argument("recipe", help="recipe YAML file")
-    slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, passed on to accord train")
+    _recipe_arguments(slurm, "recipe overrides, passed on to accord train")
     slurm.add_argument("--nodes", type=int, required=True, metavar="N")
     slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)")
     slurm.add_argument("--partition", metavar="P")
@@ -76,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Estimate, for each strategy, the bytes per GPU of parameters, gradients, optimizer state, "
         "master weights and activations, and recommend the cheapest strategy and largest micro batch that fit.",
     )
-    plan.add_argument("recipe", help="recipe YAML file")
-    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    _recipe_arguments(plan)
     plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node")
     plan.add_argument("--nodes", type=int, default=1, metavar="M")
     plan.add_argument("--gpu-memory", metavar="80GB", help="memory per GPU (e.g. 80GB, 24GiB); default: the visible GPU's")
@@ -94,8 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write an accelerate config file that launches the recipe as `accord train` would: "
         "`accelerate launch --config_file FILE -m accord train RECIPE` is then the same run.",
     )
-    config.add_argument("recipe", help="recipe YAML file")
-    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    _recipe_arguments(config)
     config.add_argument("--out", required=True, metavar="FILE", help="accelerate config YAML to write")
     config.add_argument("--processes", type=int, metavar="N", help="processes in all (default: what accord would start here, times --nodes)")
     config.add_argument("--nodes", type=int, default=1, metavar="N")
@@ -104,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--master-port", type=int, default=29500, metavar="PORT")
     config.set_defaults(func=_config)
     return parser
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser, overrides_help: str = "recipe overrides") -> None:
+    """The recipe file and its dotted overrides, as every recipe-reading command takes them."""
+    parser.add_argument("recipe", help="recipe YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
 def main(argv: list[str] | None = None) -> int:
