@@ -177,3 +177,9 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(RecipeError, match="is not valid JSON"):
         deepspeed_file_settings(str(tmp_path / "bad.json"))
+    # The same file given through `accelerate launch` is read by the same checks.
+    from accord.interop import accelerate_settings
+
+    env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "gone.json")}
+    with pytest.raises(RecipeError, match="accelerate config: deepspeed_config_file: file not found"):
+        accelerate_settings(env)

@@ -59,6 +59,12 @@ def test_flags_and_environment_give_the_topology():
         resolve_topology(2, env={})
     with pytest.raises(ClusterError, match="outside 0..1"):
         resolve_topology(2, 2, "10.0.0.1", env={})
+    with pytest.raises(ClusterError, match="at least 1, got 0"):
+        resolve_topology(0, env={})
+    with pytest.raises(ClusterError, match="NNODES='two' is not a whole number"):
+        resolve_topology(env={"NNODES": "two"})
+    with pytest.raises(ClusterError, match="SLURM_NNODES='' is not a whole number"):
+        resolve_topology(env={"SLURM_NNODES": "", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0"})
 
 
 # ---------------------------------------------------------------- a real SLURM on this host

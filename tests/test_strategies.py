@@ -289,6 +289,20 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
         assert planned[part] == held[f"{part}_bytes"], f"{name} {part}: planned {planned[part]}, held {held[f'{part}_bytes']}"
 
 
+def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
+    from accord.models import build_model, build_tokenizer
+    from accord.plan import meta_model, model_state
+
+    recipe = validate_recipe(TINY_RECIPE)
+    tokenizer = build_tokenizer(recipe.model)
+    model = build_model(recipe.model, tokenizer, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    saved = validate_recipe(TINY_RECIPE | {"model": {"path": str(tmp_path / "model")}})
+    for name in ("ddp", "zero3"):
+        assert model_state(meta_model(saved), name, 2, "no", "none") == model_state(meta_model(recipe), name, 2, "no", "none")
+
+
 def test_plan_cli_recommends_and_refuses(tiny_recipe):
     import json
 

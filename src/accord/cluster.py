@@ -56,14 +56,14 @@ def resolve_topology(
     wins over a SLURM job (srun with one task per node)."""
     env = dict(os.environ) if env is None else env
     if nnodes is not None or rdzv_endpoint is not None:
-        return _checked(_from_values(nnodes or 1, node_rank, master_addr, master_port, rdzv_endpoint, "flags"))
-    if env.get("NNODES") and int(env["NNODES"]) > 1:
+        return _checked(_from_values(nnodes if nnodes is not None else 1, node_rank, master_addr, master_port, rdzv_endpoint, "flags"))
+    if env.get("NNODES") and _env_int(env, "NNODES") > 1:
         return _checked(
             _from_values(
-                int(env["NNODES"]),
-                int(env["NODE_RANK"]) if env.get("NODE_RANK") else None,
+                _env_int(env, "NNODES"),
+                _env_int(env, "NODE_RANK") if env.get("NODE_RANK") else None,
                 env.get("MASTER_ADDR"),
-                int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+                _env_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None,
                 None,
                 "environment",
             )
@@ -98,9 +98,16 @@ def _checked(topology: Topology) -> Topology:
     return topology
 
 
+def _env_int(env: dict[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ClusterError(f"environment variable {name}={env[name]!r} is not a whole number; fix or unset it") from None
+
+
 def _from_slurm(env: dict[str, str]) -> Topology:
-    nnodes = int(env["SLURM_NNODES"])
-    tasks = int(env.get("SLURM_NTASKS", nnodes))
+    nnodes = _env_int(env, "SLURM_NNODES")
+    tasks = _env_int(env, "SLURM_NTASKS") if env.get("SLURM_NTASKS") else nnodes
     if tasks != nnodes:
         raise ClusterError(
             f"this SLURM step runs {tasks} tasks on {nnodes} nodes; accord starts the workers of a node itself, "
@@ -109,8 +116,8 @@ def _from_slurm(env: dict[str, str]) -> Topology:
     if nnodes == 1:
         return Topology(source="slurm")
     hosts = slurm_hostnames(env["SLURM_JOB_NODELIST"] if "SLURM_JOB_NODELIST" in env else env["SLURM_NODELIST"])
-    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else 20000 + int(env["SLURM_JOB_ID"]) % 20000
-    return Topology(nnodes, int(env["SLURM_NODEID"]), hosts[0], port, None, f"accord-slurm-{env['SLURM_JOB_ID']}", "slurm")
+    port = _env_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else 20000 + _env_int(env, "SLURM_JOB_ID") % 20000
+    return Topology(nnodes, _env_int(env, "SLURM_NODEID"), hosts[0], port, None, f"accord-slurm-{env['SLURM_JOB_ID']}", "slurm")
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:

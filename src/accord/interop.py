@@ -50,18 +50,22 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 def deepspeed_file_settings(path: str) -> dict[str, Any]:
     """Recipe values a user's DeepSpeed JSON implies (engine.deepspeed_config)."""
+    return _deepspeed_settings({"ACCELERATE_DEEPSPEED_CONFIG_FILE": path}, source="engine.deepspeed_config")
+
+
+def _read_json(path: str, source: str) -> dict[str, Any]:
     if not Path(path).is_file():
-        raise RecipeError(f"engine.deepspeed_config: file not found: {path}")
+        raise RecipeError(f"{source}: file not found: {path}")
     try:
-        return _deepspeed_settings({"ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+        return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise RecipeError(f"engine.deepspeed_config: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+        raise RecipeError(f"{source}: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
 
 
-def _deepspeed_settings(env: dict[str, str]) -> dict[str, Any]:
+def _deepspeed_settings(env: dict[str, str], source: str = "accelerate config: deepspeed_config_file") -> dict[str, Any]:
     settings: dict[str, Any] = {}
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    ds = json.loads(Path(config_file).read_text()) if config_file and config_file != "none" else {}
+    ds = _read_json(config_file, source) if config_file and config_file != "none" else {}
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
     if stage is not None and str(stage) != "auto":

@@ -75,6 +75,11 @@ def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def auto_class(kind: str):
+    """transformers' Auto class for a task's model kind (causal_lm, sequence_classification)."""
+    return getattr(transformers, _AUTO[kind])
+
+
 def build_model(
     cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, kind: str = "causal_lm", extra: dict[str, Any] | None = None
 ) -> PreTrainedModel:
@@ -84,7 +89,7 @@ def build_model(
     pretrained checkpoint lacks): DDP would broadcast rank 0's anyway, but sharded
     strategies need them equal before sharding.
     """
-    auto = getattr(transformers, _AUTO[kind])
+    auto = auto_class(kind)
     kwargs = dict(extra or {})
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation

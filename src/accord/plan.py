@@ -44,7 +44,7 @@ def meta_model(recipe: Recipe):
     """The recipe's model with meta tensors: shapes and dtypes only, nothing loaded."""
     from transformers import AutoConfig
 
-    from accord.models import _AUTO, apply_lora, build_model, build_tokenizer, model_folder
+    from accord.models import apply_lora, auto_class, build_model, build_tokenizer, model_folder
     from accord.tasks import build_task
 
     tokenizer = build_tokenizer(recipe.model)
@@ -54,7 +54,7 @@ def meta_model(recipe: Recipe):
         folder = model_folder(recipe.model)
         if folder is not None:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code, **kwargs)
-            model = _AUTO[task.model_kind].from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+            model = auto_class(task.model_kind).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
         else:
             model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs)
         if recipe.lora is not None:

@@ -22,7 +22,7 @@ from accord.data.sources import DataError, load_split, row_origin
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
-FORMAT_VERSION = 1  # bump when the cached columns change meaning
+FORMAT_VERSION = 2  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts)
 _DONE = "done.json"
 
 
@@ -130,12 +130,13 @@ def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
             f"{row_origin(ds[over[0]])}: {len(over)} {split} example(s) are longer than data.max_length="
             f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
         )
-    drop = set(over) if policy == "drop" else set()
+    over_set = set(over)
+    drop = set(over_set) if policy == "drop" else set()
     empty = [i for i, n in enumerate(encoded["num_targets"]) if n == 0] if "num_targets" in encoded.column_names else []
     for i in empty:
         if i in drop:
             continue
-        if i in set(over):
+        if i in over_set:
             drop.add(i)  # truncation cut every target token away: nothing to learn from it
             continue
         raise DataError(f"{row_origin(ds[i])}: this example has no target tokens (nothing to train on); fix or remove it")

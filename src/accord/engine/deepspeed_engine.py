@@ -158,7 +158,9 @@ class DeepSpeedEngine(Engine):
         self.model.step()
         norm = self.model.get_global_grad_norm()
         grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).to(self.device)
-        stepped = self.model.was_step_applied()
+        # An fp16 overflow is the loss scaler's to handle (as torch's GradScaler does for the
+        # other strategies): not a skipped update that counts towards train.max_skipped_steps.
+        stepped = self.model.was_step_applied() or self.handles_overflow
         self.scheduler.step()
         return grad_norm, stepped
 

@@ -41,10 +41,11 @@ class DPOTask(Task):
         tok = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
         out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "num_targets", "length", "over_length")}
         for prompt, chosen, rejected in zip(tok(batch["prompt"]), tok(batch["chosen"]), tok(batch["rejected"])):
-            prompt = self.prefix + prompt
-            over = max(len(prompt) + len(chosen), len(prompt) + len(rejected)) + 1 > self.max_length
-            # Keep the end of an over-long prompt (what the answer follows), then cut answers.
-            prompt = prompt[-(self.max_length // 2) :] if len(prompt) > self.max_length // 2 and over else prompt
+            over = len(self.prefix) + max(len(prompt) + len(chosen), len(prompt) + len(rejected)) + 1 > self.max_length
+            # Keep the end of an over-long prompt (what the answer follows) after the BOS
+            # prefix, then cut answers.
+            keep = self.max_length // 2 - len(self.prefix)
+            prompt = self.prefix + (prompt[-keep:] if len(prompt) > keep and over else prompt)
             for name, answer in (("chosen", chosen), ("rejected", rejected)):
                 answer = (answer + [self.eos_id])[: self.max_length - len(prompt)]
                 out[f"{name}_input_ids"].append(prompt + answer)
