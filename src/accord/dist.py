@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -132,7 +131,3 @@ def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
-
-def eprint0(*args) -> None:
-    if is_main():
-        print(*args, file=sys.stderr, flush=True)

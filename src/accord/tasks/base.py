@@ -125,7 +125,3 @@ def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
-
-
-def truncate(ids: list[int], labels: list[int], max_length: int) -> tuple[list[int], list[int]]:
-    return ids[:max_length], labels[:max_length]
