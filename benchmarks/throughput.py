@@ -316,7 +316,9 @@ def measure(name: str, folder: Path, steps: int, processes: int) -> dict:
 
 def _steps(name: str, log: Path, out: Path, processes: int):
     if name.startswith("accord"):
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        from accord.observe.metrics import read_metrics
+
+        records = read_metrics(out)
         train = [r for r in records if r["kind"] == "train"]
         return [r["time"] for r in train], [r["targets"] for r in train], [r["padded_tokens"] for r in train], {}
     data = json.loads(log.read_text())  # rank 0's; every rank does the same amount of work

@@ -75,7 +75,7 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
     if strategy == "fsdp":
         local = lambda ps: sum(_chunk0(p, world) for p in ps)  # noqa: E731
         shard = local(trainable)
-        return {"params": weight * local(params), "grads": weight * shard, "optimizer": 2 * 4 * shard + 4 * len(trainable), "master": 0.0}
+        return {"params": weight * local(params), "grads": weight * shard, "optimizer": adam(shard), "master": 0.0}
     # DeepSpeed ZeRO: parameters in the compute dtype; AdamW state (and an fp32 master copy
     # unless ZeRO-3 already partitions fp32 parameters) of this rank's partition of each
     # flat parameter group (weights decayed / not decayed).

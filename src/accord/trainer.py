@@ -356,8 +356,6 @@ class Trainer:
             names = sorted(totals)
             reduced = dist.all_reduce_sum(torch.stack([totals[n] for n in names])).tolist()
             results = self.task.eval_summary(dict(zip(names, reduced)))
-            if "loss" in results and self.recipe.task in ("sft", "pretrain"):
-                results["perplexity"] = math.exp(min(results["loss"], 50.0))
             if self.recipe.train.eval_generate:
                 results.update(self._generation_metrics(model))
         finally:

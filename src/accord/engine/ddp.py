@@ -53,11 +53,6 @@ class DDPEngine(TorchUpdateEngine):
             return contextlib.nullcontext()
         return self.model.no_sync()
 
-    def clip_gradients(self) -> torch.Tensor:
-        max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-
-
 def _no_buffer_sync_per_forward() -> dict[str, bool]:
     """Transformer models keep no running statistics, so syncing buffers before every
     forward only costs time. The flag was renamed in recent torch."""

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from accord.batching import BatchPlan
 from accord.dist import DistInfo
@@ -67,16 +66,6 @@ class FSDPEngine(TorchUpdateEngine):
         # reduce-scatters their sum on the last micro-step: the same result as one big batch.
         self.model.set_requires_gradient_sync(last_micro_step)
         return contextlib.nullcontext()
-
-    def clip_gradients(self) -> torch.Tensor:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        # The norm of the whole (unsharded) gradient: each rank's shard norms combined over the mesh.
-        grad_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, grad_norm)
-        return grad_norm
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         # Collective: every rank contributes its shards; rank 0 receives the full fp32 tensors.

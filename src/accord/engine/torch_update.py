@@ -5,10 +5,10 @@ the checkpoint of the full state."""
 from __future__ import annotations
 
 import contextlib
-from abc import abstractmethod
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from accord.engine.base import Engine
 from accord.engine.precision import autocast
@@ -38,10 +38,16 @@ class TorchUpdateEngine(Engine):
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    @abstractmethod
     def clip_gradients(self) -> torch.Tensor:
         """Clip to max_grad_norm (when set); the norm of the whole gradient before clipping,
-        the same on every rank."""
+        the same on every rank (FSDP2's sharded gradients combine their shard norms)."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, grad_norm)
+        return grad_norm
 
     def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
         if self.scaler is not None:

@@ -3,6 +3,8 @@ examples, and the summed next-token loss."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,6 +36,10 @@ class CausalLMTask(Task):
             # position ids; sdpa and eager need the block-diagonal mask spelled out.
             batch["attention_mask"] = block_causal_mask(doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager")
         return batch
+
+    def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
+        results = super().eval_summary(sums)
+        return results | {"perplexity": math.exp(min(results["loss"], 50.0))}
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
