@@ -21,7 +21,7 @@ from accord.engine.optim import build_optimizer, build_scheduler
 from accord.models import build_model, build_tokenizer
 from accord.recipe import validate_recipe
 from accord.tasks import build_task
-from accord.trainer import fetch
+from accord.batches import fetch
 from conftest import TINY_RECIPE, max_param_diff
 
 STEPS = 10
@@ -45,7 +45,7 @@ def simulate(world: int, micro: int, normalisation: str, cache_dir) -> dict[str,
         for rank in range(world):
             for micro_step in range(plan.grad_accum):
                 members = [rows.members[r] for r in global_batch[plan.micro_slice(rank, micro_step)]]
-                batch = task.collate([fetch(data.train, m, {}) for m in members])
+                batch = task.collate([fetch(data.train, m) for m in members])
                 out = task.loss(model, batch)
                 if normalisation == "global":
                     loss = out.loss_sum / total_targets

@@ -1,98 +1,126 @@
-"""Put a run together: tokenizer, task, prepared data, rows and order, model (+ LoRA, + a
-DPO reference), engine — and hand them to the Trainer."""
+"""Put a run together, in one direction: tokenizer -> task -> prepared data -> rows and
+global order -> model (task hook, adapters) -> engine -> task setup. The result is a
+RunSetup that the Trainer only reads; nothing is set on the Trainer afterwards."""
 
 from __future__ import annotations
 
-import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
 from accord import dist
 from accord.batching import BatchPlan
 from accord.data.order import GlobalOrder
-from accord.data.packing import Rows
+from accord.data.packing import Rows, training_rows
 from accord.data.prepare import prepare_data
-from accord.engine import build_engine
+from accord.engine import Engine, build_engine
 from accord.models import apply_lora, build_model, build_tokenizer
 from accord.observe.throughput import flops_per_token, peak_tflops
-from accord.recipe import ModelConfig, Recipe
+from accord.recipe import Recipe
 from accord.tasks import build_task
-from accord.trainer import Trainer, total_training_steps
+from accord.tasks.base import Task
 
 
-def build_trainer(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> Trainer:
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    num_params: int  # the whole model, counted before adapters and sharding
+    trainable: int
+    flops_per_token: float  # for MFU
+    peak_tflops: float | None  # one device's peak; None where unknown (no MFU then)
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """Everything a run is made of; every rank holds the same global plan (rows, order, plan)."""
+
+    recipe: Recipe
+    info: dist.DistInfo
+    tokenizer: Any
+    task: Task
+    train_data: Any  # datasets.Dataset of encoded examples (memory-mapped)
+    eval_data: Any | None
+    data_report: dict[str, int]
+    rows: Rows  # which examples form each row of the global order
+    order: GlobalOrder
+    plan: BatchPlan
+    total_steps: int
+    engine: Engine
+    model: ModelFacts
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.recipe.output.dir)
+
+
+def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunSetup:
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
     plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size)
-    packing = task.packable and recipe.data.packing is not False
-    task.packing = packing
-    lengths = np.asarray(data.train["length"], dtype=np.int64)
-    rows = Rows.build(lengths, np.asarray(data.train["num_targets"], dtype=np.int64), recipe.data.max_length if packing else None)
-    grouped = rows.lengths if recipe.data.group_by_length and not packing else None
+    rows = training_rows(data.train, task.row_capacity)
+    grouped = rows.lengths if recipe.data.group_by_length and not task.packing else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
-    total_steps = total_training_steps(recipe, order)
+    total_steps = _total_steps(recipe, order)
 
     model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, task.model_kwargs())
-    if hasattr(task, "configure_model"):
-        task.configure_model(model)
-    reference = _dpo_reference(recipe, model, tokenizer, task, device) if recipe.task == "dpo" else None
+    task.configure_model(model)
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    name = type(model).__name__
-    # Counted before the engine shards the parameters (zero3 leaves local stubs).
-    model_flops = flops_per_token(model, context=float(rows.lengths.mean()))
+    facts = ModelFacts(
+        name=type(model).__name__,
+        num_params=num_params,
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        # Counted before the engine shards the parameters (zero3 leaves local stubs).
+        flops_per_token=flops_per_token(model, context=float(rows.lengths.mean())),
+        peak_tflops=peak_tflops(device, recipe.engine.peak_tflops),
+    )
     engine = build_engine(recipe, model, info, device, plan, total_steps)
-    if recipe.task == "dpo":
-        task.attach_reference(reference, engine.module)
     eval_data = data.eval
     if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
         eval_data = eval_data.select(range(recipe.train.eval_limit))
-    trainer = Trainer(recipe, info, task, data.train, eval_data, rows, engine, plan, order, total_steps, tokenizer)
-    trainer.flops_per_token = model_flops
-    trainer.peak_tflops = peak_tflops(device, recipe.engine.peak_tflops)
-    trainer.announce(name, num_params, trainable, data.report)
-    trainer.num_params = num_params
-    if recipe.task == "dpo" and recipe.dpo.precompute_reference:
-        precompute_reference(trainer)
-    return trainer
+    train_data, eval_data = task.setup(engine, data.train, eval_data)
+    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, data.report, rows, order, plan, total_steps, engine, facts)
 
 
-def _dpo_reference(recipe: Recipe, model, tokenizer, task, device: torch.device):
-    """The frozen reference policy: the given folder, or a copy of the starting model (with
-    LoRA none is needed: the reference is the model with its adapters switched off)."""
-    if recipe.dpo.reference is not None:
-        reference = build_model(ModelConfig(path=recipe.dpo.reference), tokenizer, recipe.seed, task.model_kind)
-    elif recipe.lora is not None:
-        return None
-    else:
-        reference = copy.deepcopy(model)
-    reference.requires_grad_(False)
-    return reference.eval().to(device)
+def describe(run: RunSetup) -> list[str]:
+    """What the run is about to do, for its first lines of output."""
+    recipe, report, facts = run.recipe, run.data_report, run.model
+    params = f"{_count(facts.num_params)} parameters" + (f", {_count(facts.trainable)} trained" if facts.trainable != facts.num_params else "")
+    layout = "packed rows" if run.task.packing else "rows"
+    used = len(run.eval_data) if run.eval_data is not None else 0
+    lines = [
+        f"{run.task.name} on {facts.name} ({params}), {recipe.engine.strategy} on {run.engine.device.type}, precision {recipe.engine.precision}",
+        f"batch {run.plan.describe()}",
+        f"{report['train_examples']} training examples in {len(run.rows)} {layout} ({run.order.steps_per_epoch} steps per epoch), "
+        f"{report['eval_examples']} held out" + (f" ({used} used)" if run.eval_data is not None and used < report["eval_examples"] else "")
+        + f"; {run.total_steps} steps",
+    ]
+    if run.task.packing:
+        fill = run.rows.lengths.sum() / (len(run.rows) * recipe.data.max_length)
+        lines.append(f"packing fills {100 * fill:.1f}% of each {recipe.data.max_length}-token row")
+    if report.get("train_over_length"):
+        policy = recipe.data.truncation
+        lines.append(
+            f"{report['train_over_length']} training examples were longer than data.max_length={recipe.data.max_length} "
+            f"({'dropped' if policy == 'drop' else 'truncated'}; {report['train_dropped']} left out in all)"
+        )
+    return [f"accord: {line}" for line in lines + run.task.describe()]
 
 
-@torch.no_grad()
-def precompute_reference(trainer: Trainer) -> None:
-    """Reference log-probabilities of every pair, computed once so training needs no
-    reference forward pass; then the reference model is released."""
-    from accord.trainer import fetch
+def _total_steps(recipe: Recipe, order: GlobalOrder) -> int:
+    """train.max_steps, or the steps that train.epochs passes over the rows take."""
+    if recipe.train.max_steps is not None:
+        return recipe.train.max_steps
+    assert recipe.train.epochs is not None
+    return max(1, math.ceil(recipe.train.epochs * order.steps_per_epoch))
 
-    task, size = trainer.task, trainer.recipe.train.eval_micro_batch_size
-    for split, ds in (("train", trainer.train_data), ("eval", trainer.eval_data)):
-        if ds is None:
-            continue
-        values = np.zeros((len(ds), 2), dtype=np.float32)
-        for start in range(0, len(ds), size):
-            indices = list(range(start, min(start + size, len(ds))))
-            batch = trainer.to_device(task.collate([[e] for e in fetch(ds, indices, {})]))
-            with trainer.engine.autocast():
-                logps = task.reference_logps(batch).float().cpu().numpy()
-            values[indices, 0], values[indices, 1] = logps[: len(indices)], logps[len(indices) :]
-        trainer.extra_columns[split]["ref_logp"] = values
-    task.attach_reference(None, trainer.engine.module)
-    dist.print0(f"accord: reference log-probabilities precomputed for {len(trainer.train_data)} training pairs")
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from functools import cache
 
 
@@ -32,5 +33,24 @@ def pause_before_sealing_checkpoint(step: int) -> None:
         time.sleep(seconds)
 
 
-def nan_loss_at(step: int) -> bool:
-    return _faults().get("nan_loss_at_step") == step
+def maybe_poison_loss(task, current_step: Callable[[], int]):
+    """The task, or (under nan_loss_at_step) a stand-in whose training loss is NaN at that
+    step: the loop itself carries no fault hook."""
+    at = _faults().get("nan_loss_at_step")
+    return task if at is None else _NaNLoss(task, int(at), current_step)
+
+
+class _NaNLoss:
+    """Delegates everything to the task; only `loss` at the chosen step is poisoned."""
+
+    def __init__(self, task, at_step: int, current_step: Callable[[], int]):
+        self._task, self._at_step, self._current_step = task, at_step, current_step
+
+    def __getattr__(self, name: str):
+        return getattr(self._task, name)
+
+    def loss(self, model, batch):
+        out = self._task.loss(model, batch)
+        if self._current_step() == self._at_step:
+            out.loss_sum = out.loss_sum * float("nan")
+        return out

@@ -1,10 +1,14 @@
 """Requests to stop early: SIGTERM (preemption, `kill`) and SIGUSR1 (SLURM's warning before
 the time limit). The handler only records the request; the loop finishes its optimizer
-step, writes a checkpoint and exits with PREEMPTED_EXIT_CODE."""
+step, writes a checkpoint and exits with PREEMPTED_EXIT_CODE. Also how a run ends: its
+result, or the error that stops it."""
 
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass, field
+
+from accord.errors import RunStopped
 
 # Distinct from errors (1, 2) so a job script can requeue on it: "checkpointed, resume me".
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL
@@ -13,6 +17,19 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # How a worker process ends; anything else is a crash (its traceback is on stderr).
 STOPPED_EXIT_CODE = 3  # the run cannot continue; the reason was printed on rank 0
 EXIT_CODES = {"completed": 0, "preempted": PREEMPTED_EXIT_CODE, "stopped": STOPPED_EXIT_CODE}
+
+
+class TrainingStopped(RunStopped):
+    """The run cannot continue (non-finite loss, a failed checkpoint write); the message
+    says why and what is intact. Raised on every rank alike, so shutdown stays orderly."""
+
+
+@dataclass
+class RunResult:
+    status: str  # completed | preempted | stopped
+    step: int
+    eval: dict[str, float] = field(default_factory=dict)
+    message: str = ""
 
 
 class StopRequest:

@@ -33,6 +33,13 @@ class Rows:
         return len(self.members)
 
 
+def training_rows(train, capacity: int | None) -> Rows:
+    """The rows of the global order for an encoded training set: examples packed into
+    `capacity`-token rows, or one example per row when `capacity` is None."""
+    lengths = np.asarray(train["length"], dtype=np.int64)
+    return Rows.build(lengths, np.asarray(train["num_targets"], dtype=np.int64), capacity)
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Longest examples first, each into the open row with the least room that fits it."""
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))

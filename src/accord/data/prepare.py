@@ -46,7 +46,7 @@ def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool) -> PreparedDat
 
 def cache_folder(recipe: Recipe, tokenizer, task) -> Path:
     root = Path(os.path.expanduser(recipe.data.cache_dir))
-    return root / f"{recipe.task}-{fingerprint(recipe, tokenizer, task)}"
+    return root / f"{task.name}-{fingerprint(recipe, tokenizer, task)}"
 
 
 def fingerprint(recipe: Recipe, tokenizer, task) -> str:
@@ -54,10 +54,9 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
     settings, seed (splits and mixing), tokenizer (vocabulary, specials, chat template)
     and the task's own settings."""
     data = recipe.data.model_dump(mode="json", exclude={"cache_dir", "prepare_timeout_s", "shuffle", "group_by_length"})
-    if recipe.task != "pretrain":
-        data.pop("packing")  # packing is applied after the cache, except pretrain's blocks
+    data.pop("packing")  # applied after the cache; a task whose encoding depends on it says so in settings()
     h = hashlib.sha256()
-    h.update(json.dumps({"v": FORMAT_VERSION, "task": recipe.task, "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
+    h.update(json.dumps({"v": FORMAT_VERSION, "task": f"{type(task).__module__}:{type(task).__qualname__}", "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
     h.update(_tokenizer_identity(tokenizer).encode())
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
         try:

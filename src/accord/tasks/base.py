@@ -39,11 +39,21 @@ class Task:
     model_kind = "causal_lm"  # or "sequence_classification"
     packable = False  # may several examples share one row (sft)?
 
+    # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
+    eval_hidden: tuple[str, ...] = ()
+
     def __init__(self, tokenizer, recipe):
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.max_length = recipe.data.max_length
         self.pad_id = tokenizer.pad_token_id
+        # Packing is the task's to decide (data.packing only turns it off), before any row is built.
+        self.packing = self.packable and recipe.data.packing is not False
+
+    @property
+    def row_capacity(self) -> int | None:
+        """Tokens per row of the global order when examples are packed; None: one example a row."""
+        return self.max_length if self.packing else None
 
     # ---------------------------------------------------------------- data (run once, cached)
 
@@ -75,6 +85,31 @@ class Task:
     def model_kwargs(self) -> dict[str, Any]:
         """Extra arguments for building the model (e.g. num_labels)."""
         return {}
+
+    # ---------------------------------------------------------------- lifecycle (once per run)
+
+    def configure_model(self, model: nn.Module) -> None:
+        """Called with the freshly built model, before adapters and before the engine wraps it."""
+
+    def setup(self, engine, train, eval_ds):
+        """Called once the engine holds the model; returns the (train, eval) datasets, with any
+        columns the task adds (e.g. precomputed reference values). `engine` gives `module`,
+        `device` and `autocast()`."""
+        return train, eval_ds
+
+    def describe(self) -> list[str]:
+        """Lines for the start-of-run summary, beyond what every run prints."""
+        return []
+
+    def format_eval(self, results: dict[str, float]) -> str:
+        """One line for an evaluation's results (accuracies and F1 as percentages)."""
+        parts = []
+        for name, value in results.items():
+            if name in self.eval_hidden:
+                continue
+            label = name.replace("_", " ")
+            parts.append(f"{label} {100 * value:.1f}%" if name.endswith(("accuracy", "f1")) else f"{label} {value:.4f}")
+        return "eval " + ", ".join(parts)
 
     # ---------------------------------------------------------------- batches and losses
 

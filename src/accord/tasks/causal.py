@@ -13,10 +13,10 @@ from accord.tasks.base import IGNORE, LossOutput, Task, causal_token_loss, pad_r
 
 class CausalLMTask(Task):
     packable = True
+    eval_hidden = ("perplexity", "generated")
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
-        self.packing = False  # set by the trainer once the data layout is known
         self.attn_implementation = "sdpa"
 
     def configure_model(self, model: nn.Module) -> None:
@@ -40,6 +40,12 @@ class CausalLMTask(Task):
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         results = super().eval_summary(sums)
         return results | {"perplexity": math.exp(min(results["loss"], 50.0))}
+
+    def format_eval(self, results: dict[str, float]) -> str:
+        line = super().format_eval({k: v for k, v in results.items() if k != "exact_match_accuracy"})
+        if "exact_match_accuracy" not in results:
+            return line
+        return f"{line}, exact-match {100 * results['exact_match_accuracy']:.1f}% of {int(results['generated'])}"
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -10,12 +10,15 @@ adapters switched off), or log-probabilities precomputed once before training.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accord.batches import fetch, to_device
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs
 
 
@@ -30,12 +33,58 @@ class DPOTask(Task):
         self.prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.reference: nn.Module | None = None  # a frozen model, or None: adapters off
         self.policy: nn.Module | None = None
+        self.precomputed = 0  # training pairs whose reference log-probabilities were precomputed
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"format": 1}
 
-    def attach_reference(self, reference: nn.Module | None, policy: nn.Module) -> None:
-        self.reference, self.policy = reference, policy
+    # ---------------------------------------------------------------- the reference policy
+
+    def configure_model(self, model: nn.Module) -> None:
+        """The frozen reference: the given folder, or a copy of the starting model (taken
+        before adapters are added). With LoRA none is needed: the reference is the policy
+        with its adapters switched off."""
+        cfg = self.recipe.dpo
+        if cfg.reference is not None:
+            from accord.models import build_model
+            from accord.recipe import ModelConfig
+
+            self.reference = build_model(ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind)
+        elif self.recipe.lora is None:
+            self.reference = copy.deepcopy(model)
+        if self.reference is not None:
+            self.reference.requires_grad_(False).eval()
+
+    def setup(self, engine, train, eval_ds):
+        self.policy = engine.module
+        if self.reference is not None:
+            self.reference.to(engine.device)
+        if not self.recipe.dpo.precompute_reference:
+            return train, eval_ds
+        train, eval_ds = (self._with_reference_logps(ds, engine) if ds is not None else None for ds in (train, eval_ds))
+        self.reference = None  # every value it would give is in the data now: release it
+        self.precomputed = len(train)
+        return train, eval_ds
+
+    @torch.no_grad()
+    def _with_reference_logps(self, ds, engine):
+        """`ds` with a `ref_logp` column (chosen, rejected), computed once so training needs
+        no reference forward pass. Every rank runs the same batches (a sharded policy's
+        forward is collective)."""
+        size = self.recipe.train.eval_micro_batch_size
+        values = np.zeros((len(ds), 2), dtype=np.float32)
+        for start in range(0, len(ds), size):
+            indices = list(range(start, min(start + size, len(ds))))
+            batch = to_device(self.collate([[e] for e in fetch(ds, indices)]), engine.device)
+            with engine.autocast():
+                logps = self.reference_logps(batch).float().cpu().numpy()
+            values[indices, 0], values[indices, 1] = logps[: len(indices)], logps[len(indices) :]
+        return ds.add_column("ref_logp", values.tolist())
+
+    def describe(self) -> list[str]:
+        if not self.precomputed:
+            return []
+        return [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         tok = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -77,7 +126,7 @@ class DPOTask(Task):
         if self.reference is not None:
             logits = self.reference(**inputs).logits
         else:
-            assert self.policy is not None, "attach_reference() first"
+            assert self.policy is not None, "setup() first"
             with _adapters_off(self.policy):
                 logits = self.policy(**inputs).logits
         return sequence_logprobs(logits, batch["labels"])
