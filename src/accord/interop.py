@@ -5,7 +5,6 @@ both values), and `accord config` writes the accelerate config that matches a re
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,12 @@ from typing import Any
 import yaml
 
 from accord.batching import BatchPlan
+from accord.engine.deepspeed_config import deepspeed_file_settings, deepspeed_settings
 from accord.recipe import Recipe, RecipeError, validate_recipe
+
+# deepspeed_file_settings belongs to this interface (where launchers' and users' configs meet
+# the recipe); the DeepSpeed JSON mapping itself lives beside the config derivation it inverts.
+__all__ = ["accelerate_config", "accelerate_settings", "deepspeed_file_settings", "reconcile", "write_accelerate_config"]
 
 _PRECISION = {"no": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -33,7 +37,7 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
         raise RecipeError(f"accelerate config: mixed_precision {precision!r} is not supported by accord (use no, bf16 or fp16)")
     settings["engine.precision"] = precision
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        settings |= _deepspeed_settings(env)
+        settings |= deepspeed_settings(env)
     elif env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         settings["engine.strategy"] = "fsdp"
         if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
@@ -46,59 +50,6 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     else:
         settings["engine.strategy"] = "ddp"
     return settings
-
-
-def deepspeed_file_settings(path: str) -> dict[str, Any]:
-    """Recipe values a user's DeepSpeed JSON implies (engine.deepspeed_config)."""
-    return _deepspeed_settings({"ACCELERATE_DEEPSPEED_CONFIG_FILE": path}, source="engine.deepspeed_config")
-
-
-def _read_json(path: str, source: str) -> dict[str, Any]:
-    if not Path(path).is_file():
-        raise RecipeError(f"{source}: file not found: {path}")
-    try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{source}: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
-
-
-def _deepspeed_settings(env: dict[str, str], source: str = "accelerate config: deepspeed_config_file") -> dict[str, Any]:
-    settings: dict[str, Any] = {}
-    config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    ds = _read_json(config_file, source) if config_file and config_file != "none" else {}
-    zero = ds.get("zero_optimization", {})
-    stage = zero.get("stage", env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
-    if stage is not None and str(stage) != "auto":
-        if str(stage) == "0":
-            raise RecipeError("accelerate config: DeepSpeed ZeRO stage 0 is plain data parallelism; use engine.strategy=ddp")
-        settings["engine.strategy"] = f"zero{stage}"
-    optimizer_device = _device(zero.get("offload_optimizer"), env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"))
-    param_device = _device(zero.get("offload_param"), env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"))
-    if param_device not in ("none", None):
-        settings["engine.offload"] = "optimizer+params"
-    elif optimizer_device not in ("none", None):
-        settings["engine.offload"] = "optimizer"
-    else:
-        settings["engine.offload"] = "none"
-    accumulation = ds.get("gradient_accumulation_steps", env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"))
-    if accumulation not in (None, "auto"):
-        settings["batch.grad_accum"] = int(accumulation)
-    clipping = ds.get("gradient_clipping", env.get("ACCELERATE_GRADIENT_CLIPPING"))
-    if clipping not in (None, "auto", "none"):
-        settings["optim.max_grad_norm"] = float(clipping)
-    for key, name in (("train_micro_batch_size_per_gpu", "batch.micro_batch_size"), ("train_batch_size", "batch.global_batch_size")):
-        if ds.get(key) not in (None, "auto"):
-            settings[name] = int(ds[key])
-    for key in ("bf16", "fp16"):
-        if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True:
-            settings["engine.precision"] = key
-    return settings
-
-
-def _device(section: Any, fallback: str | None) -> str | None:
-    if isinstance(section, dict) and "device" in section:
-        return str(section["device"]).lower()
-    return fallback.lower() if fallback else None
 
 
 def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source: str = "accelerate config") -> Recipe:

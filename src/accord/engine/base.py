@@ -11,24 +11,31 @@ from torch import nn
 
 
 class Engine(ABC):
+    """Each strategy sets, in its constructor:
+
+    - `device`;
+    - `module`: the plain model, for evaluation, generation and saving;
+    - `_wrapped`: what holds the strategy's state and hooks (DDP, FSDP2's sharded root,
+      DeepSpeed's engine), and runs the training forward;
+    - `state_optimizer`: the optimizer whose `state` holds this rank's AdamW tensors (the
+      inner one where a wrapper steps it), for model_state_bytes.
+    """
+
     device: torch.device
-    model: nn.Module  # the wrapped model (DDP, FSDP, DeepSpeed): state, sync control
-    compiled: nn.Module | None = None
+    module: nn.Module
+    _wrapped: nn.Module
+    state_optimizer: torch.optim.Optimizer
+    _compiled: nn.Module | None = None
 
     @property
     def train_model(self) -> nn.Module:
         """What the training forward runs: the wrapped model, compiled when asked."""
-        return self.compiled if self.compiled is not None else self.model
+        return self._compiled if self._compiled is not None else self._wrapped
 
     def compile(self) -> None:
         """torch.compile the training forward (engine.compile); state and hooks stay on
         the uncompiled wrapper, so checkpoints and gradient sync are unchanged."""
-        self.compiled = torch.compile(self.model)
-
-    @property
-    @abstractmethod
-    def module(self) -> nn.Module:
-        """The plain model (for evaluation, generation and saving)."""
+        self._compiled = torch.compile(self._wrapped)
 
     @abstractmethod
     def sync_context(self, last_micro_step: bool) -> AbstractContextManager:
@@ -47,8 +54,12 @@ class Engine(ABC):
     def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
         """Clip, update, advance the schedule, zero the gradients. Returns the gradient norm
         before clipping (a device tensor: reading it is the caller's choice of sync point)
-        and whether the update was applied. With `skip_nonfinite` a NaN/inf norm skips the
-        update (this reads the norm: one host sync)."""
+        and whether the update was applied.
+
+        The update is not applied only when a non-finite gradient dropped it: with
+        `skip_nonfinite` (this reads the norm: one host sync), or where the strategy always
+        drops such updates itself (DeepSpeed). An fp16 overflow that loss scaling handles
+        counts as applied. Every rank returns the same answer."""
 
     @property
     def lockstep(self) -> bool:
@@ -79,17 +90,12 @@ class Engine(ABC):
     def load_state(self, folder: Path) -> None:
         """Collective: restore what save_state wrote, whatever the world size then was."""
 
-    def state_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that holds this rank's state tensors (the inner one of wrappers)."""
-        optimizer = getattr(self, "_base_optimizer", None) or self.optimizer  # type: ignore[attr-defined]
-        return getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local one
-
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, from the real tensors: parameters (local
         shards), optimizer state, and master weights when the optimizer updates copies
         (DeepSpeed's fp32 partitions). What `accord plan` predicts."""
         module_params = {id(p) for p in self.module.parameters()}
-        optimizer = self.state_optimizer()
+        optimizer = self.state_optimizer
         states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in module_params]
         return {

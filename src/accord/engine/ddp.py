@@ -11,47 +11,35 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accord.batching import BatchPlan
 from accord.dist import DistInfo
-from accord.engine.optim import build_optimizer, build_scheduler
-from accord.engine.precision import build_grad_scaler
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import enable_activation_checkpointing
 from accord.recipe import Recipe
 
 
+def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DDPEngine:
+    return DDPEngine(model, recipe, info, device, total_steps)
+
+
 class DDPEngine(TorchUpdateEngine):
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int):
-        self.device = device
-        self.world_size = info.world_size
-        self.precision = recipe.engine.precision
-        self.max_grad_norm = recipe.optim.max_grad_norm
-        self._module = model.to(device)
+    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+        model.to(device)
         if recipe.engine.activation_checkpointing:
-            enable_activation_checkpointing(self._module)
+            enable_activation_checkpointing(model)
+        wrapped = model
         if info.world_size > 1:
-            self.model = DistributedDataParallel(
-                self._module,
+            wrapped = DistributedDataParallel(
+                model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
                 **_no_buffer_sync_per_forward(),
             )
-        else:
-            self.model = self._module
-        self.optimizer = self._build_optimizer(recipe, device)
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim, total_steps)
-        self.scaler = build_grad_scaler(self.precision, device)
-        self._params = [p for p in self._module.parameters() if p.requires_grad]
-
-    def _build_optimizer(self, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
-        return build_optimizer(self._module, recipe.optim, device)
-
-    @property
-    def module(self) -> nn.Module:
-        return self._module
+        super().__init__(model, wrapped, recipe, info, device, total_steps)
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        if last_micro_step or not isinstance(self.model, DistributedDataParallel):
+        if last_micro_step or not isinstance(self._wrapped, DistributedDataParallel):
             return contextlib.nullcontext()
-        return self.model.no_sync()
+        return self._wrapped.no_sync()
+
 
 def _no_buffer_sync_per_forward() -> dict[str, bool]:
     """Transformer models keep no running statistics, so syncing buffers before every

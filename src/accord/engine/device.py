@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from accord.errors import UserInputError
 from accord.recipe import EngineConfig
 
 
 def wants_cuda(cfg: EngineConfig) -> bool:
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device=cuda but no CUDA device is visible (use engine.device=auto or cpu)")
+        raise UserInputError("engine.device=cuda but no CUDA device is visible (use engine.device=auto or cpu)")
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 

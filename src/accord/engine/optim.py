@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import get_scheduler
 
 from accord.recipe import OptimConfig
@@ -22,16 +23,15 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over param_groups(model)."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg),
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        # The fused kernel is one launch per step instead of several per tensor on GPU.
-        fused=device.type == "cuda" or None,
-    )
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, shard: bool = False) -> torch.optim.Optimizer:
+    """AdamW over param_groups(model). With `shard`, torch's ZeroRedundancyOptimizer wraps
+    it: each rank keeps and updates the AdamW state of its share of the parameters (ZeRO-1)."""
+    groups = param_groups(model, cfg)
+    # The fused kernel is one launch per step instead of several per tensor on GPU.
+    settings = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "fused": device.type == "cuda" or None}
+    if shard:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
+    return torch.optim.AdamW(groups, **settings)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:

@@ -6,13 +6,13 @@ import contextlib
 
 import torch
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     if precision == "no":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
 def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:

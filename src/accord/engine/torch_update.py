@@ -1,6 +1,7 @@
 """What the strategies built on a plain torch optimizer share (DDP, torch ZeRO-1, FSDP2):
-the token-normalised backward, the update with clipping, skipping and loss scaling, and
-the checkpoint of the full state."""
+the optimizer, schedule and loss scaler, the token-normalised backward, the update with
+clipping, skipping and loss scaling, and the checkpoint of the full state. A subclass only
+wraps the model."""
 
 from __future__ import annotations
 
@@ -8,24 +9,36 @@ import contextlib
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from accord.dist import DistInfo
 from accord.engine.base import Engine
-from accord.engine.precision import autocast
+from accord.engine.optim import build_optimizer, build_scheduler
+from accord.engine.precision import autocast, build_grad_scaler
 from accord.engine.state import load_full_state, load_schedule, save_full_state, save_schedule
+from accord.recipe import Recipe
 
 
 class TorchUpdateEngine(Engine):
-    """Subclasses set world_size, precision, max_grad_norm, model, optimizer, scheduler,
-    scaler (None without fp16) and _params (the trainable parameters)."""
+    # torch's ZeroRedundancyOptimizer instead of AdamW itself (ZeRO-1 over DDP).
+    shard_optimizer = False
 
-    world_size: int
-    precision: str
-    max_grad_norm: float | None
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler | None
-    _params: list[torch.nn.Parameter]
+    def __init__(self, module: nn.Module, wrapped: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+        """`module` is the model on `device`, `wrapped` the strategy's wrapper around it
+        (its parameters are the ones to optimize: FSDP2 has made them sharded DTensors)."""
+        self.device = device
+        self.module = module
+        self._wrapped = wrapped
+        self.world_size = info.world_size
+        self.precision = recipe.engine.precision
+        self.max_grad_norm = recipe.optim.max_grad_norm
+        self.optimizer = build_optimizer(module, recipe.optim, device, shard=self.shard_optimizer)
+        self.state_optimizer = self.optimizer
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim, total_steps)
+        # fp16 only; it handles FSDP2's DTensor gradients too (found_inf reduced over ranks).
+        self.scaler = build_grad_scaler(self.precision, device)
+        self._params = [p for p in module.parameters() if p.requires_grad]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.precision, self.device)
@@ -53,9 +66,9 @@ class TorchUpdateEngine(Engine):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
-        stepped = True
+        applied = True
         if skip_nonfinite and self.scaler is None and not torch.isfinite(grad_norm).item():
-            stepped = False  # the same decision on every rank: the norm is of the whole, synced gradient
+            applied = False  # the same decision on every rank: the norm is of the whole, synced gradient
         elif self.scaler is not None:
             # Skips the update itself when the fp16 gradients overflowed, then adapts the scale.
             self.scaler.step(self.optimizer)
@@ -64,7 +77,7 @@ class TorchUpdateEngine(Engine):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, stepped
+        return grad_norm, applied
 
     @property
     def handles_overflow(self) -> bool:
@@ -76,10 +89,10 @@ class TorchUpdateEngine(Engine):
 
     def save_state(self, folder: Path, writer: bool) -> None:
         # Full tensors keyed by name, whatever the sharding: any strategy on any world size resumes.
-        save_full_state(self.model, self.optimizer, folder, writer)
+        save_full_state(self._wrapped, self.optimizer, folder, writer)
         if writer:
             save_schedule(folder, self.scheduler, self.scaler)
 
     def load_state(self, folder: Path) -> None:
-        load_full_state(self.model, self.optimizer, folder)
+        load_full_state(self._wrapped, self.optimizer, folder)
         load_schedule(folder, self.scheduler, self.scaler)

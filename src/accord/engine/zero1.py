@@ -1,0 +1,31 @@
+"""zero1: DeepSpeed ZeRO-1, or torch's ZeroRedundancyOptimizer over DDP
+(engine.zero1_implementation; `auto` takes DeepSpeed when it is installed)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from accord import dist
+from accord.batching import BatchPlan
+from accord.dist import DistInfo
+from accord.engine import deepspeed_available, deepspeed_engine
+from accord.engine.base import Engine
+from accord.engine.ddp import DDPEngine
+from accord.engine.zero_torch import TorchZeroEngine
+from accord.recipe import EngineConfig, Recipe
+
+
+def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
+    if not _uses_torch(recipe.engine):
+        return deepspeed_engine.build(recipe, model, info, device, plan, total_steps)
+    why = "as asked (engine.zero1_implementation=torch)" if recipe.engine.zero1_implementation == "torch" else "because DeepSpeed is not installed"
+    dist.print0(f"accord: zero1 uses torch's ZeroRedundancyOptimizer over DDP {why}")
+    if info.world_size == 1:
+        return DDPEngine(model, recipe, info, device, total_steps)  # one process: nothing to shard
+    return TorchZeroEngine(model, recipe, info, device, total_steps)
+
+
+def _uses_torch(cfg: EngineConfig) -> bool:
+    """Offloading needs DeepSpeed (the recipe refuses it with the torch implementation)."""
+    return cfg.offload == "none" and (cfg.zero1_implementation == "torch" or (cfg.zero1_implementation == "auto" and not deepspeed_available()))
