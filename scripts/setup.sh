@@ -27,8 +27,9 @@ stamp="$VENV/.accord-installed"
 want=$(cat pyproject.toml scripts/install-examples.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
-    # in ~20 s; its C++/CUDA ops are compiled on first use, not at install.
-    "${PIP[@]}" -e ".[dev,deepspeed]"
+    # in ~20 s; its C++/CUDA ops are compiled on first use, not at install. bench (TRL, for
+    # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own.
+    "${PIP[@]}" -e ".[dev,deepspeed,bench]"
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         # On a CPU-only machine DeepSpeed compiles one op (shared-memory collectives) the
         # first time a run starts, ~1.5 min on 2 cores; do it now, once (cached under

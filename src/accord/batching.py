@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from accord.errors import UserInputError
 
-class BatchPlanError(ValueError):
+
+class BatchPlanError(UserInputError):
     """The requested batch sizes cannot be split over this many processes."""
 
 

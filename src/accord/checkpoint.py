@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from accord import __version__, dist, faults
+from accord.errors import RunStopped
 from accord.recipe import Recipe, recipe_to_yaml
 
 CHECKPOINTS = "checkpoints"
@@ -33,7 +34,7 @@ RECIPE_FILE = "recipe.yaml"
 IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunStopped):
     """A checkpoint could not be written or used; earlier checkpoints are intact."""
 
 
@@ -263,6 +264,14 @@ def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
             out += _diff(f"{prefix}.{key}", old.get(key), new.get(key))
         return out
     return [] if old == new else [(prefix, old, new)]
+
+
+def resume_hint(out_dir: Path) -> str:
+    """How a run that stopped early continues, for the line that says it stopped."""
+    latest = latest_checkpoint(out_dir)
+    if latest is None:
+        return "no checkpoint was written yet"
+    return f"the latest checkpoint is {latest} — continue with --resume"
 
 
 def check_resume(recipe: Recipe) -> list[str]:

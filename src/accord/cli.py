@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from accord import __version__
+from accord.errors import AccordError, UserInputError
 
 _TRAIN_EPILOG = """\
 examples:
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_arguments(train, "recipe overrides, e.g. optim.lr=1e-3")
     train.add_argument("--overwrite", action="store_true", help="replace an earlier run in output.dir")
     train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output.dir (same as resume=auto)")
-    train.add_argument("--devices", metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
+    train.add_argument("--devices", type=_gpu_indices, metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
     train.add_argument("--processes", type=int, metavar="N", help="CPU worker processes (same as engine.processes=N)")
     nodes = train.add_argument_group("several nodes (run the same command on each; SLURM's environment is read by itself)")
     nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (env NNODES)")
@@ -118,80 +119,51 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if args.command in ("train", "slurm", "config", "plan"):
         args.overrides = list(args.overrides) + extra
-    return args.func(args)
+    try:
+        return args.func(args)
+    except AccordError as e:
+        return _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", code=130)
+
+
+def _gpu_indices(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices such as 0,1, got {text!r}") from None
 
 
 def _train(args: argparse.Namespace) -> int:
-    from accord.cluster import ClusterError, resolve_topology
-    from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
-    from accord.engine.device import wants_cuda
-    from accord.forked import call_in_fork
-    from accord.launch import Interrupted, WorkerFailed, planned_world_size, run, starts_workers
+    from accord import api
     from accord.stopping import PREEMPTED_EXIT_CODE
-    from accord.preflight import preflight
-    from accord.recipe import RecipeError, load_recipe
 
-    overrides = list(args.overrides)
-    if args.overwrite:
-        overrides.append("output.overwrite=true")
-    if args.resume:
-        overrides.append("resume=auto")
-    if args.devices:
-        overrides.append(f"engine.devices=[{args.devices}]")
-    if args.processes is not None:
-        overrides.append(f"engine.processes={args.processes}")
-    try:
-        recipe = load_recipe(args.recipe, overrides)
-        topology = resolve_topology(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
-        world_size = planned_world_size(recipe.engine, topology)
-        recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
-        if recipe.engine.deepspeed_config:
-            path = recipe.engine.deepspeed_config
-            recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
-        if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
-            # The launcher keeps running for the whole job: check in a child, so the
-            # libraries the checks load do not stay resident beside the workers. Not with
-            # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
-            problems = call_in_fork(preflight, recipe, world_size, writer=topology.hosts_rank_zero)
-        else:
-            problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
-    except (RecipeError, ClusterError, RuntimeError) as e:
-        return _fail(str(e))
-    if problems:
-        return _fail("\n".join(problems))
-    try:
-        status = run(recipe, topology)
-    except WorkerFailed as e:
-        return _fail(str(e), code=1)
-    except Interrupted as e:
-        return _fail(f"{e}; {_resume_hint(recipe)}", code=PREEMPTED_EXIT_CODE)
-    except KeyboardInterrupt:
-        return _fail("interrupted", code=130)
-    if status == "preempted":
-        return _fail(f"stopped early on request; {_resume_hint(recipe)}", code=PREEMPTED_EXIT_CODE)
-    if status == "stopped":
-        return 1  # the worker already printed why
-    return 0
+    result = api.train(
+        args.recipe, args.overrides,
+        overwrite=args.overwrite, resume=args.resume, processes=args.processes, devices=args.devices,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+    )
+    if result.status == "preempted":
+        return _fail(result.message, code=PREEMPTED_EXIT_CODE)
+    return 1 if result.status == "stopped" else 0  # a stopped run's worker printed why
 
 
 def _slurm(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from accord.batching import BatchPlan, BatchPlanError
-    from accord.recipe import RecipeError, load_recipe
-    from accord.slurm import JobRequest, SlurmError, job_script
+    from accord.batching import BatchPlan
+    from accord.recipe import load_recipe
+    from accord.slurm import JobRequest, job_script
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        per_node = args.gpus_per_node or recipe.engine.processes
-        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node)
-        job = JobRequest(
-            Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
-            args.partition, args.time, args.account, args.cpus_per_task, args.job_name,
-        )
-        script = job_script(job, output_dir=str(Path(recipe.output.dir).resolve()), workdir=Path.cwd())
-    except (RecipeError, BatchPlanError, SlurmError) as e:
-        return _fail(str(e))
+    recipe = load_recipe(args.recipe, args.overrides)
+    per_node = args.gpus_per_node or recipe.engine.processes
+    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node)
+    job = JobRequest(
+        Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
+        args.partition, args.time, args.account, args.cpus_per_task, args.job_name,
+    )
+    script = job_script(job, output_dir=str(Path(recipe.output.dir).resolve()), workdir=Path.cwd())
     out = Path(args.out or f"{Path(args.recipe).stem}.sbatch")
     out.write_text(script)
     Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
@@ -203,52 +175,24 @@ def _slurm(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from accord.batching import BatchPlanError
-    from accord.plan import format_table, plan, recommend
-    from accord.recipe import RecipeError, load_recipe
+    from accord import api
+    from accord.planner import format_table
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        if args.gpus < 1 or args.nodes < 1:
-            raise RecipeError("--gpus and --nodes must be at least 1")
-        memory = _parse_memory(args.gpu_memory) if args.gpu_memory else _visible_gpu_memory()
-        rows, world = plan(recipe, args.gpus, args.nodes)
-    except (RecipeError, BatchPlanError, ValueError) as e:
-        return _fail(str(e))
-    advice = recommend(rows, recipe, world, memory) if memory else "give --gpu-memory to see what fits"
+    result = api.plan(args.recipe, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory)
     if args.json:
-        print(json.dumps({"world_size": world, "gpu_memory_gib": memory, "strategies": [r.as_dict() for r in rows], "advice": advice}))
+        print(json.dumps(result.as_dict()))
         return 0
     print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {args.gpus} GPU(s), per GPU (GiB):")
-    print(format_table(rows, memory))
-    print(f"accord: {advice}")
+    print(format_table(result.rows, result.gpu_memory_gib))
+    print(f"accord: {result.advice}")
     return 0
-
-
-def _parse_memory(text: str) -> float:
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GB|GiB|G|MB|MiB)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 80GB or 24GiB")
-    value, unit = float(match.group(1)), (match.group(2) or "GB").lower()
-    bytes_ = value * {"gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20}[unit]
-    return bytes_ / 2**30
-
-
-def _visible_gpu_memory() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     if not (Path(args.output_dir) / "metrics.jsonl").is_file():
-        return _fail(f"{args.output_dir}: no metrics.jsonl here (give the output.dir of a run)")
+        raise UserInputError(f"{args.output_dir}: no metrics.jsonl here (give the output.dir of a run)")
     from accord.observe.report import render_report
 
     page = render_report(args.output_dir)
@@ -259,34 +203,19 @@ def _report(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from accord.batching import BatchPlanError
     from accord.interop import accelerate_config, write_accelerate_config
     from accord.launch import local_world_size
-    from accord.recipe import RecipeError, load_recipe
+    from accord.recipe import load_recipe
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        processes = args.processes or args.nodes * local_world_size(recipe.engine)
-        if args.nodes > 1 and not args.master_addr:
-            raise RecipeError("--nodes > 1 needs --master-addr (the address of node 0)")
-        config = accelerate_config(recipe, processes, args.nodes, args.node_rank, args.master_addr, args.master_port)
-    except (RecipeError, BatchPlanError, RuntimeError) as e:
-        return _fail(str(e))
+    recipe = load_recipe(args.recipe, args.overrides)
+    processes = args.processes or args.nodes * local_world_size(recipe.engine)
+    if args.nodes > 1 and not args.master_addr:
+        raise UserInputError("--nodes > 1 needs --master-addr (the address of node 0)")
+    config = accelerate_config(recipe, processes, args.nodes, args.node_rank, args.master_addr, args.master_port)
     write_accelerate_config(config, Path(args.out))
     print(f"accord: wrote {args.out} ({config['distributed_type']}, {processes} processes); "
           f"launch with: accelerate launch --config_file {args.out} -m accord train {args.recipe}")
     return 0
-
-
-def _resume_hint(recipe) -> str:
-    from pathlib import Path
-
-    from accord.checkpoint import latest_checkpoint
-
-    latest = latest_checkpoint(Path(recipe.output.dir))
-    if latest is None:
-        return "no checkpoint was written yet"
-    return f"the latest checkpoint is {latest} — continue with --resume"
 
 
 def _fail(message: str, code: int = 2) -> int:

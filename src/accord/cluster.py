@@ -15,10 +15,12 @@ import struct
 import subprocess
 from dataclasses import dataclass
 
+from accord.errors import UserInputError
+
 DEFAULT_PORT = 29500
 
 
-class ClusterError(ValueError):
+class ClusterError(UserInputError):
     """Inconsistent multi-node settings; the message says which and how to fix them."""
 
 

@@ -11,6 +11,8 @@ import sys
 import traceback
 from typing import Any, Callable
 
+from accord.errors import RunStopped
+
 
 def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs) in a forked child: its return value, or its exception re-raised
@@ -30,7 +32,7 @@ def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         payload = pipe.read()
     _, status = os.waitpid(pid, 0)
     if not payload:
-        raise RuntimeError(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
+        raise RunStopped(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
     outcome, value = pickle.loads(payload)
     if outcome == "raised":
         raise value

@@ -11,15 +11,20 @@ from typing import Any
 
 from accord import dist
 from accord.cluster import Topology, interface_towards, is_local_address
+from accord.errors import AccordError, RunStopped
 from accord.recipe import EngineConfig, Recipe
+from accord.stopping import PREEMPTED_EXIT_CODE
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(RunStopped):
     """A worker process crashed (its traceback was printed by the worker)."""
 
 
-class Interrupted(RuntimeError):
-    """The launcher was told to stop (SIGTERM / SIGUSR1 / SIGINT) and stopped its workers."""
+class Interrupted(AccordError):
+    """The launcher was told to stop (SIGTERM / SIGUSR1 / SIGINT) and stopped its workers;
+    the exit code asks a job script to requeue the run."""
+
+    exit_code = PREEMPTED_EXIT_CODE
 
 
 def local_world_size(cfg: EngineConfig) -> int:

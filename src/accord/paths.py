@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from accord.errors import UserInputError
 
-class PathError(ValueError):
+
+class PathError(UserInputError):
     """A path that cannot be resolved; the message says why."""
 
 

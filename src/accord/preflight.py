@@ -9,6 +9,7 @@ from accord import dist
 from accord.batching import BatchPlan, BatchPlanError
 from accord.checkpoint import check_resume
 from accord.data.sources import DataError
+from accord.errors import UserInputError
 from accord.outputs import check_output_dir
 from accord.paths import PathError, resolve_path
 from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
@@ -23,7 +24,7 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]
     except BatchPlanError as e:
         problems.append(str(e))
     problems += check_model_source(recipe.model)
-    problems += check_devices(recipe.engine)
+    problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
         # created the folder.
@@ -39,6 +40,7 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]
 def prepare_and_check_data(recipe: Recipe) -> list[str]:
     """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
     worker starts and the workers only read the cache."""
+    from accord.data.packing import training_rows
     from accord.data.prepare import prepare_data
     from accord.models import build_tokenizer
     from accord.tasks import build_task
@@ -49,13 +51,18 @@ def prepare_and_check_data(recipe: Recipe) -> list[str]:
         data = prepare_data(recipe, tokenizer, task, preparer=True)
     except DataError as e:
         return [str(e)]
-    rows = data.report["train_examples"]
-    if rows < recipe.batch.global_batch_size:
-        return [
-            f"only {rows} training examples but batch.global_batch_size={recipe.batch.global_batch_size}; "
-            f"lower the global batch or add data"
-        ]
-    return []
+    # The global order draws its batches from rows, which packing makes fewer than examples.
+    rows = len(training_rows(data.train, task.row_capacity))
+    examples = data.report["train_examples"]
+    needed = recipe.batch.global_batch_size
+    if rows >= needed:
+        return []
+    counted = (
+        f"{rows} training rows ({examples} examples packed into rows of {task.row_capacity} tokens)"
+        if task.row_capacity is not None
+        else f"{rows} training examples"
+    )
+    return [f"only {counted} but batch.global_batch_size={needed}; lower the global batch or add data"]
 
 
 def check_model_source(cfg: ModelConfig) -> list[str]:
@@ -90,12 +97,19 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
     return problems
 
 
+def check_environment(recipe: Recipe) -> list[str]:
+    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16.
+    Kept out of the recipe's schema, so a recipe validates alike on every machine."""
+    return check_devices(recipe.engine) or check_deepspeed(recipe.engine)
+
+
 def check_devices(cfg: EngineConfig) -> list[str]:
+    """The GPUs the recipe asks for are here."""
     from accord.engine.device import wants_cuda
 
     try:
         cuda = wants_cuda(cfg)
-    except RuntimeError as e:
+    except UserInputError as e:
         return [str(e)]
     if cfg.devices is None:
         return []
@@ -107,6 +121,27 @@ def check_devices(cfg: EngineConfig) -> list[str]:
     bad = [d for d in cfg.devices if not 0 <= d < count]
     if bad or len(set(cfg.devices)) != len(cfg.devices) or not cfg.devices:
         return [f"engine.devices={cfg.devices}: each must be a distinct GPU index from 0 to {count - 1}"]
+    return []
+
+
+def check_deepspeed(cfg: EngineConfig) -> list[str]:
+    """A zero strategy that needs DeepSpeed has it here, and does not ask it for fp16 on the CPU."""
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine.device import wants_cuda
+
+    needs_deepspeed = cfg.strategy in ("zero2", "zero3") or (
+        cfg.strategy == "zero1" and (cfg.zero1_implementation == "deepspeed" or cfg.offload != "none")
+    )
+    # zero1_implementation=auto takes DeepSpeed where it is installed.
+    uses_deepspeed = needs_deepspeed or (cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available())
+    if needs_deepspeed and not deepspeed_available():
+        what = f"engine.strategy={cfg.strategy}" + (f" with engine.offload={cfg.offload}" if cfg.offload != "none" else "")
+        return [f"{what} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"]
+    if uses_deepspeed and cfg.precision == "fp16" and not wants_cuda(cfg):
+        return [
+            f"engine.precision=fp16 with engine.strategy={cfg.strategy} (DeepSpeed) needs a GPU: DeepSpeed has no "
+            f"fp16 on the CPU; use engine.precision=bf16 or no, or engine.strategy=fsdp or ddp"
+        ]
     return []
 
 

@@ -15,13 +15,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from accord.errors import UserInputError
 from accord.stopping import PREEMPTED_EXIT_CODE
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # SLURM forms: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
 SIGNAL_LEAD_S = 120
 
 
-class SlurmError(ValueError):
+class SlurmError(UserInputError):
     """A job request that cannot be written; the message says which value and why."""
 
 

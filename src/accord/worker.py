@@ -20,9 +20,10 @@ from accord.engine.device import select_device
 from accord.outputs import prepare_output_dir
 from accord.recipe import Recipe
 from accord.stopping import EXIT_CODES, StopRequest
-from accord.assemble import build_trainer
+from accord.assemble import build_run, describe
 from accord.data.sources import DataError
-from accord.trainer import RunResult, TrainingStopped
+from accord.stopping import RunResult, TrainingStopped
+from accord.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
         # Every rank raises this together (the cause is agreed collectively), so the
         # shutdown can still be orderly.
         clean = True
-        dist.print0(f"accord: error: {e}")
+        dist.print0(f"accord: error: {e}", file=sys.stderr)
         return RunResult("stopped", -1, message=str(e)).__dict__
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
@@ -83,17 +84,19 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
     try:
-        trainer = build_trainer(recipe, info, device)
+        run = build_run(recipe, info, device)
     except DataError as e:
         raise TrainingStopped(str(e)) from None
+    for line in describe(run):
+        dist.print0(line)
     if info.is_main:
-        warning = disk_space_warning(out_dir, trainer.num_params, recipe.checkpoint.keep_last)
+        warning = disk_space_warning(out_dir, run.model.num_params, recipe.checkpoint.keep_last)
         if warning:
             dist.print0(f"accord: warning: {warning}")
+    trainer = Trainer(run)
     try:
         if source is not None:
             trainer.restore(source)
-        trainer.open_metrics()
         result = trainer.train(stop)
         if result.status == "completed":
             final = trainer.save()

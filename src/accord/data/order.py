@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from accord.errors import UserInputError
+
 
 @dataclass(frozen=True)
 class Position:
@@ -23,7 +25,7 @@ class GlobalOrder:
         self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True, group_lengths: np.ndarray | None = None
     ):
         if num_examples < global_batch_size:
-            raise ValueError(
+            raise UserInputError(
                 f"only {num_examples} training examples but batch.global_batch_size={global_batch_size}; "
                 f"lower the global batch or add data"
             )

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from accord.errors import UserInputError
 from accord.paths import PathError, resolve_path
 from accord.recipe import DataConfig, SourceConfig
 
@@ -22,7 +23,7 @@ ROW = "__row"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text", ".yml": "chatterbot", ".yaml": "chatterbot"}
 
 
-class DataError(ValueError):
+class DataError(UserInputError):
     """Unusable input data; the message names the file and row and how to fix it."""
 
 

@@ -49,7 +49,7 @@ def meta_model(recipe: Recipe):
 
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
-    kwargs = {"num_labels": len(recipe.classify.labels)} if recipe.task == "classify" and recipe.classify.labels else {}
+    kwargs = task.model_kwargs()  # before the data is read: what the recipe alone fixes (e.g. classify.labels)
     with torch.device("meta"):
         folder = model_folder(recipe.model)
         if folder is not None:

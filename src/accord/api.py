@@ -1,0 +1,214 @@
+"""accord from Python: `accord.train` and `accord.plan` do what `accord train` and `accord plan`
+do, and raise an AccordError (UserInputError, RunStopped, ...) where the command prints
+`accord: error: ...` lines.
+
+    import accord
+    result = accord.train("recipes/quickstart.yaml", {"train.max_steps": 50}, overwrite=True)
+    result.status, result.final      # "completed", Path("runs/quickstart/final")
+    accord.plan(recipe_dict, gpus=8, gpu_memory="80GB").advice
+
+A recipe is a YAML file's path, the parsed YAML (a dict) or a Recipe; overrides are dotted
+keys, as a mapping ({"batch.micro_batch_size": 4}) or as the command line writes them
+(["batch.micro_batch_size=4"]), and take precedence over the recipe.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+from accord.errors import UserInputError
+from accord.recipe import Recipe, apply_override, load_recipe, validate_recipe
+
+if TYPE_CHECKING:
+    from accord.planner import StrategyPlan
+
+RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Recipe]
+Overrides = Union[Mapping[str, Any], Sequence[str], str, None]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a training run ended."""
+
+    status: str  # completed | preempted (stopped on request, checkpointed) | stopped (could not go on; the reason is on stderr)
+    output_dir: Path
+    message: str = ""  # preempted: where the run can continue from
+
+    @property
+    def final(self) -> Path | None:
+        """The exported model (a save_pretrained folder) of a completed run."""
+        return self.output_dir / "final" if self.status == "completed" else None
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Per-GPU memory of each strategy (bytes, the largest rank's share) and what fits."""
+
+    rows: list[StrategyPlan]
+    world_size: int
+    gpu_memory_gib: float | None
+    advice: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "strategies": [row.as_dict() for row in self.rows],
+            "advice": self.advice,
+        }
+
+
+def train(
+    recipe: RecipeLike,
+    /,
+    overrides: Overrides = None,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    processes: int | None = None,
+    devices: Sequence[int] | None = None,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> TrainResult:
+    """Train a recipe as `accord train` does: on engine.processes CPU workers or every
+    visible GPU, started here (or as the worker an outer launcher such as torchrun started).
+
+    overwrite: replace an earlier run in output.dir (output.overwrite=true).
+    resume: continue from the latest complete checkpoint in output.dir (resume=auto).
+    processes: CPU worker processes (engine.processes); devices: GPU indices (engine.devices).
+    nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
+    command's flags of the same names (default: the environment's NNODES & co., or SLURM's).
+
+    Every check runs before any worker starts and raises a UserInputError naming what to
+    fix. A worker that crashes raises WorkerFailed (a RunStopped); a stop signal to the
+    launcher raises Interrupted once its workers have stopped. A run stopped on request
+    after a checkpoint returns status "preempted", its message saying how to continue.
+    """
+    from accord.checkpoint import resume_hint
+    from accord.cluster import resolve_topology
+    from accord.engine.device import wants_cuda
+    from accord.forked import call_in_fork
+    from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
+    from accord.launch import Interrupted, planned_world_size, run, starts_workers
+    from accord.preflight import preflight
+
+    lines = override_lines(overrides)
+    if overwrite:
+        lines.append("output.overwrite=true")
+    if resume:
+        lines.append("resume=auto")
+    if processes is not None:
+        lines.append(f"engine.processes={processes}")
+    if devices is not None:
+        lines.append(f"engine.devices={json.dumps(list(devices))}")
+    recipe = load(recipe, lines)
+    topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    world_size = planned_world_size(recipe.engine, topology)
+    recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
+    if recipe.engine.deepspeed_config:
+        path = recipe.engine.deepspeed_config
+        recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
+    if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
+        # The launcher keeps running for the whole job: check in a child, so the
+        # libraries the checks load do not stay resident beside the workers. Not with
+        # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
+        problems = call_in_fork(preflight, recipe, world_size, writer=topology.hosts_rank_zero)
+    else:
+        problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
+    if problems:
+        raise UserInputError("\n".join(problems))
+
+    out_dir = Path(recipe.output.dir)
+    try:
+        status = run(recipe, topology)
+    except Interrupted as e:
+        raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
+    message = f"stopped early on request; {resume_hint(out_dir)}" if status == "preempted" else ""
+    return TrainResult(status, out_dir, message)
+
+
+def plan(
+    recipe: RecipeLike,
+    /,
+    overrides: Overrides = None,
+    *,
+    gpus: int,
+    nodes: int = 1,
+    gpu_memory: float | str | None = None,
+) -> PlanResult:
+    """What each strategy holds per GPU for `recipe` on nodes × gpus GPUs, from the model
+    built on the meta device (nothing is loaded), and the cheapest strategy that fits.
+
+    gpu_memory: memory per GPU in GiB, or a size such as "80GB" or "24GiB" (default: the
+    visible GPU's; without one there is no recommendation).
+    """
+    from accord.planner import plan as plan_strategies, recommend
+
+    recipe = load(recipe, overrides)
+    if gpus < 1 or nodes < 1:
+        raise UserInputError(f"gpus and nodes must be at least 1, got gpus={gpus}, nodes={nodes}")
+    memory = _memory_gib(gpu_memory) if gpu_memory is not None else _visible_gpu_memory()
+    rows, world = plan_strategies(recipe, gpus, nodes)
+    advice = recommend(rows, recipe, world, memory) if memory else "give the memory per GPU (--gpu-memory) to see what fits"
+    return PlanResult(rows, world, memory, advice)
+
+
+def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
+    """A validated Recipe from a path, parsed YAML or a Recipe, with the overrides applied;
+    a RecipeError names each bad key (with a did-you-mean) or value."""
+    lines = override_lines(overrides)
+    if isinstance(recipe, (str, os.PathLike)):
+        return load_recipe(recipe, lines)
+    if isinstance(recipe, Recipe):
+        if not lines:
+            return recipe
+        # Only what was set: the rest stays "left open" for accelerate's settings to fill.
+        raw = recipe.model_dump(mode="json", exclude_unset=True)
+    elif isinstance(recipe, Mapping):
+        raw = copy.deepcopy(dict(recipe))
+    else:
+        raise UserInputError(f"a recipe is a YAML file's path, a dict or a Recipe, got {type(recipe).__name__}")
+    for line in lines:
+        apply_override(raw, line)
+    return validate_recipe(raw)
+
+
+def override_lines(overrides: Overrides) -> list[str]:
+    """Overrides as the command line writes them (`key.sub=value`, the value read as YAML)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return [overrides]
+    if isinstance(overrides, Mapping):
+        # JSON is YAML: each value reads back as the same number, string, list or mapping.
+        return [f"{key}={json.dumps(value, default=str)}" for key, value in overrides.items()]
+    return list(overrides)
+
+
+def _memory_gib(value: float | str) -> float:
+    import re
+
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(GB|GiB|G|MB|MiB)?\s*", value, flags=re.IGNORECASE)
+    if not match:
+        raise UserInputError(f"--gpu-memory {value!r}: expected a size such as 80GB or 24GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "GB").lower()
+    return number * {"gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20}[unit] / 2**30
+
+
+def _visible_gpu_memory() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
