@@ -33,7 +33,9 @@ TINY_RECIPE = {
     "batch": {"global_batch_size": 32, "micro_batch_size": 8},
     "optim": {"lr": 3.0e-3, "warmup_steps": 2, "schedule": "cosine", "max_grad_norm": 1.0},
     "train": {"max_steps": 10, "log_every": 5},
-    "engine": {"strategy": "ddp", "precision": "no", "processes": 2},
+    # device pinned: on a GPU machine "auto" would take the GPUs and ignore processes, turning
+    # the 2-process layouts into 1-process runs.
+    "engine": {"strategy": "ddp", "precision": "no", "processes": 2, "device": "cpu"},
     "output": {"dir": "runs/tiny"},
 }
 
@@ -53,13 +55,143 @@ def accord_env() -> dict[str, str]:
     env.pop("OMP_NUM_THREADS", None)  # let accord split the cores itself
     env["HF_HUB_OFFLINE"] = "1"  # the tests must never touch a hub
     env["PYTHONUNBUFFERED"] = "1"
+    # The suite tests the CPU (gloo) paths with several processes: on a GPU machine a recipe
+    # that leaves engine.device open would otherwise take the GPUs (one process per GPU).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
+# ---------------------------------------------------------------- subprocesses and their trees
+
+# The test being set up or run (the fixtures it requests included, session-wide ones too):
+# the process helpers check its `distributed` mark.
+_current_test: pytest.Item | None = None
+# Processes started by start_process and not finished yet: killed, with all they started, when
+# the test ends (a failed assertion must not leave a launcher and its workers running).
+_started: list[subprocess.Popen] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    # The shared reference runs train in worker processes: whoever asks for one is distributed.
+    for item in items:
+        if {"tiny_reference", "one_process_reference"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.distributed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _current_test
+    _current_test = item
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    while _started:
+        kill_tree(_started.pop())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    global _current_test
+    _current_test = None
+
+
+def _is_distributed_test() -> bool:
+    return _current_test is None or _current_test.get_closest_marker("distributed") is not None
+
+
+_TREE_VARIABLE = "ACCORD_TEST_PROCESS_TREE"
+
+
+def _tree_members(token: str) -> list[int]:
+    """Every live process that inherited `token` in its environment: the started process and
+    all it started, even those in sessions of their own (torch's elastic agent starts each
+    worker with start_new_session) or orphaned by a launcher that died."""
+    mark = f"{_TREE_VARIABLE}={token}".encode()
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    members.append(int(entry.name))
+            except OSError:
+                pass
+    return members
+
+
+def kill_tree(proc: subprocess.Popen) -> tuple[str | None, str | None]:
+    """SIGKILL `proc` and everything it started (so a launcher's workers do not outlive it);
+    returns what it printed that was not read yet."""
+    import signal
+
+    for _ in range(5):  # again, in case one forked while the others were being killed
+        pids = [proc.pid] if proc.poll() is None else []
+        pids += [pid for pid in _tree_members(proc.tree_token) if pid != proc.pid]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        return proc.communicate(timeout=30)
+    except (subprocess.TimeoutExpired, ValueError):
+        return None, None
+
+
+def start_process(command: list[str], *, merge_output: bool = False, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """Popen in a new session, its tree tagged so that all of it is killed on a timeout, or
+    when the test ends if it is still running."""
+    import uuid
+
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True, start_new_session=True, env=(os.environ if env is None else env) | {_TREE_VARIABLE: token}, **popen,
+    )
+    proc.tree_token = token
+    _started.append(proc)
+    return proc
+
+
+class ProcessTimeout(subprocess.TimeoutExpired):
+    def __str__(self) -> str:
+        printed = "\n".join(part[-4000:] for part in (self.output, self.stderr) if part)
+        return f"{super().__str__()} Killed it and every process it started. It printed:\n{printed}"
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of `proc` once it ends; after `timeout` seconds it and all it started
+    are killed and TimeoutExpired is raised with what it printed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = kill_tree(proc)
+        raise ProcessTimeout(proc.args, timeout, output=out, stderr=err) from None
+    finally:
+        if proc in _started:
+            _started.remove(proc)
+    return out, err
+
+
+def run_process(command: list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True) that kills the whole tree on timeout."""
+    proc = start_process(command, **popen)
+    out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def run_accord(*args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m accord ARGS` (or under `launcher`) and return the finished process."""
+    """Run `python -m accord ARGS` (or under `launcher`) and return the finished process.
+    A test that gets as far as training (a worker announces its batch) must be marked
+    `distributed`, so that `-m "not distributed"` stays a fast tier without workers."""
     command = (launcher or [sys.executable]) + ["-m", "accord", *map(str, args)]
-    return subprocess.run(command, cwd=cwd, env=accord_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_process(command, cwd=cwd, env=accord_env(), timeout=timeout)
+    if not _is_distributed_test() and "accord: batch " in proc.stdout + proc.stderr:
+        pytest.fail("this test started training workers: mark it @pytest.mark.distributed")
+    return proc
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -69,16 +201,10 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 def start_accord(*args: str | Path, cwd: Path | None = None, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m accord ARGS` in its own session, stdout and stderr merged, so a
     test can signal it mid-run."""
+    if not _is_distributed_test():
+        pytest.fail("start_accord starts training workers: mark the test @pytest.mark.distributed")
     env = accord_env() | (env_extra or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "accord", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_process([sys.executable, "-m", "accord", *map(str, args)], merge_output=True, cwd=cwd, env=env)
 
 
 def wait_for(condition, timeout: float = 120, interval: float = 0.1) -> None:
@@ -198,4 +324,15 @@ def tiny_reference(tmp_path_factory) -> tuple[Path, Path]:
     recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
     out = root / "ddp"
     assert_ok(run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}"))
+    return recipe, out
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, output dir) of TINY_RECIPE on 1 process (1 × 8 × 4), with a checkpoint at
+    step 6 (mid-epoch): the invariance layout 1x8x4 and the run the resume tests start from."""
+    root = tmp_path_factory.mktemp("reference-1")
+    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
+    out = root / "1x8x4"
+    assert_ok(run_accord("train", recipe, "engine.processes=1", "batch.micro_batch_size=8", "checkpoint.every_steps=6", f"output.dir={out}"))
     return recipe, out

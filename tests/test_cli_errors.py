@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_accord
+from conftest import REPO, accord_env, run_accord, run_process
 
 
 def assert_clean_error(proc, *needles):
@@ -24,7 +24,10 @@ def assert_clean_error(proc, *needles):
         ("batch.micro_batch_size=5", "valid micro_batch_size values for 2 processes: 1, 2, 4, 8, 16"),
         ("engine.processes=3", "cannot be split over 3 processes"),
         ("model.config.architecture=lama", "unknown model type 'lama'; did you mean llama"),
-        ("data.generate.train_examples=8", "only 8 training examples"),
+        ("data.generate.train_examples=8", "(8 examples packed into rows of 32 tokens) but batch.global_batch_size=32"),
+        # Enough examples, but packed 3-4 to a row they fill fewer rows than one global batch.
+        ("data.generate.train_examples=40", "(40 examples packed into rows of 32 tokens) but batch.global_batch_size=32"),
+        ("data.packing=false data.generate.train_examples=8", "only 8 training examples but batch.global_batch_size=32"),
         ("batch.micro_batch_size", "expected key.sub=value"),
         ("engine.deepspeed_config=/nowhere/ds.json", "engine.deepspeed_config: file not found: /nowhere/ds.json"),
         ("train.eval_on_start=maybe", "train.eval_on_start: expected"),
@@ -32,7 +35,7 @@ def assert_clean_error(proc, *needles):
 )
 def test_bad_input_fails_with_one_clear_line(tiny_recipe, tmp_path, override, needle):
     out = tmp_path / "out"
-    proc = run_accord("train", tiny_recipe, override, f"output.dir={out}", timeout=60)
+    proc = run_accord("train", tiny_recipe, *override.split(), f"output.dir={out}", timeout=60)
     assert_clean_error(proc, needle)
     assert not out.exists()
 
@@ -69,10 +72,7 @@ def test_help_explains_itself():
 
 
 def test_gpu_selection_on_a_cpu_machine_is_refused(tiny_recipe, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    # accord_env() hides any GPU from the command, so this holds on a GPU machine too.
     proc = run_accord("train", tiny_recipe, "--devices", "0,1", f"output.dir={tmp_path / 'o'}", timeout=60)
     assert_clean_error(proc, "engine.devices=[0, 1] selects GPUs but this run is on the CPU")
 
@@ -83,3 +83,44 @@ def test_model_folder_with_a_broken_config(tiny_recipe, tmp_path):
     (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
     proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={folder}", "model.tokenizer=byte", timeout=60)
     assert_clean_error(proc, f"model.path: {folder}/config.json cannot be loaded")
+
+
+@pytest.mark.parametrize(
+    "accumulation, override, needle",
+    [
+        # accelerate's accumulation against a batch that does not split at all (a BatchPlanError)
+        ("2", "batch.micro_batch_size=5", "batch.micro_batch_size=5 does not divide the 32 sequences per process"),
+        # ... and against a batch that splits, but into another accumulation
+        ("2", "batch.micro_batch_size=8", "gradient_accumulation_steps=2 but the recipe gives 4 (1 process × 8 sequences × 4"),
+    ],
+)
+def test_accelerate_accumulation_that_does_not_fit_is_one_line(tiny_recipe, tmp_path, accumulation, override, needle):
+    import sys
+
+    # What `accelerate launch` with a single-process ZeRO-2 config puts in the worker's environment.
+    env = accord_env() | {
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": accumulation,
+    }
+    command = [sys.executable, "-m", "accord", "train", str(tiny_recipe), "engine.strategy=zero2", override, f"output.dir={tmp_path / 'o'}"]
+    assert_clean_error(run_process(command, cwd=REPO, env=env, timeout=60), needle)
+
+
+def test_what_the_machine_lacks_is_checked_before_start_not_in_the_recipe(tiny_recipe, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        proc = run_accord("train", tiny_recipe, "engine.strategy=zero2", f"output.dir={tmp_path / 'o'}", timeout=60)
+        assert_clean_error(proc, "engine.strategy=zero2 needs DeepSpeed, which is not installed: pip install deepspeed")
+    else:
+        proc = run_accord("train", tiny_recipe, "engine.strategy=zero2", "engine.precision=fp16", f"output.dir={tmp_path / 'o'}", timeout=60)
+        assert_clean_error(proc, "engine.precision=fp16 with engine.strategy=zero2 (DeepSpeed) needs a GPU: DeepSpeed has no fp16 on the CPU")
+
+
+def test_other_commands_fail_in_one_line_too(tiny_recipe, tmp_path):
+    assert_clean_error(run_accord("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "lots", timeout=60), "--gpu-memory 'lots': expected a size")
+    assert_clean_error(run_accord("plan", tiny_recipe, "batch.micro_batch_size=5", "--gpus", "2", timeout=60), "valid micro_batch_size values")
+    assert_clean_error(run_accord("report", tmp_path, timeout=60), "no metrics.jsonl here")
+    assert_clean_error(run_accord("config", tiny_recipe, "--out", tmp_path / "a.yaml", "--nodes", "2", timeout=60), "--nodes > 1 needs --master-addr")

@@ -49,6 +49,16 @@ def test_a_folder_of_text_files_is_one_document_per_file(tmp_path):
     assert sorted(loaded["text"]) == ["first document\nline two", "second"]
 
 
+def test_latin_1_csv_and_text_files_are_decoded(tmp_path):
+    (tmp_path / "rows.csv").write_bytes("sentence,sentiment\ncafé crème,positive\n".encode("latin-1"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "play.txt").write_bytes("naïve façade".encode("latin-1"))
+    rows = load_source(SourceConfig(path=str(tmp_path / "rows.csv"), encoding="latin-1", fields={"text": "sentence", "label": "sentiment"}), ("text", "label"))
+    assert (rows[0]["text"], rows[0]["label"]) == ("café crème", "positive")
+    texts = load_source(SourceConfig(path=str(tmp_path / "texts"), format="text", encoding="latin-1"), ("text",))
+    assert texts["text"] == ["naïve façade"]
+
+
 def test_fields_rename_columns(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
     loaded = load_source(SourceConfig(path=str(path), fields={"prompt": "question", "completion": "answer"}), ("prompt", "completion"))

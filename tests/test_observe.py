@@ -33,12 +33,25 @@ def test_report_of_a_folder_without_metrics_is_a_clear_error(tmp_path):
 
 
 def test_flops_per_token_counts_non_embedding_weights_and_attention():
+    """Against torch's own count of the matrix products in a forward + backward (eager
+    attention, so QKᵀ and AV are counted too), at two context lengths. The 6·N convention
+    also charges 6 FLOPs per token to the few weights used elementwise (the norms): added
+    here by hand."""
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         tie_word_embeddings=False, attn_implementation="eager")
     model = LlamaForCausalLM(config)
-    n = sum(p.numel() for p in model.parameters()) - 100 * 32
-    assert flops_per_token(model, context=128) == 6 * n + 12 * 2 * 32 * 128
+    elementwise = sum(p.numel() for m in model.modules() if not isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters(recurse=False))
+    assert elementwise == (2 * 2 + 1) * 32  # two norms per layer and the final one
+    for context in (64, 128):
+        ids = torch.randint(0, 100, (2, context))
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        counted = counter.get_total_flops() / ids.numel()
+        assert flops_per_token(model, context=context) == counted + 6 * elementwise
 
 
 def test_peak_rate_is_known_only_for_accelerators():

@@ -11,7 +11,8 @@ from conftest import REPO, assert_ok, run_accord
 
 pytestmark = pytest.mark.distributed
 
-SHORT = ["train.max_steps=12", "train.eval_every=6", "train.eval_generate=16", "data.generate.train_examples=1024"]
+# engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of 2 CPU processes.
+SHORT = ["engine.device=cpu", "train.max_steps=12", "train.eval_every=6", "train.eval_generate=16", "data.generate.train_examples=1024"]
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +44,48 @@ def test_quickstart_writes_recipe_metrics_and_tensorboard(quickstart_run):
 
 
 def test_saved_model_reloads_in_plain_transformers(quickstart_run):
+    """The exported folder, loaded by plain transformers, is the model evaluated at the last
+    step: its eval loss over the held-out examples and its greedy exact match on the first
+    eval_generate prompts equal what the run logged."""
+    import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from accord.data.prepare import prepare_data
+    from accord.models import build_tokenizer
+    from accord.observe.metrics import read_metrics
+    from accord.recipe import validate_recipe
+    from accord.tasks import build_task
+
     out, _ = quickstart_run
-    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
-    assert (out / "final" / "model.safetensors").is_file()
-    prompt = tokenizer("12+34=", add_special_tokens=False, return_tensors="pt").input_ids
-    prompt = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), prompt], dim=1)
-    generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert generated.shape[1] > prompt.shape[1]
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|user|>hi<|eos|>"
+    logged = [r for r in read_metrics(out) if r["kind"] == "eval"][-1]
+    assert logged["step"] == 12
+
+    # The held-out rows the run evaluated on (accord's cache of the run's own data).
+    recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
+    accord_tokenizer = build_tokenizer(recipe.model)
+    rows = prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval
+    loss_sum, targets = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ids, labels = torch.tensor([row["input_ids"]]), torch.tensor(row["labels"][1:])
+            logits = model(input_ids=ids).logits[0, :-1]
+            loss_sum += torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+            targets += int((labels != -100).sum())
+    print(f"exported model's eval loss {loss_sum / targets:.6f}, logged {logged['loss']:.6f}")
+    assert abs(loss_sum / targets - logged["loss"]) <= 1e-4
+
+    correct = 0
+    for row in rows.select(range(16)):  # train.eval_generate=16
+        prompt = tokenizer(row["prompt"], add_special_tokens=False).input_ids
+        prompt = torch.tensor([[tokenizer.bos_token_id] + prompt])
+        assert prompt[0].tolist() == row["input_ids"][: prompt.shape[1]]  # the exported tokenizer encodes as the run did
+        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(generated[0, prompt.shape[1]:], skip_special_tokens=True)
+        correct += int(text.strip() == row["completion"].strip())
+    assert correct == round(logged["exact_match_accuracy"] * 16), (correct, logged["exact_match_accuracy"])
 
 
 def test_second_run_into_the_same_folder_is_refused_and_loses_nothing(quickstart_run):

@@ -111,3 +111,16 @@ def test_resolved_recipe_round_trips(tmp_path):
 
     recipe = validate_recipe(TINY_RECIPE)
     assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe))) == recipe
+
+
+def test_a_recipe_validates_the_same_on_any_machine(monkeypatch):
+    """Whether DeepSpeed or a GPU is here is preflight's question (check_environment), not the schema's."""
+    import importlib.util
+
+    import torch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer+params", "precision": "fp16", "device": "auto"}
+    assert validate_recipe(TINY_RECIPE | {"engine": engine}).engine.strategy == "zero3"

@@ -16,6 +16,7 @@ from conftest import (
     TINY_RECIPE,
     assert_ok,
     final_params,
+    finish,
     logged_steps,
     max_param_diff,
     run_accord,
@@ -37,29 +38,23 @@ def recipe(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- a different world size
 
 
-@pytest.fixture(scope="module")
-def twelve_steps(tmp_path_factory, recipe) -> dict[int, Path]:
-    """Uninterrupted 12-step runs on 2 and on 1 process, with a checkpoint at step 6."""
-    root = tmp_path_factory.mktemp("twelve")
-    outs = {}
-    for world in (2, 1):
-        out = root / f"world{world}"
-        assert_ok(run_accord("train", recipe, "train.max_steps=12", "checkpoint.every_steps=6", f"engine.processes={world}", f"output.dir={out}"))
-        outs[world] = out
-    return outs
-
-
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
-def test_resume_on_another_world_size_continues_same_data(twelve_steps, recipe, tmp_path, before, after):
-    checkpoint = twelve_steps[before] / "checkpoints" / "step-000006"
+@pytest.mark.parametrize(
+    "before, step, position, after",
+    [(2, 5, "epoch 1, example 0", 1), (1, 6, "epoch 1, example 32", 2)],  # an epoch boundary; mid-epoch
+    ids=["2-to-1", "1-to-2"],
+)
+def test_resume_on_another_world_size_continues_same_data(tiny_reference, one_process_reference, recipe, tmp_path, before, step, position, after):
+    """The session's uninterrupted runs (2 processes, checkpoint at step 5; 1 process, at
+    step 6) resumed on the other world size end where they ended."""
+    reference = (tiny_reference if before == 2 else one_process_reference)[1]
+    checkpoint = reference / "checkpoints" / f"step-{step:06d}"
     out = tmp_path / "resumed"
-    proc = run_accord("train", recipe, "train.max_steps=12", f"engine.processes={after}", f"resume={checkpoint}", f"output.dir={out}")
+    proc = run_accord("train", recipe, f"engine.processes={after}", f"resume={checkpoint}", f"output.dir={out}")
     assert_ok(proc)
-    assert "resumed from" in proc.stdout and "at step 6 (epoch 1, example 32 of the global order" in proc.stdout
-    reference = twelve_steps[before]
+    assert "resumed from" in proc.stdout and f"at step {step} ({position} of the global order" in proc.stdout
     assert max_param_diff(final_params(reference), final_params(out)) <= TOLERANCE
     resumed, original = step_losses(out), step_losses(reference)
-    assert sorted(resumed) == list(range(7, 13))  # only the steps it trained
+    assert sorted(resumed) == list(range(step + 1, TINY_RECIPE["train"]["max_steps"] + 1))  # only the steps it trained
     assert max(abs(resumed[s] - original[s]) for s in resumed) <= TOLERANCE
 
 
@@ -76,7 +71,7 @@ def uninterrupted(tmp_path_factory, recipe) -> Path:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    output, _ = proc.communicate(timeout=timeout)
+    output, _ = finish(proc, timeout)  # on timeout: the launcher and its workers are killed
     return output
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from accord.slurm import JobRequest, SlurmError, job_script
-from conftest import TINY_RECIPE, accord_env, final_params, run_accord, write_recipe
+from conftest import TINY_RECIPE, accord_env, final_params, max_param_diff, run_accord, write_recipe
 
 
 def test_script_runs_one_task_per_node_signals_and_requeues(tmp_path):
@@ -122,11 +123,15 @@ def slurm_cluster(tmp_path_factory):
             pytest.skip("SLURM did not come up: " + (root / "log" / "slurmctld.log").read_text()[-500:])
         time.sleep(1)
     yield env
-    for daemon in started:
-        subprocess.run(["pkill", "-x", daemon], capture_output=True)
+    for daemon in started:  # by the pid each wrote, never by name: another SLURM may run here
+        try:
+            os.kill(int((root / f"{daemon}.pid").read_text()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
 
 
-def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path):
+@pytest.mark.distributed
+def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path, tiny_reference):
     recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
     out = tmp_path / "out"
     script = tmp_path / "job.sbatch"
@@ -137,9 +142,15 @@ def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path):
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 300
-    while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline, "job did not finish in 300 s"
-        time.sleep(2)
+    try:
+        while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() < deadline, "job did not finish in 300 s"
+            time.sleep(2)
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True)  # no job outlives the test
     log = (out / f"slurm-{job}.out").read_text()
     assert "accord: batch 2 processes" in log, log[-3000:]
-    assert final_params(out)  # the job's training completed and exported the model
+    # The job trained the same run as `accord train` of the same recipe without SLURM.
+    diff = max_param_diff(final_params(tiny_reference[1]), final_params(out))
+    print(f"sbatch vs accord train: max |Δparam| = {diff:.2e}")
+    assert diff <= 1e-5

@@ -170,10 +170,10 @@ for strategy in sys.argv[1:]:
         recipe = validate_recipe(raw)
         model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
         engine = build_engine(recipe, model, DistInfo(), torch.device("cpu"), BatchPlan.derive(8, 8, 1), 10)
-        engine.model.train()
+        engine.module.train()
         saved = []
         with engine.sync_context(True), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
-            loss = engine.model(input_ids=torch.randint(0, 200, (2, 12))).logits.float().sum()
+            loss = engine.train_model(input_ids=torch.randint(0, 200, (2, 12))).logits.float().sum()
         engine.backward(loss, 1)
         engine.step()
         engine.close()
@@ -182,19 +182,19 @@ print(json.dumps(counts))
 """
 
 
+@pytest.mark.distributed  # trains a step of each strategy's engine in a child process
 def test_activation_checkpointing_is_really_on():
     """The equality above would also hold if checkpointing were silently off: count the
     tensors the forward keeps for backward (one process per strategy, through the engine)."""
     import json
-    import subprocess
     import sys
 
-    from conftest import REPO, accord_env
+    from conftest import REPO, accord_env, run_process
 
     strategies = ["ddp", "fsdp"] + (["zero3"] if HAS_DEEPSPEED else [])
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, "-c", SAVED_TENSORS, *strategies],
-        cwd=REPO / "tests", env=accord_env() | {"DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=300,
+        cwd=REPO / "tests", env=accord_env() | {"DS_ACCELERATOR": "cpu"}, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -230,18 +230,22 @@ def test_impossible_engine_combinations_are_one_line_recipe_errors(engine, messa
 
 @needs_deepspeed
 def test_fp16_with_deepspeed_on_the_cpu_is_refused():
-    with pytest.raises(RecipeError, match="DeepSpeed has no fp16 on the CPU"):
-        validate_recipe(_recipe(strategy="zero2", precision="fp16", device="cpu"))
-    validate_recipe(_recipe(strategy="fsdp", precision="fp16", device="cpu"))  # FSDP2 + GradScaler runs there
+    from accord.preflight import check_environment
+
+    [problem] = check_environment(validate_recipe(_recipe(strategy="zero2", precision="fp16", device="cpu")))
+    assert "DeepSpeed has no fp16 on the CPU" in problem
+    assert check_environment(validate_recipe(_recipe(strategy="fsdp", precision="fp16", device="cpu"))) == []  # FSDP2 + GradScaler runs there
 
 
 def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypatch):
+    from accord.preflight import check_environment
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
     for strategy in ("zero2", "zero3"):
-        with pytest.raises(RecipeError, match=r"needs DeepSpeed, which is not installed: pip install deepspeed"):
-            validate_recipe(_recipe(strategy=strategy))
-    validate_recipe(_recipe(strategy="zero1"))  # torch's ZeroRedundancyOptimizer then
+        [problem] = check_environment(validate_recipe(_recipe(strategy=strategy)))  # the recipe itself is valid anywhere
+        assert "needs DeepSpeed, which is not installed: pip install deepspeed" in problem
+    assert check_environment(validate_recipe(_recipe(strategy="zero1"))) == []  # torch's ZeroRedundancyOptimizer then
     from accord.engine import deepspeed_available
 
     assert not deepspeed_available()
@@ -249,25 +253,36 @@ def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypa
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_config_is_derived_from_the_recipe(stage):
+    """Every value DeepSpeed reads comes from the recipe (non-default ones here, so a
+    hard-coded or "auto" value would show) and the batch plan."""
     from accord.engine.deepspeed_engine import deepspeed_config
+    from accord.models import build_model, build_tokenizer
 
     import torch
 
     offload = {1: "none", 2: "optimizer", 3: "optimizer+params"}[stage]
-    recipe = validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload, precision="bf16") | {"optim": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.5}})
+    optim = {"lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "max_grad_norm": 0.5}
+    recipe = validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload, precision="bf16") | {"optim": optim})
+    model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
     plan = BatchPlan.derive(32, 4, 2)
-    config = deepspeed_config(recipe, plan, torch.device("cpu"))
-    assert "auto" not in repr(config)
+    config = deepspeed_config(recipe, plan, torch.device("cpu"), model)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (32, 4, 4)
     assert config["gradient_clipping"] == 0.5
-    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    assert config["communication_data_type"] == "fp32"  # gradients reduced in fp32, as under DDP/FSDP
     assert config["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+        "params": {"lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True},
     }
     zero = config["zero_optimization"]
     assert zero["stage"] == stage
-    assert ("offload_optimizer" in zero) == (stage >= 2) and ("offload_param" in zero) == (stage == 3)
+    assert zero.get("offload_optimizer") == ({"device": "cpu", "pin_memory": False} if stage >= 2 else None)
+    assert zero.get("offload_param") == ({"device": "cpu", "pin_memory": False} if stage == 3 else None)
+    if stage == 3:  # small tensors (norms) stay whole: 10 × the model's hidden size
+        assert zero["stage3_param_persistence_threshold"] == 10 * TINY_RECIPE["model"]["config"]["hidden_size"]
+    fp32 = deepspeed_config(validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model)
+    assert fp32["bf16"] == {"enabled": False} and fp32["fp16"]["enabled"] is False and "communication_data_type" not in fp32
+    assert fp32["gradient_clipping"] == TINY_RECIPE["optim"]["max_grad_norm"] and fp32["optimizer"]["params"]["lr"] == TINY_RECIPE["optim"]["lr"]
 
 
 # ---------------------------------------------------------------- accord plan vs the real tensors
@@ -279,7 +294,7 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
     """`accord plan`'s parameter, optimizer-state and master-weight bytes per rank are the
     bytes of the tensors the run really held (the largest rank's, after step 1)."""
     from accord.observe.metrics import read_metrics
-    from accord.plan import meta_model, model_state
+    from accord.planner import meta_model, model_state
 
     out, _ = run(name)
     held = next(r for r in read_metrics(out) if r["kind"] == "model_state")
@@ -291,7 +306,7 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
 
 def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
     from accord.models import build_model, build_tokenizer
-    from accord.plan import meta_model, model_state
+    from accord.planner import meta_model, model_state
 
     recipe = validate_recipe(TINY_RECIPE)
     tokenizer = build_tokenizer(recipe.model)
