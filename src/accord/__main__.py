@@ -1,4 +1,4 @@
-from accord.cli import main
+from accord.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

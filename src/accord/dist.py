@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 from datetime import timedelta
 
 import torch
@@ -53,6 +55,7 @@ def env_info() -> DistInfo:
 
 
 _control_group: dist.ProcessGroup | None = None
+_left_group = False  # set by shutdown(): this process joined (and left) a process group
 
 
 def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
@@ -85,12 +88,32 @@ def shutdown(clean: bool = True) -> None:
     interpreter is still whole, instead of leaving them to static destructors at exit.
     After an error (`clean=False`) a peer may never arrive, so there is no barrier.
     """
+    global _control_group, _left_group
     if dist.is_initialized():
         if clean:
             dist.barrier()
         dist.destroy_process_group()
-    global _control_group
+        _left_group = True
     _control_group = None
+
+
+def exit_after_shutdown(code: int) -> NoReturn:
+    """End a process that ran a process group, skipping interpreter teardown.
+
+    After shutdown() every file accord writes is closed, but torch's C++ objects (a process
+    group still referenced by a model, DeviceMesh or DTensor; gloo's threads) would be
+    destroyed in static-destructor order at exit, which sometimes aborts the process with
+    "terminate called without an active exception" (SIGABRT, exit -6) after a run that
+    succeeded: the flake in FIELD-NOTES. Leaving with os._exit takes that path away.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def left_a_group() -> bool:
+    """Whether this process joined and left a process group (see exit_after_shutdown)."""
+    return _left_group
 
 
 def is_main() -> bool:
@@ -99,8 +122,10 @@ def is_main() -> bool:
 
 
 def print0(*args, **kwargs) -> None:
-    """print on rank 0 only."""
+    """print on rank 0 only, on stderr (with the progress bar and the evaluations: one
+    stream for everything a run says, so `2> log` keeps all of it)."""
     if is_main():
+        kwargs.setdefault("file", sys.stderr)
         print(*args, **kwargs, flush=True)
 
 
@@ -118,6 +143,16 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
     return tuple(bool(v) for v in tensor.tolist())
+
+
+def all_gather_value(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (just this one for one process)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine.tolist()
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [t.item() for t in gathered]
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     if restarted:
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
+    dist.print0("accord: loading model…")
     try:
         run = build_run(recipe, info, device)
     except DataError as e:
@@ -97,6 +98,9 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     try:
         if source is not None:
             trainer.restore(source)
+            from accord.extend import apply_on_resume
+
+            apply_on_resume(run, source, trainer.step)  # a changed train.max_steps: say and apply optim.extend
         result = trainer.train(stop)
         if result.status == "completed":
             final = trainer.save()
@@ -119,4 +123,4 @@ def _quiet_libraries(info: dist.DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    dist.exit_after_shutdown(main())  # this process is only a worker: no interpreter teardown
