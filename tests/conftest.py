@@ -229,9 +229,23 @@ def logged_steps(out: Path) -> int:
 
 
 def final_params(out: Path):
+    return read_safetensors_folder(out / "final")
+
+
+def read_safetensors_folder(folder: Path) -> dict:
+    """Every tensor of a save_pretrained folder: one model.safetensors, or the shards its
+    model.safetensors.index.json lists."""
+    import json
+
     from safetensors.torch import load_file
 
-    return load_file(out / "final" / "model.safetensors")
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(folder / "model.safetensors")
+    out = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        out |= load_file(folder / shard)
+    return out
 
 
 def max_param_diff(a, b) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from accord.checkpoint import COMPLETE, complete_checkpoints, identity_changes, incomplete_checkpoints, prune
 from accord.observe.metrics import MetricsWriter, read_metrics
@@ -63,3 +64,93 @@ def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
     assert disk_space_warning(tmp_path, num_params=1000, keep_last=2) is None
     warning = disk_space_warning(tmp_path, num_params=10**15, keep_last=2)
     assert warning and "3 checkpoints" in warning and "GiB free" in warning
+
+
+# ---------------------------------------------------------------- export without a full gather
+
+
+def _tiny_llama(tie: bool = False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config)
+
+
+def test_streamed_export_writes_transformers_shards_that_load(tmp_path):
+    """Tensors handed over one at a time become model-0000k-of-0000n.safetensors files of at
+    most the shard size plus their index; from_pretrained loads them, a tied weight included."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from accord.engine.base import unique_entries
+    from accord.models import build_byte_tokenizer
+    from accord.outputs import save_streamed_model
+    from conftest import read_safetensors_folder
+
+    model = _tiny_llama(tie=True)
+    tensors = ((name, t.detach().clone()) for name, t in unique_entries(model))
+    save_streamed_model(tensors, model, build_byte_tokenizer(), tmp_path / "final", shard_bytes=8_000)
+    index = json.loads((tmp_path / "final" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert "lm_head.weight" not in index["weight_map"]  # tied: saved once, as save_pretrained does
+    assert all((tmp_path / "final" / s).stat().st_size < 8_000 + 4_096 for s in shards)  # the shard size, plus a header
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert set(read_safetensors_folder(tmp_path / "final")) == set(index["weight_map"])
+
+
+def test_lora_merged_per_layer_equals_peft_merge_and_unload():
+    """merged_lora, fed one tensor at a time, gives peft's merge_and_unload weights and names."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from accord.engine.base import unique_entries
+    from accord.export import merged_lora
+
+    peft_model = get_peft_model(_tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # peft starts B at zero: make the merge matter
+    merged = dict(merged_lora(((n, t.detach().clone()) for n, t in unique_entries(peft_model)), peft_model))
+    expected = peft_model.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    assert max((merged[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+
+
+# ---------------------------------------------------------------- a damaged sharded state
+
+
+def test_state_problems_name_a_missing_or_truncated_file(tmp_path):
+    import torch
+
+    from accord.engine.state import state_problems, write_sharded
+
+    folder = tmp_path / "step-000001"
+    write_sharded({"model": {"w": torch.ones(64, 64)}, "optim": {}}, folder)
+    assert state_problems(folder) == []
+    (shard,) = (folder / "state").glob("*.distcp")
+    os.truncate(shard, 100)
+    (problem,) = state_problems(folder)
+    assert str(shard) in problem and "truncated" in problem
+    shard.unlink()
+    (problem,) = state_problems(folder)
+    assert str(shard) in problem and "missing" in problem
+
+
+def test_a_field_added_since_the_checkpoint_is_no_identity_change():
+    from accord.checkpoint import identity_changes
+    from accord.recipe import validate_recipe
+    from conftest import TINY_RECIPE
+
+    recipe = validate_recipe(TINY_RECIPE)
+    saved = recipe.model_dump(mode="json")
+    del saved["data"]["add_bos"]  # written by a version without the field
+    assert identity_changes(saved, recipe) == []
+    saved["seed"] = 8
+    assert identity_changes(saved, recipe) == ["seed (checkpoint: 8, recipe: 7)"]

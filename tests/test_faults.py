@@ -39,7 +39,7 @@ def test_nonfinite_skip_mode_skips_that_update_and_finishes(recipe, tmp_path, mo
     out = tmp_path / "skip"
     proc = run_accord("train", recipe, "train.max_steps=12", "train.on_nonfinite=skip", f"output.dir={out}")
     assert_ok(proc)
-    assert "step 7: non-finite gradient norm; update skipped (1 so far)" in proc.stdout
+    assert "step 7: non-finite gradient norm; update skipped (1 so far)" in proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in records if r["kind"] == "train" and r["skipped"]]
     assert skipped == [7]
@@ -54,16 +54,18 @@ from accord.recipe import validate_recipe
 from accord.worker import train_worker
 from conftest import TINY_RECIPE
 
-real_save = engine_state.save_file
 calls = {"n": 0}
 
-def save_file_until_disk_full(tensors, path, *args, **kwargs):
-    calls["n"] += 1
-    if calls["n"] == 2:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    return real_save(tensors, path, *args, **kwargs)
+class DiskFullOnTheSecondWrite(engine_state.FileSystemWriter):
+    # the sharded state's writer, failing in its second checkpoint as on a full disk
 
-engine_state.save_file = save_file_until_disk_full
+    def write_data(self, plan, planner):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return super().write_data(plan, planner)
+
+engine_state.FileSystemWriter = DiskFullOnTheSecondWrite
 raw = TINY_RECIPE | {"output": {"dir": sys.argv[1]}, "checkpoint": {"every_steps": 4}}
 raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
 print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode="json"))))
@@ -74,7 +76,7 @@ print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode=
 def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path):
     """A disk that fills up mid-run: the error names the cause, the earlier checkpoint survives.
     The worker runs in a child process (its signal handlers and gc.freeze() stay there), with
-    the second safetensors write failing as on a full disk."""
+    the second checkpoint's state write failing as on a full disk."""
     out = tmp_path / "full"
     proc = run_process([sys.executable, "-c", DISK_FULL, str(out)], cwd=REPO / "tests", env=accord_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -106,6 +108,6 @@ def test_resume_refuses_a_different_run_and_allows_extending_it(recipe, tmp_path
 
     extended = run_accord("train", recipe, "train.max_steps=12", "train.log_every=1", f"output.dir={out}", "--resume")
     assert_ok(extended)
-    assert "at step 10 " in extended.stdout
+    assert "at step 10 " in extended.stderr
     assert sorted(step_losses(out)) == list(range(1, 13))
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000010", "step-000012"]

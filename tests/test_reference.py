@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
+from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, read_safetensors_folder, run_accord, step_losses, write_recipe
 
 pytestmark = pytest.mark.distributed
 TOLERANCE = 1e-5
@@ -55,8 +55,8 @@ def accord_run(tmp_path_factory):
     out = root / "accord"
     proc = run_accord("train", write_recipe(root / "recipe.yaml", raw), f"output.dir={out}")
     assert_ok(proc)
-    assert "accord: batch 2 processes × 4 sequences × 4 accumulation steps" in proc.stdout
-    return raw, out, proc.stdout
+    assert "accord: batch 2 processes × 4 sequences × 4 accumulation steps" in proc.stderr
+    return raw, out, proc.stderr
 
 
 def _global_batches(raw: dict, log: str) -> tuple[list[list[dict]], int]:
@@ -146,6 +146,4 @@ def test_accord_ends_where_a_bare_pytorch_loop_ends(accord_run):
 
 
 def _load(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(folder / "model.safetensors")
+    return read_safetensors_folder(folder)

@@ -51,7 +51,7 @@ def test_resume_on_another_world_size_continues_same_data(tiny_reference, one_pr
     out = tmp_path / "resumed"
     proc = run_accord("train", recipe, f"engine.processes={after}", f"resume={checkpoint}", f"output.dir={out}")
     assert_ok(proc)
-    assert "resumed from" in proc.stdout and f"at step {step} ({position} of the global order" in proc.stdout
+    assert "resumed from" in proc.stderr and f"at step {step} ({position} of the global order" in proc.stderr
     assert max_param_diff(final_params(reference), final_params(out)) <= TOLERANCE
     resumed, original = step_losses(out), step_losses(reference)
     assert sorted(resumed) == list(range(step + 1, TINY_RECIPE["train"]["max_steps"] + 1))  # only the steps it trained
@@ -90,7 +90,7 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches(uninterrupted, reci
 
     resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
     assert_ok(resumed)
-    assert f"at step {stopped_at} " in resumed.stdout
+    assert f"at step {stopped_at} " in resumed.stderr
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
     assert sorted(step_losses(out)) == list(range(1, 151))  # one record per step, none twice
 
@@ -112,7 +112,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, reci
     out = tmp_path / "crashed"
     proc = start_accord("train", recipe, *LONG, f"output.dir={out}", env_extra={"ACCORD_FAULTS": "checkpoint_pause_at_step=20"})
     partial = out / "checkpoints" / ".tmp-step-000020"
-    wait_for(lambda: (partial / "model.safetensors").exists() and (partial / "rng" / "rank-00001.pt").exists())
+    wait_for(lambda: (partial / "state" / ".metadata").exists() and (partial / "rng" / "rank-00001.pt").exists())
     for pid in [*_worker_pids(proc.pid), proc.pid]:  # the whole job dies at once, mid-write
         os.kill(pid, signal.SIGKILL)
     _finish(proc)
@@ -121,8 +121,82 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, reci
 
     resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
     assert_ok(resumed)
-    assert "ignoring incomplete checkpoint" in resumed.stdout and "at step 10 " in resumed.stdout
+    assert "ignoring incomplete checkpoint" in resumed.stderr and "at step 10 " in resumed.stderr
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
+
+
+def test_kill_during_an_async_checkpoint_write_keeps_the_previous_one(uninterrupted, recipe, tmp_path):
+    """checkpoint.async: training goes on while step 20's files are written (the write is held
+    open by the fault); the job killed then leaves step 10 as the latest, and resuming ends as
+    the uninterrupted run."""
+    out = tmp_path / "crashed-async"
+    env = {"ACCORD_FAULTS": "checkpoint_pause_at_step=20"}
+    proc = start_accord("train", recipe, *LONG, "checkpoint.async=true", f"output.dir={out}", env_extra=env)
+    partial = out / "checkpoints" / ".tmp-step-000020"
+    wait_for(lambda: (partial / "state" / ".metadata").exists() and logged_steps(out) >= 24)
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000010"]  # 20 is not sealed yet
+    for pid in [*_worker_pids(proc.pid), proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    _finish(proc)
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000010"]
+
+    resumed = run_accord("train", recipe, *LONG, "checkpoint.async=true", f"output.dir={out}", "--resume")
+    assert_ok(resumed)
+    assert "at step 10 " in resumed.stdout + resumed.stderr
+    assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000140", "step-000150"]
+
+
+# ---------------------------------------------------------------- damaged and old checkpoints
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "missing index"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tiny_reference, recipe, tmp_path, damage):
+    """A shard file gone or cut short, or the index gone: one line naming the file, exit 2,
+    before any worker starts; the run's folder is left as it was."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_reference[1], out)
+    state = out / "checkpoints" / "step-000010" / "state"
+    target = {"missing shard": state / "__1_0.distcp", "truncated shard": state / "__0_0.distcp", "missing index": state / ".metadata"}[damage]
+    if damage == "truncated shard":
+        os.truncate(target, target.stat().st_size // 2)
+    else:
+        target.unlink()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    proc = run_accord("train", recipe, "train.max_steps=12", f"output.dir={out}", "--resume", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error")]
+    assert len(errors) == 1 and str(target) in errors[0] and ("truncated" if damage == "truncated shard" else "missing") in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written, nothing removed
+
+
+def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_reference, recipe, tmp_path):
+    """The format before sharded checkpoints (model.safetensors + optimizer.pt, whole tensors
+    by name) is converted once when a run resumes from it, and the run ends as uninterrupted."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    reference = tiny_reference[1]
+    old = tmp_path / "step-000005"
+    shutil.copytree(reference / "checkpoints" / "step-000005", old)
+    dcp_to_torch_save(old / "state", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    save_file(whole["model"], old / "model.safetensors")
+    groups = [{"lr": 0.0, "params": list(whole["optim"])}]
+    torch.save({"state": whole["optim"], "param_groups": groups}, old / "optimizer.pt")
+    shutil.rmtree(old / "state")
+
+    out = tmp_path / "resumed"
+    proc = run_accord("train", recipe, "engine.strategy=fsdp", f"resume={old}", f"output.dir={out}")
+    assert_ok(proc)
+    assert "converting" in proc.stdout + proc.stderr and (old / "state" / ".metadata").is_file()
+    assert max_param_diff(final_params(reference), final_params(out)) <= TOLERANCE
 
 
 def _worker_pids(launcher: int) -> list[int]:

@@ -118,6 +118,9 @@ def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
     [
         pytest.param("fsdp", 1, "ddp", id="fsdp-2-to-ddp-1"),
         pytest.param("zero2", 1, "ddp", marks=needs_deepspeed, id="zero2-2-to-ddp-1"),
+        pytest.param("zero2", 1, "fsdp", marks=needs_deepspeed, id="zero2-2-to-fsdp-1"),
+        pytest.param("zero1-torch", 1, "fsdp", marks=pytest.mark.slow, id="zero1torch-2-to-fsdp-1"),
+        pytest.param("fsdp", 2, "zero1-torch", marks=pytest.mark.slow, id="fsdp-2-to-zero1torch-2"),
         pytest.param("zero2", 2, "zero2", marks=[needs_deepspeed, pytest.mark.slow], id="zero2-2-to-zero2-2"),
         pytest.param("ddp", 2, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="ddp-2-to-zero3-2"),
         pytest.param("zero3", 1, "fsdp", marks=[needs_deepspeed, pytest.mark.slow], id="zero3-2-to-fsdp-1"),
@@ -129,17 +132,61 @@ def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, t
     source, _ = run(written_by)
     checkpoint = source / "checkpoints" / f"step-{MID:06d}"
     out = tmp_path / "resumed"
-    proc = run_accord(
-        "train", recipe, f"engine.strategy={resumed_with}", f"engine.processes={processes}", f"resume={checkpoint}", f"output.dir={out}"
-    )
+    proc = run_accord("train", recipe, *RUNS[resumed_with], f"engine.processes={processes}", f"resume={checkpoint}", f"output.dir={out}")
     assert_ok(proc)
-    assert f"resumed from {checkpoint} at step {MID} " in proc.stdout
+    assert f"resumed from {checkpoint} at step {MID} " in proc.stderr
     diff = max_param_diff(final_params(reference), final_params(out))
     resumed, original = step_losses(out), step_losses(reference)
     assert sorted(resumed) == list(range(MID + 1, STEPS + 1))
     loss_diff = max(abs(resumed[s] - original[s]) for s in resumed)
     print(f"max |Δparam| {written_by}×2 -> {resumed_with}×{processes} vs uninterrupted ddp: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
     assert diff <= TOLERANCE and loss_diff <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", _strategy_params(["fsdp", "zero2"]))
+def test_checkpoint_is_written_by_every_rank_keyed_by_name(run, name):
+    """One DCP file per rank, each holding part of the state (no rank gathers it all), and an
+    index of every parameter's weights and AdamW moments by name, whatever the strategy."""
+    from accord.engine.state import stored_keys
+
+    out, _ = run(name)
+    folder = out / "checkpoints" / f"step-{MID:06d}"
+    shards = sorted((folder / "state").glob("*.distcp"))
+    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
+    sizes = [p.stat().st_size for p in shards]
+    assert min(sizes) > 0.25 * sum(sizes), sizes  # both ranks write a real share
+    assert not (folder / "model.safetensors").exists() and not (folder / "optimizer.pt").exists()
+    keys = stored_keys(folder)
+    weights = final_params(out)
+    assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == set(weights)
+    for param, value in weights.items():
+        assert keys[f"model.{param}"][0] == value.shape
+        assert {f"optim.{param}.{k}" for k in ("exp_avg", "exp_avg_sq", "step")} <= set(keys)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@needs_deepspeed
+def test_resume_chain_fsdp4_zero3_2_ddp1_matches_the_uninterrupted_run(run, recipe, tmp_path):
+    """fsdp on 4 processes -> zero3 on 2 -> ddp on 1, each resuming the previous one's
+    checkpoint, ends with the uninterrupted run's parameters and losses (fp32, ≤1e-5)."""
+    reference, _ = run("ddp")
+    first, second, third = tmp_path / "fsdp4", tmp_path / "zero3-2", tmp_path / "ddp1"
+    assert_ok(run_accord("train", recipe, "engine.strategy=fsdp", "engine.processes=4", "checkpoint.every_steps=3", "checkpoint.keep_last=4", f"output.dir={first}"))
+    assert_ok(run_accord("train", recipe, "engine.strategy=zero3", "engine.processes=2", "checkpoint.every_steps=3", "checkpoint.keep_last=4",
+                         f"resume={first / 'checkpoints' / 'step-000003'}", f"output.dir={second}"))
+    proc = run_accord("train", recipe, "engine.strategy=ddp", "engine.processes=1", f"resume={second / 'checkpoints' / 'step-000006'}", f"output.dir={third}")
+    assert_ok(proc)
+    assert "at step 6 " in proc.stdout + proc.stderr
+    ref_losses = step_losses(reference)
+    for out, steps in ((first, range(1, STEPS + 1)), (second, range(4, STEPS + 1)), (third, range(7, STEPS + 1))):
+        losses = step_losses(out)
+        assert sorted(losses) == list(steps)
+        loss_diff = max(abs(losses[s] - ref_losses[s]) for s in losses)
+        diff = max_param_diff(final_params(reference), final_params(out))
+        print(f"{out.name}: max |Δparam| vs uninterrupted ddp-2 {diff:.2e}; max |Δloss| {loss_diff:.2e}")
+        assert diff <= TOLERANCE and loss_diff <= TOLERANCE
 
 
 # ---------------------------------------------------------------- activation checkpointing
@@ -268,7 +315,8 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     config = deepspeed_config(recipe, plan, torch.device("cpu"), model)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (32, 4, 4)
     assert config["gradient_clipping"] == 0.5
-    assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    # bf16 is accord's autocast over fp32 weights under every strategy, not DeepSpeed's bf16 mode.
+    assert config["bf16"] == {"enabled": False} and config["fp16"]["enabled"] is False
     assert config["communication_data_type"] == "fp32"  # gradients reduced in fp32, as under DDP/FSDP
     assert config["optimizer"] == {
         "type": "AdamW",

@@ -68,7 +68,9 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
     total_steps = _total_steps(recipe, order)
 
-    model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, task.model_kwargs())
+    # On the meta device: the engine gives it storage and values, each rank only its shards
+    # under fsdp; the facts below come from the shapes alone.
+    model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, task.model_kwargs(), meta=True)
     task.configure_model(model)
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:

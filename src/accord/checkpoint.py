@@ -1,10 +1,12 @@
 """Checkpoints that survive crashes, and the rules for resuming from them.
 
-A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/`, flushed to disk, marked
-COMPLETE and only then renamed to `checkpoints/step-NNNNNN/`; `latest` is replaced
-atomically after that and older checkpoints are pruned last. A crash at any moment
+A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (every rank its shards of the
+model and optimizer state, see accord.engine.state; rank 0 the small files), flushed to
+disk, marked COMPLETE and only then renamed to `checkpoints/step-NNNNNN/`; `latest` is
+replaced atomically after that and older checkpoints are pruned last. A crash at any moment
 therefore leaves the previous complete checkpoint untouched, and a folder without its
-marker is never used.
+marker is never used. With checkpoint.async the shards are written in the background and
+the sealing (COMPLETE, rename, latest, prune) happens once they are all on disk.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, dist, faults
 from accord.errors import RunStopped
@@ -56,8 +60,11 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo) -> Path:
-    """Collective: every rank writes its share into a temporary folder, rank 0 seals it."""
+def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo, asynchronous: bool = False) -> PendingCheckpoint:
+    """Collective: every rank writes its share into a temporary folder, rank 0 seals it once
+    every rank's files are written. Synchronous: sealed when this returns. Asynchronous: the
+    tensors are copied to host memory here and written in the background while training
+    goes on; the result's wait() (collective) must come before the next checkpoint."""
     root = out_dir / CHECKPOINTS
     final = root / step_name(state.step)
     tmp = root / f".tmp-{final.name}"
@@ -70,43 +77,97 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
         except OSError as e:
             error = e
     _agree_or_raise(error, state.step, tmp, info)
+    write = None
     try:
-        engine.save_state(tmp, writer=info.is_main)
+        write = engine.save_state(tmp, writer=info.is_main, asynchronous=asynchronous)
         torch.save(_rng_state(), tmp / "rng" / f"rank-{info.rank:05d}.pt")
-    except OSError as e:
+    except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
     _agree_or_raise(error, state.step, tmp, info)
-    faults.pause_before_sealing_checkpoint(state.step)
-    if info.is_main:
+    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write)
+    if not asynchronous:
+        pending.wait()
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written; sealed (on rank 0) as soon as they are,
+    in a background thread when the write is asynchronous. Until then it is a .tmp- folder
+    that resuming ignores: a crash leaves the previous checkpoint whole."""
+
+    def __init__(self, state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, info: dist.DistInfo, write):
+        self.state, self.recipe, self.root, self.final, self.tmp, self.info = state, recipe, root, final, tmp, info
+        self._write = write
+        self._error: BaseException | None = None
+        self._thread = None
+        if write is not None:
+            self._thread = threading.Thread(target=self._finish, name=f"accord-checkpoint-{state.step}", daemon=True)
+            self._thread.start()
+
+    def _finish(self) -> None:
         try:
-            (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
-            (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
-            _fsync_tree(tmp)
-            _write_durably(tmp / COMPLETE, "")
-            if final.exists():  # the same step written again by a resumed run
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_durably(root / LATEST, final.name + "\n", atomic=True)
-            prune(root, recipe.checkpoint.keep_last)
-        except OSError as e:
-            error = e
-    _agree_or_raise(error, state.step, tmp, info)
-    return final
+            if self._write is not None:
+                self._write.result()  # this rank's files; on rank 0 also the index, written after every rank's
+            faults.pause_before_sealing_checkpoint(self.state.step)
+            if self.info.is_main:
+                _seal(self.state, self.recipe, self.root, self.final, self.tmp)
+        except (Exception, CheckpointException) as e:
+            self._error = e
+
+    def wait(self) -> Path:
+        """Collective: the write finished and the checkpoint is sealed on every rank's word."""
+        if self._thread is None:
+            self._finish()
+        else:
+            self._thread.join()
+        _agree_or_raise(self._error, self.state.step, self.tmp, self.info)
+        return self.final
 
 
-def _agree_or_raise(error: OSError | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
+def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path) -> None:
+    """Rank 0, once every rank's files are in `tmp`: mark it COMPLETE, rename it into place,
+    point `latest` at it, and only then prune older checkpoints."""
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
+    (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
+    _fsync_tree(tmp)
+    _write_durably(tmp / COMPLETE, "")
+    if final.exists():  # the same step written again by a resumed run
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_durably(root / LATEST, final.name + "\n", atomic=True)
+    prune(root, recipe.checkpoint.keep_last)
+
+
+def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
     """All ranks learn whether any rank failed, so none waits forever in the next collective."""
     (failed,) = dist.any_rank(error is not None)
     if not failed:
         return
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    reason = f"{error.strerror or error} ({error.filename})" if error is not None else "it failed on another rank"
+    reason = _reason(error) if error is not None else "it failed on another rank"
     raise CheckpointError(
         f"could not write the checkpoint of step {step}: {reason}; earlier checkpoints are intact — "
         f"free disk space or fix the output folder, then resume with --resume"
     )
+
+
+def _reason(error: BaseException) -> str:
+    """The OSError behind a failure (DCP wraps each rank's in its own exception), in one line."""
+    seen: list[BaseException] = [error]
+    while seen:
+        e = seen.pop(0)
+        if not isinstance(e, BaseException):
+            continue
+        if isinstance(e, OSError):
+            return f"{e.strerror or e} ({e.filename})" if e.filename else f"{e.strerror or e}"
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            # each rank's (exception, traceback summary)
+            seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        seen += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -240,8 +301,14 @@ def resume_source(recipe: Recipe, restarted: bool = False) -> Path | None:
 
 
 def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
-    """Fields that define the run and differ from the checkpoint's recipe."""
+    """Fields that define the run and differ from the checkpoint's recipe. The saved recipe is
+    read with this version's defaults first, so a field added since it was written (at its
+    default) is no change."""
     current = recipe.model_dump(mode="json")
+    try:
+        saved = Recipe.model_validate(saved).model_dump(mode="json")
+    except ValueError:
+        pass  # a field since renamed or removed: compare what was written
     changes = []
     for key in IDENTITY:
         before, after = _get(saved, key), _get(current, key)
@@ -288,6 +355,11 @@ def check_resume(recipe: Recipe) -> list[str]:
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
                 return [f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"]
         return []
+    from accord.engine.state import state_problems
+
+    damaged = state_problems(source)
+    if damaged:
+        return damaged
     changes = identity_changes(read_checkpoint_recipe(source), recipe)
     if changes:
         return [

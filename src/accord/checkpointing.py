@@ -7,17 +7,20 @@ import time
 from pathlib import Path
 
 from accord import dist
-from accord.checkpoint import CheckpointError, TrainingState, read_state, restore_rng, save_checkpoint
+from accord.checkpoint import CHECKPOINTS, CheckpointError, PendingCheckpoint, TrainingState, read_state, restore_rng, save_checkpoint, step_name
 from accord.recipe import CheckpointConfig
 from accord.stopping import TrainingStopped
 
 
 class CheckpointSchedule:
-    """checkpoint.every_steps and every_minutes (rank 0's clock decides the latter)."""
+    """checkpoint.every_steps and every_minutes (rank 0's clock decides the latter), and the
+    checkpoint being written: with checkpoint.async it is sealed in the background, and the
+    next one (or the end of the run) waits for it."""
 
     def __init__(self, cfg: CheckpointConfig):
         self.cfg = cfg
         self._last = time.monotonic()
+        self._pending: PendingCheckpoint | None = None
 
     def step_due(self, step: int) -> bool:
         return self.cfg.every_steps is not None and step % self.cfg.every_steps == 0
@@ -26,23 +29,42 @@ class CheckpointSchedule:
         minutes = self.cfg.every_minutes
         return minutes is not None and time.monotonic() - self._last >= 60 * minutes
 
-    def written(self) -> None:
+    def save(self, run, step: int) -> Path:
+        """Collective: the checkpoint of `step` (model, optimizer, schedule, RNG, data position),
+        after the previous one is sealed; the folder it has (or will have, once sealed)."""
+        self.finish()
+        position = run.order.position(step)
+        state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size)
+        try:
+            self._pending = save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_)
+        except CheckpointError as e:  # raised on every rank alike by save_checkpoint
+            raise TrainingStopped(str(e)) from None
+        if not self.cfg.async_:
+            self._pending = None
         self._last = time.monotonic()
+        return run.out_dir / CHECKPOINTS / step_name(step)
 
-
-def save_run(run, step: int) -> Path:
-    """Collective: the checkpoint of `step` (model, optimizer, schedule, RNG, data position)."""
-    position = run.order.position(step)
-    state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size)
-    try:
-        return save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info)
-    except CheckpointError as e:  # raised on every rank alike by save_checkpoint
-        raise TrainingStopped(str(e)) from None
+    def finish(self) -> None:
+        """Collective: wait until the checkpoint being written is sealed (nothing to wait for
+        when checkpoints are synchronous)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.wait()
+            except CheckpointError as e:
+                raise TrainingStopped(str(e)) from None
 
 
 def restore_run(run, folder: Path) -> int:
     """Weights, optimizer, schedule, RNG and the data position from `folder`; the step to continue at."""
+    from accord.engine.state import convert_legacy, is_legacy
+
     state = read_state(folder)
+    if is_legacy(folder):
+        if run.info.is_main:
+            dist.print0(f"accord: converting {folder} from the single-file checkpoint format to the sharded one")
+            convert_legacy(folder)
+        dist.barrier()
     run.engine.load_state(folder)
     position = run.order.position(state.step)
     if (position.epoch, position.index) != (state.epoch, state.index):

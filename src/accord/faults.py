@@ -7,7 +7,8 @@ cost one dictionary lookup.
   checkpoint_pause_at_step=N
                          sleep (checkpoint_pause_s, default 60) seconds after the files
                          of step N's checkpoint are written, before it is sealed: a
-                         window to kill the run mid-write
+                         window to kill the run mid-write (under checkpoint.async in
+                         the background writer, while training goes on)
   nan_loss_at_step=N     make the loss of optimizer step N (1-based) NaN on every rank
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -36,7 +37,7 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     No merges, so every string (any language, any symbol) round-trips exactly and the
     vocabulary stays tiny — right for small models trained from scratch.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_to_char = bytes_to_unicode()
@@ -45,6 +46,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"])
+    # `tokenizer(text)` starts with <|bos|>, as training puts it before every prompt and
+    # document (data.add_bos=auto), so final/ encodes prompts the way the model learned them.
+    # The chat template renders no BOS (apply_chat_template tokenizes without special tokens).
+    bos_id = tokenizer.token_to_id("<|bos|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B:1", special_tokens=[("<|bos|>", bos_id)]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|bos|>",
@@ -81,50 +89,71 @@ def auto_class(kind: str):
 
 
 def build_model(
-    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, kind: str = "causal_lm", extra: dict[str, Any] | None = None
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    kind: str = "causal_lm",
+    extra: dict[str, Any] | None = None,
+    meta: bool = False,
 ) -> PreTrainedModel:
-    """The model in fp32 on the CPU; the engine moves, wraps and casts it.
+    """The model in fp32: on the meta device (`meta`: the engine materialises it, each rank
+    only its shards), or materialised on the CPU.
 
-    Every rank builds the same initial weights from the seed (including heads that a
-    pretrained checkpoint lacks): DDP would broadcast rank 0's anyway, but sharded
-    strategies need them equal before sharding.
+    Initial values depend on (seed, module name) only, and a model folder's tensors are read
+    from its safetensors (see accord.weights): every strategy on any number of processes
+    starts from the same weights, including heads that a pretrained checkpoint lacks.
     """
+    from accord.weights import WeightsSource, attach_source, materialize
+
     auto = auto_class(kind)
     kwargs = dict(extra or {})
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        folder = model_folder(cfg)
-        if folder is not None:
-            model = auto.from_pretrained(folder, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **kwargs)
-        else:
-            settings = dict(cfg.config or {})
-            architecture = settings.pop("architecture")
-            settings.setdefault("vocab_size", len(tokenizer))
-            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-                settings.setdefault(name, getattr(tokenizer, name))
-            attn = kwargs.pop("attn_implementation", None)
-            config = AutoConfig.for_model(architecture, **settings, **kwargs)
-            model = auto.from_config(config, dtype=torch.float32, **({"attn_implementation": attn} if attn else {}))
+    attn = cfg.attn_implementation
+    folder = model_folder(cfg)
+    if folder is not None:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    else:
+        settings = dict(cfg.config or {})
+        architecture = settings.pop("architecture")
+        settings.setdefault("vocab_size", len(tokenizer))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            settings.setdefault(name, getattr(tokenizer, name))
+        config = AutoConfig.for_model(architecture, **settings, **kwargs)
+    with torch.device("meta"):
+        model = auto.from_config(
+            config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **({"attn_implementation": attn} if attn else {})
+        )
+    if folder is not None:
+        model.config._name_or_path = str(folder)
+        if (folder / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(folder)
     if model.config.pad_token_id is None:
         # Sequence classification with a decoder finds the last token through the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
-    return model
+    attach_source(model, WeightsSource(folder, seed))
+    return model if meta else materialize(model, "cpu")
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:
     """Wrap with peft adapters; only they (and a classification head) are trained. The
-    adapters' random init is seeded, so it is the same for any number of processes."""
+    adapters' initial values are seeded per name (accord.weights), so they are the same for
+    any number of processes. On a meta-device model they stay meta until the engine
+    materialises the whole."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
+
+    from accord.weights import WeightsSource, fill, is_meta
 
     task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
     target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
     peft_config = PeftLoraConfig(task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        return get_peft_model(model, peft_config)
+    meta = is_meta(model)
+    with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
+        wrapped = get_peft_model(model, peft_config)
+    if not meta:  # peft's own draws replaced by the per-name values
+        fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
+    return wrapped
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from accord.recipe import Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
 RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final")
+# The final model's safetensors shards: at most this many bytes each (the exporting rank's buffer).
+SHARD_BYTES = 2**30
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def earlier_run(out_dir: Path) -> list[str]:
@@ -51,11 +62,83 @@ def prepare_output_dir(recipe: Recipe, clear: bool) -> Path:
 
 def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = None) -> None:
     """save_pretrained (safetensors) into a temporary sibling, then rename into place.
-    `state_dict`: the full weights when the module itself holds only a shard."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    `state_dict`: what to save when the module itself holds only a shard (a LoRA adapter's
+    tensors: small; the whole model goes through save_streamed_model)."""
+    with _replacing(final) as tmp:
         module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+
+def save_streamed_model(tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """A save_pretrained folder from whole tensors handed over one at a time: transformers'
+    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json),
+    each shard written once it holds `shard_bytes` and then freed, so the writer never holds
+    more than one shard. `model` gives the config (and generation config) only."""
+    with _replacing(final) as tmp:
+        shards = _ShardWriter(tmp, shard_bytes)
+        for name, tensor in tensors:
+            shards.add(name, tensor)
+        shards.close()
+        config = copy.deepcopy(model.config)
+        config.architectures = [_model_class(model).__name__]
+        config.save_pretrained(tmp)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def _model_class(model) -> type:
+    """The model's transformers class (FSDP2 swaps in a subclass named FSDP<class>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+class _ShardWriter:
+    def __init__(self, folder: Path, shard_bytes: int):
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.buffer and self.size + tensor.nbytes > self.shard_bytes:
+            self._flush()
+        self.buffer[name] = tensor
+        self.size += tensor.nbytes
+        self.total += tensor.nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        from accord.engine.state import unshared
+
+        path = self.folder / f".part-{len(self.parts):05d}.safetensors"
+        save_file(unshared(self.buffer), path, metadata={"format": "pt"})
+        self.parts.append((path, list(self.buffer)))
+        self.buffer, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.buffer or not self.parts:
+            self._flush()
+        count = len(self.parts)
+        weight_map = {}
+        for k, (path, names) in enumerate(self.parts, start=1):
+            name = f"model-{k:05d}-of-{count:05d}.safetensors"
+            path.rename(self.folder / name)
+            weight_map |= dict.fromkeys(names, name)
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / SHARD_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _replacing(final: Path) -> Iterator[Path]:
+    """A temporary sibling of `final` to write into, renamed into place when all went well."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -56,7 +56,7 @@ def meta_model(recipe: Recipe):
             config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code, **kwargs)
             model = auto_class(task.model_kind).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
         else:
-            model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs)
+            model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs, meta=True)
         if recipe.lora is not None:
             model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     return model
@@ -76,11 +76,12 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
         local = lambda ps: sum(_chunk0(p, world) for p in ps)  # noqa: E731
         shard = local(trainable)
         return {"params": weight * local(params), "grads": weight * shard, "optimizer": adam(shard), "master": 0.0}
-    # DeepSpeed ZeRO: parameters in the compute dtype; AdamW state (and an fp32 master copy
-    # unless ZeRO-3 already partitions fp32 parameters) of this rank's partition of each
-    # flat parameter group (weights decayed / not decayed).
+    # DeepSpeed ZeRO: parameters in fp32 (bf16 is autocast, as under DDP/FSDP) or fp16
+    # (DeepSpeed's loss-scaled fp16 mode); AdamW state (and an fp32 master copy unless ZeRO-3
+    # already partitions fp32 parameters) of this rank's partition of each flat parameter
+    # group (weights decayed / not decayed).
     stage = int(strategy[-1])
-    compute = 2 if precision in ("bf16", "fp16") else 4
+    compute = 2 if precision == "fp16" else 4
     groups = [sum(p.numel() for p in trainable if p.ndim >= 2), sum(p.numel() for p in trainable if p.ndim < 2)]
     partition = sum(math.ceil(n / world) for n in groups if n)
     keeps_master = stage < 3 or compute != 4
@@ -136,7 +137,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1) -> tuple[list[StrategyPlan],
     return rows, world
 
 
-def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: float) -> str:
+def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: float, device: str = "GPU") -> str:
     """The cheapest strategy that fits (least communication first), and the largest micro
     batch it can take with the resulting accumulation."""
     budget = memory_gib * GIB
@@ -144,8 +145,8 @@ def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: 
     if not fitting:
         best = min(rows, key=lambda r: r.total)
         return (
-            f"nothing fits in {memory_gib:g} GiB per GPU: the smallest is {best.strategy} at {best.total / GIB:.1f} GiB; "
-            f"use more GPUs, engine.activation_checkpointing=true, a smaller batch.micro_batch_size or data.max_length, "
+            f"nothing fits in {memory_gib:g} GiB per {device}: the smallest is {best.strategy} at {best.total / GIB:.1f} GiB; "
+            f"use more {device}s, engine.activation_checkpointing=true, a smaller batch.micro_batch_size or data.max_length, "
             f"or engine.offload"
         )
     choice = fitting[0]
@@ -157,7 +158,7 @@ def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: 
     return (
         f"recommended: engine.strategy={choice.strategy} with batch.micro_batch_size={micro} "
         f"({world} × {micro} × {per_rank // micro} accumulation = {recipe.batch.global_batch_size}), "
-        f"~{(base + per_sequence * micro) / GIB:.1f} of {memory_gib:.1f} GiB per GPU"
+        f"~{(base + per_sequence * micro) / GIB:.1f} of {memory_gib:.1f} GiB per {device}"
     )
 
 

@@ -16,10 +16,11 @@ from accord import dist, faults
 from accord.assemble import RunSetup
 from accord.batches import fetch, to_device
 from accord.checkpoint import latest_checkpoint, seed_for
-from accord.checkpointing import CheckpointSchedule, restore_run, save_run
+from accord.checkpointing import CheckpointSchedule, restore_run
 from accord.evaluate import Evaluator
 from accord.export import export_final
 from accord.nonfinite import NonFiniteGuard
+from accord.observe.memory import memory_record
 from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
 from accord.stopping import RunResult, StopRequest
@@ -90,6 +91,7 @@ class Trainer:
         run, cfg = self.run, self.run.recipe.train
         throughput = Throughput(self.plan.global_batch_size, run.info.world_size, run.model.flops_per_token, run.model.peak_tflops, self.engine.device)
         self.log = StepLog(run.out_dir, self.step, throughput, writer=run.info.is_main)
+        self.log.write(memory_record(self.step, "build", self.engine.device))  # construction, loading, resume
         self.engine.module.train()
         progress = Progress(run.total_steps, self.step, enabled=run.info.is_main)
         start_step, start = self.step, time.perf_counter()
@@ -123,6 +125,7 @@ class Trainer:
                     self._flush(progress)
                     self.save_checkpoint()
                 if stopping and not at_end:
+                    self.schedule.finish()  # an asynchronous checkpoint sealed before exiting
                     progress.close()
                     why = stop.signal_name if stop and stop.signal_name else "signal on another rank"
                     dist.print0(f"accord: stop requested ({why}): checkpoint of step {self.step} written")
@@ -152,17 +155,22 @@ class Trainer:
     # ------------------------------------------------------------------ save / close
 
     def save_checkpoint(self) -> Path:
-        folder = save_run(self.run, self.step)
-        self.schedule.written()
+        self.log.write(memory_record(self.step, "train", self.engine.device))
+        folder = self.schedule.save(self.run, self.step)
         self.log.write({"kind": "checkpoint", "step": self.step, "path": str(folder)})
+        self.log.write(memory_record(self.step, "checkpoint", self.engine.device))
         self.log.restart_clock()
         return folder
 
     def save(self) -> Path:
         run = self.run
-        return export_final(self.engine, run.recipe, run.task, run.tokenizer, run.out_dir, run.info)
+        self.schedule.finish()  # the last checkpoint sealed (written in the background under checkpoint.async)
+        final = export_final(self.engine, run.recipe, run.task, run.tokenizer, run.out_dir, run.info)
+        self.log.write(memory_record(self.step, "export", self.engine.device))
+        return final
 
     def close(self) -> None:
+        gc.unfreeze()  # the run's objects become collectable again (a caller's process lives on)
         self.engine.close()
         if self.log is not None:
             self.log.close()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from accord.engine.state import PendingWrite
 
 
 class Engine(ABC):
@@ -67,10 +70,22 @@ class Engine(ABC):
         gathered collectively in forward): evaluation and generation then keep ranks in step."""
         return False
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the whole model's weights on rank 0 (CPU), for export. None means the
-        plain module already holds all of them (nothing to gather)."""
-        return None
+    def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Collective: each entry of the model's state dict as a whole fp32 CPU tensor, one at
+        a time (a sharded one is gathered, handed out and freed before the next), for export.
+        Only `writer` receives the tensors (None elsewhere); a tied weight comes once, under
+        its first name."""
+        for name, tensor in unique_entries(self.module):
+            yield name, (tensor.detach().cpu() if writer else None)
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A second, frozen model (DPO's reference) ready for forward passes on this engine's
+        device: materialised from its meta-device build, and sharded like the trained model
+        where the strategy shards (its forward is then collective, like the policy's)."""
+        from accord.weights import materialize
+
+        model.requires_grad_(False)
+        return materialize(model, self.device).to(self.device).eval()
 
     @property
     def handles_overflow(self) -> bool:
@@ -82,13 +97,15 @@ class Engine(ABC):
     def lr(self) -> float: ...
 
     @abstractmethod
-    def save_state(self, folder: Path, writer: bool) -> None:
-        """Collective: model, optimizer, schedule and loss-scaler state into `folder`
-        (which exists on every rank); files are written where `writer` is true."""
+    def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
+        """Collective: model, optimizer, schedule and loss-scaler state into `folder` (which
+        exists on every rank): each rank writes its part of the sharded state (engine.state's
+        layout), `writer` the small files. With `asynchronous` the tensors are copied to host
+        memory and written in the background: the caller waits on what is returned."""
 
     @abstractmethod
     def load_state(self, folder: Path) -> None:
-        """Collective: restore what save_state wrote, whatever the world size then was."""
+        """Collective: restore what save_state wrote, whatever the world size and strategy then were."""
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, from the real tensors: parameters (local
@@ -116,3 +133,13 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     if local is None:
         local = tensor
     return local.numel() * local.element_size()
+
+
+def unique_entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's state-dict entries (parameters as they are: DTensors, ZeRO-3 stubs), each
+    tensor once: a tied weight's later names are left out, as save_pretrained leaves them."""
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor

@@ -14,6 +14,7 @@ from accord.dist import DistInfo
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import enable_activation_checkpointing
 from accord.recipe import Recipe
+from accord.weights import materialize
 
 
 def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DDPEngine:
@@ -22,6 +23,7 @@ def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device
 
 class DDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+        materialize(model, device)  # a meta-device model gets its (per-name seeded or loaded) values
         model.to(device)
         if recipe.engine.activation_checkpointing:
             enable_activation_checkpointing(model)

@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from accord.engine.base import Engine
 from accord.engine.deepspeed_config import deepspeed_config
 from accord.engine.optim import build_scheduler, param_groups
 from accord.engine.precision import autocast
+from accord.engine.state import PendingWrite
 from accord.engine.wrapping import enable_activation_checkpointing, ensure_process_group
 from accord.errors import UserInputError
 from accord.recipe import Recipe
@@ -67,17 +69,58 @@ class DeepSpeedEngine(Engine):
         self.stage = int(recipe.engine.strategy.removeprefix("zero"))
         if recipe.engine.activation_checkpointing:
             enable_activation_checkpointing(model)
+        config = deepspeed_config(recipe, plan, device, model)
+        self._config = config
+        self._materialize(model, config)
         groups = param_groups(model, recipe.optim)
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
-        self._wrapped, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=deepspeed_config(recipe, plan, device, model), dist_init_required=False
-        )
+        self._wrapped, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, dist_init_required=False)
         self.module = self._wrapped.module
         self._state = DeepSpeedState(self._wrapped, self.stage, self.precision, device, group_names)
         self.state_optimizer = self._state.base
         # accord's schedule, on the optimizer that DeepSpeed steps: the same learning rates as DDP.
         self.scheduler = build_scheduler(self._state.base, recipe.optim, total_steps)
+
+    def _materialize(self, model: nn.Module, config: dict) -> None:
+        """Values for a meta-device model (accord.weights). ZeRO-1/2 hold every parameter
+        on every rank; ZeRO-3 partitions each parameter as soon as it exists, the way
+        DeepSpeed's own partitioned construction (zero.Init) does: rank 0 provides the values
+        (per-name init or the safetensors tensor), the partitioning scatters them, and no rank
+        holds more than one module's tensors beyond its partitions."""
+        from accord.weights import materialize, materialize_each_parameter
+
+        if self.stage < 3:
+            materialize(model, "cpu")
+            return
+        import deepspeed
+
+        first: list[nn.Parameter] = []
+
+        def convert(param: nn.Parameter) -> None:
+            if first:  # as DeepSpeed converts a module's late parameters itself
+                first[0].convert_to_zero_parameters(param_list=[param])
+                return
+            holder = nn.Module()
+            holder.register_parameter("p", param)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=config)
+            first.append(param)
+
+        materialize_each_parameter(model, convert, provider=dist.is_main())
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """Under ZeRO-3 a frozen model (DPO's reference) is partitioned like the policy and
+        run by a DeepSpeed engine without an optimizer (its forward gathers collectively)."""
+        if self.stage < 3:
+            return super().prepare_frozen(model)
+        import deepspeed
+
+        model.requires_grad_(False)
+        self._materialize(model, self._config)
+        config = {k: v for k, v in self._config.items() if k not in ("optimizer", "scheduler", "gradient_clipping")}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        self._frozen = [*getattr(self, "_frozen", []), engine]
+        return engine.module.eval()
 
     # ------------------------------------------------------------------ the loop
 
@@ -119,12 +162,11 @@ class DeepSpeedEngine(Engine):
 
     # ------------------------------------------------------------------ state
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        state = self._state.full_model_state(writer=dist.is_main())
-        return state if dist.is_main() else None
+    def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return self._state.full_tensors(writer)
 
-    def save_state(self, folder: Path, writer: bool) -> None:
-        self._state.save(folder, writer, self.scheduler)
+    def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
+        return self._state.save(folder, writer, self.scheduler, asynchronous)
 
     def load_state(self, folder: Path) -> None:
         self._state.load(folder, self.scheduler)
@@ -135,6 +177,8 @@ class DeepSpeedEngine(Engine):
         self._compiled = self._wrapped
 
     def close(self) -> None:
+        for engine in getattr(self, "_frozen", []):
+            engine.destroy()
         self._wrapped.destroy()
 
 

@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO state in accord's checkpoint format: full fp32 tensors keyed by parameter
-name, so a run written under ZeRO resumes under any strategy on any number of processes
-(DeepSpeed's own checkpoints are laid out by stage and world size).
+"""DeepSpeed ZeRO state in accord's checkpoint layout (engine.state: sharded, keyed by
+parameter name), so a run written under ZeRO resumes under any strategy on any number of
+processes (DeepSpeed's own checkpoints are laid out by stage and world size).
 
 DeepSpeed's public helpers (deepspeed.utils.safe_get/set_full_*) read and write one
 parameter's whole weights and optimizer state. What they leave out goes through attributes
@@ -13,6 +13,7 @@ attribute and the installed version, instead of a checkpoint silently missing st
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from packaging.version import Version
 from torch import nn
 
 from accord import dist
-from accord.engine.state import load_schedule, read_state_files, save_schedule, write_state_files
+from accord.engine.base import unique_entries
+from accord.engine.state import MODEL, OPTIM, PendingWrite, load_schedule, read_whole, save_schedule, stored_keys, write_sharded
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # The DeepSpeed releases (major, minor) whose internals this module was written against.
@@ -55,45 +57,61 @@ class DeepSpeedState:
 
     # ------------------------------------------------------------------ save
 
-    def full_model_state(self, writer: bool) -> dict[str, torch.Tensor]:
-        """Collective: every entry of the model's state dict as a full fp32 CPU tensor
-        (the fp32 master weights where DeepSpeed keeps them); only `writer` keeps them."""
-        by_id: dict[int, torch.Tensor] = {}
-        for param in self.module.parameters():
-            value = safe_get_full_fp32_param(param) if param.requires_grad else None
-            if value is None:
-                value = self._gather(param)
-            if writer:
-                by_id[id(param)] = value.detach().float().cpu()
-        state = {}
+    def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Collective: each state-dict entry as a whole fp32 CPU tensor (the fp32 master weights
+        where DeepSpeed keeps them), one at a time; only `writer` keeps them."""
+        params = {id(p) for p in self.module.parameters()}
+        for name, tensor in unique_entries(self.module):
+            if id(tensor) in params:
+                value = self._full_param(tensor)
+                yield name, (value.detach().float().cpu() if writer else None)
+                del value
+            else:  # a buffer: never partitioned
+                yield name, (tensor.detach().cpu().clone() if writer else None)
+
+    def _full_param(self, param: nn.Parameter) -> torch.Tensor:
+        """Collective: the whole of one parameter (every rank gets it)."""
+        value = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if value is None:  # no fp32 master (frozen)
+            if self.stage == 3:
+                with deepspeed.zero.GatheredParameters([param]):
+                    return param.data.detach().clone()
+            return param.data
+        return value
+
+    def save(self, folder: Path, writer: bool, scheduler: torch.optim.lr_scheduler.LRScheduler, asynchronous: bool = False) -> PendingWrite | None:
+        """Collective: the layout every strategy writes (engine.state), from DeepSpeed's
+        partitions. DeepSpeed has no per-name shards, so each tensor is gathered whole, one at
+        a time, and kept only by the rank that writes it (round-robin by name): a rank holds
+        1/world of the whole model and its AdamW moments, and the ranks write in parallel."""
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        owner = _round_robin(rank, world)
+        model: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) in by_id:
-                state[name] = by_id[id(tensor)]
-            elif writer:  # a buffer: never partitioned
-                state[name] = tensor.detach().cpu().clone()
-        return state
-
-    def _gather(self, param: nn.Parameter) -> torch.Tensor:
-        """The whole of a parameter that has no fp32 master (frozen)."""
-        if self.stage == 3:
-            with deepspeed.zero.GatheredParameters([param]):
-                return param.data.detach().clone()
-        return param.data
-
-    def save(self, folder: Path, writer: bool, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Collective: accord's checkpoint files (model, optimizer, schedule) into `folder`."""
-        model_state = self.full_model_state(writer)
+            value = self._full_param(tensor) if isinstance(tensor, nn.Parameter) else tensor
+            if owner():
+                model[name] = value.detach().float().cpu().clone() if isinstance(tensor, nn.Parameter) else value.detach().cpu().clone()
+            del value
+        optim: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_count()  # None before the first applied update (e.g. an fp16 overflow)
-        optimizer_state = {} if step is None else self._full_optimizer_state(step, writer)
-        if not writer:
-            return
-        groups = [
-            {k: v for k, v in group.items() if k != "params"} | {"params": list(names)}
-            for names, group in zip(self.group_names, self.base.param_groups)
-        ]
-        write_state_files(model_state, {"state": optimizer_state, "param_groups": groups}, folder)
-        extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
-        save_schedule(folder, scheduler, None, **extra)
+        if step is not None:
+            self._link_optimizer_state()
+            params = dict(self.module.named_parameters())
+            for name in (name for names in self.group_names for name in names):
+                keep = owner()
+                entry = {"step": torch.tensor(step, dtype=torch.float32)}
+                for key in ADAM_STATE_KEYS:
+                    value = safe_get_full_optimizer_state(params[name], key)  # collective
+                    if keep:
+                        entry[key] = value.detach().float().cpu().clone()
+                    del value
+                if keep:
+                    optim[name] = entry
+        pending = write_sharded({MODEL: model, OPTIM: optim}, folder, asynchronous)
+        if writer:
+            extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
+            save_schedule(folder, scheduler, None, **extra)
+        return pending
 
     def _step_count(self) -> float | None:
         for state in self.base.state.values():
@@ -101,61 +119,51 @@ class DeepSpeedState:
                 return float(state["step"])
         return None
 
-    def _full_optimizer_state(self, step: float, writer: bool) -> dict[str, dict[str, torch.Tensor]]:
-        """Collective: each trainable parameter's whole AdamW state (kept where `writer`)."""
-        self._link_optimizer_state()
-        params = dict(self.module.named_parameters())
-        state = {}
-        for name in (name for names in self.group_names for name in names):
-            entry = {"step": torch.tensor(step, dtype=torch.float32)}
-            for key in ADAM_STATE_KEYS:
-                value = safe_get_full_optimizer_state(params[name], key)  # collective
-                if writer:
-                    entry[key] = value.detach().float().cpu()
-            state[name] = entry
-        return state
-
     # ------------------------------------------------------------------ load
 
     def load(self, folder: Path, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Collective: restore what any strategy's save_state wrote, on any world size."""
-        model_state, optim_state = read_state_files(folder)
-        self._load_weights(model_state, folder)
-        saved = optim_state.get("state", {})
-        if saved:
-            self._create_optimizer_state(float(next(iter(saved.values()))["step"]))
-            params = dict(self.module.named_parameters())
-            for name, param in params.items():
-                if param.requires_grad and name in saved:
-                    for key in ADAM_STATE_KEYS:
-                        safe_set_full_optimizer_state(param, saved[name][key].to(self.device), key)
-        self._restore_group_settings(optim_state.get("param_groups", []))
+        """Collective: restore what any strategy's save_state wrote, on any world size. Each
+        rank reads whole tensors a bounded batch at a time and keeps its partition of them."""
+        stored = stored_keys(folder)
+        params = dict(self.module.named_parameters())
+        missing = sorted(name for name in params if f"{MODEL}.{name}" not in stored)
+        if missing:
+            raise RuntimeError(f"{folder}: the checkpoint has no weights for {', '.join(missing[:5])}")
+        buffers = [f"{MODEL}.{name}" for name, _ in self.module.named_buffers() if f"{MODEL}.{name}" in stored]
+        for batch in read_whole(folder, [f"{MODEL}.{name}" for name in params] + buffers, stored):
+            self._load_weights({key[len(MODEL) + 1 :]: value for key, value in batch.items()})
+        trainable = [name for names in self.group_names for name in names]
+        optim_keys = [f"{OPTIM}.{name}.{key}" for name in trainable for key in ADAM_STATE_KEYS if f"{OPTIM}.{name}.{key}" in stored]
+        if optim_keys:
+            (step,) = next(read_whole(folder, [f"{OPTIM}.{trainable[0]}.step"], stored)).values()
+            self._create_optimizer_state(float(step))
+            for batch in read_whole(folder, optim_keys, stored):
+                for key, value in batch.items():
+                    name, state_key = key[len(OPTIM) + 1 :].rsplit(".", 1)
+                    safe_set_full_optimizer_state(params[name], value.to(self.device), state_key)
         extra = load_schedule(folder, scheduler)
         if self.precision == "fp16" and LOSS_SCALE_KEY in extra:
             self._zero.loss_scale = extra[LOSS_SCALE_KEY]
 
-    def _load_weights(self, model_state: dict[str, torch.Tensor], folder: Path) -> None:
+    def _load_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """Whole tensors by name (a batch of them): the fp32 master weights (partitioned:
+        each rank keeps its part) and the working copy the forward uses."""
         params = dict(self.module.named_parameters())
-        missing = sorted(set(params) - set(model_state))
-        if missing:
-            raise RuntimeError(f"{folder}: the checkpoint has no weights for {', '.join(missing[:5])}")
-        # The fp32 master weights (partitioned: each rank keeps its part) ...
-        for name, param in params.items():
-            if param.requires_grad:
-                safe_set_full_fp32_param(param, model_state[name].to(self.device))
-        # ... and the working copy the forward uses.
+        buffers = dict(self.module.named_buffers())
         with torch.no_grad():
-            for name, param in params.items():
-                value = model_state[name]
+            for name, value in values.items():
+                if name in buffers and name not in params:
+                    buffers[name].copy_(value.to(buffers[name].device, buffers[name].dtype))
+                    continue
+                param = params[name]
+                if param.requires_grad:
+                    safe_set_full_fp32_param(param, value.to(self.device))
                 if self.stage == 3:
                     with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                         if dist.is_main():
                             param.data.copy_(value.to(param.device, param.dtype))
                 else:
                     param.data.copy_(value.to(param.device, param.dtype))
-            for name, buffer in self.module.named_buffers():
-                if name in model_state:
-                    buffer.copy_(model_state[name].to(buffer.device, buffer.dtype))
 
     def _create_optimizer_state(self, step: float) -> None:
         """AdamW creates its state at the first update; a resumed run needs it before, to
@@ -199,18 +207,6 @@ class DeepSpeedState:
         self._zero._hp_optimizer_states_linked = False
         self._zero._lazy_init_hp_params_optimizer_state()
 
-    def _restore_group_settings(self, saved_groups: list[dict]) -> None:
-        """The learning rate each group had when the checkpoint was written (the scheduler
-        sets it again from the next step on)."""
-        by_first_name = {g["params"][0]: g for g in saved_groups if g.get("params")}
-        for names, group in zip(self.group_names, self.base.param_groups):
-            saved = by_first_name.get(names[0])
-            if saved is None:
-                continue
-            for key in ("lr", "initial_lr"):
-                if key in saved:
-                    group[key] = saved[key]
-
 
 def _internal(obj: Any, name: str) -> Any:
     """An attribute of DeepSpeed's internals. Missing means a DeepSpeed this module was not
@@ -236,3 +232,9 @@ def _warn_if_untested() -> None:
 def _written_for() -> str:
     (low_major, low_minor), (high_major, high_minor) = WRITTEN_FOR
     return f"{low_major}.{low_minor} to {high_major}.{high_minor}.x"
+
+
+def _round_robin(rank: int, world: int) -> Callable[[], bool]:
+    """Called once per tensor, in the same order on every rank: True on the rank that keeps it."""
+    counter = iter(range(2**62))
+    return lambda: next(counter) % world == rank

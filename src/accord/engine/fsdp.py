@@ -11,7 +11,6 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -19,8 +18,9 @@ from accord.batching import BatchPlan
 from accord.dist import DistInfo
 from accord.engine.precision import DTYPES
 from accord.engine.torch_update import TorchUpdateEngine
-from accord.engine.wrapping import broadcast_from_rank0, enable_activation_checkpointing, ensure_process_group, layer_modules
+from accord.engine.wrapping import enable_activation_checkpointing, ensure_process_group, layer_modules
 from accord.recipe import Recipe
+from accord.weights import is_meta, materialize
 
 
 def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> FSDPEngine:
@@ -30,24 +30,38 @@ def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device
 class FSDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
         ensure_process_group(device)
-        model.to(device)
-        broadcast_from_rank0(model)
         if recipe.engine.activation_checkpointing:
             # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
             enable_activation_checkpointing(model)
-        mesh = init_device_mesh(device.type, (info.world_size,))
+        self._mesh = init_device_mesh(device.type, (info.world_size,))
+        self._layer_class = recipe.engine.fsdp_layer_class
         precision = recipe.engine.precision
         if precision == "no":
-            policy = MixedPrecisionPolicy()
+            self._policy = MixedPrecisionPolicy()
         else:
             # Compute in bf16/fp16, keep the sharded master weights in fp32 and reduce gradients in fp32.
-            policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-        for layer in layer_modules(model, recipe.engine.fsdp_layer_class):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            self._policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+        self._shard(model, device)
         # The sharded model is both: its forward gathers the parameters (see lockstep), and
         # the optimizer's state is sharded like them.
         super().__init__(model, model, recipe, info, device, total_steps)
+
+    def _shard(self, model: nn.Module, device: torch.device) -> None:
+        """Shard each layer, then the root. A meta-device model (accord's own build) is
+        sharded before it has storage: each rank then allocates and fills only its shards
+        (accord.weights), so no process ever holds the whole model."""
+        if not is_meta(model):
+            model.to(device)  # every rank built the same values (seeded per name)
+        for layer in layer_modules(model, self._layer_class):
+            fully_shard(layer, mesh=self._mesh, mp_policy=self._policy)
+        fully_shard(model, mesh=self._mesh, mp_policy=self._policy)
+        materialize(model, device)
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model (DPO's reference) sharded like the policy: its forward is collective too."""
+        model.requires_grad_(False)
+        self._shard(model, self.device)
+        return model.eval()
 
     @property
     def lockstep(self) -> bool:
@@ -58,8 +72,3 @@ class FSDPEngine(TorchUpdateEngine):
         # reduce-scatters their sum on the last micro-step: the same result as one big batch.
         self._wrapped.set_requires_gradient_sync(last_micro_step)
         return contextlib.nullcontext()
-
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        # Collective: every rank contributes its shards; rank 0 receives the full fp32 tensors.
-        state = get_model_state_dict(self._wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if state else None

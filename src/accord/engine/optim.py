@@ -16,9 +16,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """The trainable parameters in AdamW groups: biases and norm weights (1-D tensors) are
     not decayed, as is customary. Every strategy builds its optimizer from these groups."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # A ZeRO-3 parameter built partitioned holds an empty stub: its shape is ds_shape.
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
 

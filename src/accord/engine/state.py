@@ -1,46 +1,215 @@
-"""Model and optimizer state of torch-native strategies, as whole (unsharded) tensors.
+"""Model and optimizer state as a sharded checkpoint (torch.distributed.checkpoint, DCP),
+keyed by parameter name, whatever the strategy that wrote it.
 
-A checkpoint holds the full model (safetensors) and the full optimizer state keyed by
-parameter name, so it can be loaded by any number of processes under any torch strategy:
-resuming on a different world size needs no resharding step.
+Every rank writes its own part in parallel (a DTensor's shard under FSDP2, the names it owns
+under torch ZeRO-1 and DeepSpeed, a share of the replicated tensors under DDP: DCP writes
+each replicated tensor once) and no rank gathers the whole model or optimizer. DCP records
+each tensor's global shape and where its pieces lie, so any strategy on any number of
+processes reads back what it needs: resuming on a different world size needs no
+resharding step.
+
+The layout of `state/` (DCP: `.metadata` plus one `__R_0.distcp` file per rank), flattened keys:
+  model.<state-dict name>                 every entry of model.state_dict(), fp32
+  optim.<parameter name>.exp_avg          AdamW's moments (whole tensors, in pieces)
+  optim.<parameter name>.exp_avg_sq
+  optim.<parameter name>.step             a 0-d float32 tensor
+and next to it `schedule.pt` (written by rank 0): {"scheduler", "scaler", ...}. The learning
+rate of each group is the scheduler's last one, restored from it.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
+STATE_DIR = "state"
 SCHEDULE_FILE = "schedule.pt"
-
-# The files' layout, whatever the strategy that wrote them:
-#   model.safetensors  every entry of model.state_dict(), full fp32 tensors
-#   optimizer.pt       {"state": {param name: {"step", "exp_avg", "exp_avg_sq"}},
-#                       "param_groups": [{hyper-parameters..., "params": [param names]}]}
-#   schedule.pt        {"scheduler": LR scheduler state, "scaler": GradScaler state or None, ...}
-
-
-def save_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, writer: bool) -> None:
-    """Collective: every rank takes part in gathering; only `writer` writes."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if writer:
-        write_state_files(model_state, optim_state, folder)
+MODEL, OPTIM = "model", "optim"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+# The single-file format of earlier accord versions (converted on resume: convert_legacy).
+LEGACY_FILES = ("model.safetensors", "optimizer.pt")
+# How many bytes of whole tensors a rank reads at once where it needs whole tensors (DeepSpeed).
+READ_BUFFER_BYTES = 256 * 2**20
+# DCP warns on every call without a process group, even when told so (no_dist), and in its
+# background writer too: a single process is meant.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-def write_state_files(model_state: dict[str, torch.Tensor], optim_state: dict, folder: Path) -> None:
-    save_file(_unshared(model_state), folder / MODEL_FILE)
-    torch.save(optim_state, folder / OPTIMIZER_FILE)
+# ------------------------------------------------------------------ writing
 
 
-def read_state_files(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    model_state = load_file(folder / MODEL_FILE)
-    optim_state = torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
-    return model_state, optim_state
+def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> PendingWrite | None:
+    """Collective: this rank's part of `state` ({"model": ..., "optim": ...}) into folder/state.
+    With `asynchronous` the tensors are copied to host memory here and written by a
+    background thread (its collectives on a gloo group of their own); wait on the result."""
+    writer = FileSystemWriter(folder / STATE_DIR)
+    if not asynchronous:
+        dcp.save(state, storage_writer=writer, no_dist=not tdist.is_initialized())
+        return None
+    started = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group(), no_dist=not tdist.is_initialized())
+    return PendingWrite(started)
+
+
+class PendingWrite:
+    """A DCP write running in the background (this rank's files; rank 0 also writes the index
+    once every rank finished)."""
+
+    def __init__(self, future):
+        self.future: Future = getattr(future, "upload_completion", future)
+
+    def result(self) -> None:
+        self.future.result()
+
+
+_GROUP = None
+_GROUP_LOCK = threading.Lock()
+
+
+def _checkpoint_group():
+    """A gloo group for the background writes, so their collectives never interleave with
+    training's on the default group (created collectively at the first async checkpoint)."""
+    global _GROUP
+    with _GROUP_LOCK:
+        if _GROUP is None and tdist.is_initialized():
+            _GROUP = tdist.new_group(backend="gloo")
+    return _GROUP
+
+
+def torch_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """This rank's view of the state of a torch strategy (DDP, FSDP2), keyed by name: plain
+    tensors, or DTensors holding this rank's shard. Also the optimizer's param_groups (names)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions())
+    return {MODEL: model_state, OPTIM: optim_state["state"]}, optim_state["param_groups"]
+
+
+def save_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, asynchronous: bool = False) -> PendingWrite | None:
+    state, _ = torch_state(model, optimizer)
+    return write_sharded(state, folder, asynchronous)
+
+
+def load_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Collective: each rank reads the pieces its tensors cover (all of them under DDP, its
+    shard under FSDP2) from whatever layout wrote them."""
+    state, groups = torch_state(model, optimizer)
+    read_into(state, folder)
+    set_state_dict(
+        model, optimizer, model_state_dict=state[MODEL], optim_state_dict={"state": state[OPTIM], "param_groups": groups},
+        options=StateDictOptions(),
+    )
+
+
+# ------------------------------------------------------------------ reading
+
+
+def read_into(state: dict, folder: Path) -> None:
+    """Collective (with a process group): fill `state`'s tensors in place from the checkpoint,
+    each rank reading the pieces its tensors cover."""
+    dcp.load(state, storage_reader=FileSystemReader(folder / STATE_DIR), no_dist=not tdist.is_initialized())
+
+
+
+def stored_keys(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor the checkpoint holds: flattened key -> (global shape, dtype)."""
+    metadata = FileSystemReader(folder / STATE_DIR).read_metadata()
+    out = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        size = getattr(entry, "size", None)
+        if size is not None:
+            out[key] = (size, entry.properties.dtype)
+    return out
+
+
+def read_whole(folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Whole tensors for `keys`, read by this rank alone (no collective), in batches of
+    at most READ_BUFFER_BYTES (or one tensor): the bounded buffer of a rank that needs whole
+    tensors to keep its part of them (DeepSpeed's partitions)."""
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for key in keys:
+        shape, dtype = stored[key]
+        tensor = torch.empty(shape, dtype=dtype)
+        if batch and size + tensor.nbytes > READ_BUFFER_BYTES:
+            yield _read(folder, batch)
+            batch, size = {}, 0
+        batch[key] = tensor
+        size += tensor.nbytes
+    if batch:
+        yield _read(folder, batch)
+
+
+def _read(folder: Path, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    dcp.load(batch, storage_reader=FileSystemReader(folder / STATE_DIR), no_dist=True)
+    return batch
+
+
+# ------------------------------------------------------------------ checking a checkpoint's files
+
+
+def state_problems(folder: Path) -> list[str]:
+    """What makes a checkpoint's state unreadable, found without reading the tensors: a
+    missing index, a shard file that is missing or shorter than the index says."""
+    state_dir = folder / STATE_DIR
+    if not state_dir.is_dir():
+        if is_legacy(folder):
+            return []  # converted when the run resumes from it (convert_legacy)
+        return [f"resume: {folder} has no {STATE_DIR}/ folder: the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+    if not (state_dir / ".metadata").is_file():
+        return [f"resume: {state_dir / '.metadata'} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+    try:
+        metadata = FileSystemReader(state_dir).read_metadata()
+    except Exception as e:  # a truncated or garbled index
+        return [f"resume: {state_dir / '.metadata'} cannot be read ({type(e).__name__}): the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, end in sorted(needed.items()):
+        path = state_dir / name
+        if not path.is_file():
+            problems.append(f"resume: {path} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)")
+        elif path.stat().st_size < end:
+            problems.append(
+                f"resume: {path} is truncated ({path.stat().st_size} of {end} bytes): the checkpoint is damaged; "
+                f"resume from an earlier one (resume=PATH)"
+            )
+    return problems
+
+
+def is_legacy(folder: Path) -> bool:
+    """The single-file format of accord before sharded checkpoints (whole tensors by name)."""
+    return not (folder / STATE_DIR).is_dir() and all((folder / name).is_file() for name in LEGACY_FILES)
+
+
+def convert_legacy(folder: Path) -> None:
+    """Rank 0, before a run resumes from a single-file checkpoint: the same tensors written
+    as `state/` next to the old files (into a temporary folder, renamed into place), so every
+    strategy then reads it as any other. The old format held the whole model and optimizer
+    in one process already; so does this one-time conversion."""
+    from safetensors.torch import load_file
+
+    model = load_file(folder / LEGACY_FILES[0])
+    optim = torch.load(folder / LEGACY_FILES[1], weights_only=True, map_location="cpu").get("state", {})
+    optim = {name: {key: torch.as_tensor(entry[key], dtype=torch.float32) if key == "step" else entry[key] for key in ADAM_KEYS if key in entry}
+             for name, entry in optim.items()}
+    tmp = folder / f".{STATE_DIR}.converting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save({MODEL: model, OPTIM: optim}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    os.rename(tmp, folder / STATE_DIR)
+
+
+# ------------------------------------------------------------------ schedule
 
 
 def save_schedule(folder: Path, scheduler, scaler: torch.amp.GradScaler | None = None, **extra) -> None:
@@ -48,28 +217,33 @@ def save_schedule(folder: Path, scheduler, scaler: torch.amp.GradScaler | None =
 
 
 def load_schedule(folder: Path, scheduler, scaler: torch.amp.GradScaler | None = None) -> dict:
-    """Restores the scheduler (and the GradScaler when both sides have one); returns the whole record."""
+    """Restores the scheduler (and the GradScaler when both sides have one), and sets each
+    optimizer group's learning rate to the scheduler's last one (what the groups had when
+    the checkpoint was written); returns the whole record."""
     extra = torch.load(folder / SCHEDULE_FILE, weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
+    scheduler.load_state_dict(_fit_groups(extra["scheduler"], len(scheduler.optimizer.param_groups)))
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
     if scaler is not None and extra.get("scaler") is not None:
         scaler.load_state_dict(extra["scaler"])
     return extra
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Every rank reads the whole state (checkpoints live on storage all ranks share) and
-    keeps its part: all of it under DDP, its shard under a sharded strategy."""
-    model_state, optim_state = read_state_files(folder)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=optim_state,
-        options=StateDictOptions(full_state_dict=True),
-    )
+def _fit_groups(state: dict, groups: int) -> dict:
+    """The scheduler's per-group lists for this optimizer's number of groups: strategies group
+    differently (DeepSpeed ZeRO-3 flattens into one), and accord's groups share one learning
+    rate schedule (they differ in weight decay only), so any entry stands for all."""
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            state[key] = [values[0]] * groups
+    return state
 
 
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+# ------------------------------------------------------------------ whole tensors for export
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share memory (tied embeddings): copy the repeats."""
     seen: set[int] = set()
     out = {}

@@ -1,11 +1,12 @@
 """What the strategies built on a plain torch optimizer share (DDP, torch ZeRO-1, FSDP2):
 the optimizer, schedule and loss scaler, the token-normalised backward, the update with
-clipping, skipping and loss scaling, and the checkpoint of the full state. A subclass only
+clipping, skipping and loss scaling, and the sharded checkpoint. A subclass only
 wraps the model."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -13,10 +14,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from accord.dist import DistInfo
-from accord.engine.base import Engine
+from accord.engine.base import Engine, unique_entries
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.engine.precision import autocast, build_grad_scaler
-from accord.engine.state import load_full_state, load_schedule, save_full_state, save_schedule
+from accord.engine.state import PendingWrite, load_schedule, load_torch_state, save_schedule, save_torch_state
 from accord.recipe import Recipe
 
 
@@ -87,12 +88,20 @@ class TorchUpdateEngine(Engine):
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def save_state(self, folder: Path, writer: bool) -> None:
-        # Full tensors keyed by name, whatever the sharding: any strategy on any world size resumes.
-        save_full_state(self._wrapped, self.optimizer, folder, writer)
+    def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
+        # Each rank writes its part, keyed by name: any strategy on any world size resumes.
+        pending = save_torch_state(self._wrapped, self.optimizer, folder, asynchronous)
         if writer:
             save_schedule(folder, self.scheduler, self.scaler)
+        return pending
 
     def load_state(self, folder: Path) -> None:
-        load_full_state(self._wrapped, self.optimizer, folder)
+        load_torch_state(self._wrapped, self.optimizer, folder)
         load_schedule(folder, self.scheduler, self.scaler)
+
+    def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        # FSDP2's DTensors are gathered one at a time (every rank takes part); plain tensors are whole already.
+        for name, tensor in unique_entries(self.module):
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            yield name, (tensor.detach().cpu() if writer else None)

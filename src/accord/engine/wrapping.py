@@ -77,14 +77,3 @@ def hidden_size(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     value = getattr(config, "hidden_size", None) if config is not None else None
     return int(value) if isinstance(value, int) else None
-
-
-@torch.no_grad()
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """Start every rank from rank 0's weights, as DDP and DeepSpeed do at wrap time: a
-    rank whose initialisation differed (an unseeded random init) would otherwise shard
-    its own values into the model."""
-    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
-        return
-    for tensor in [*model.parameters(), *model.buffers()]:
-        torch_dist.broadcast(tensor.data, src=0)

@@ -1,13 +1,13 @@
 """ZeRO-1 without DeepSpeed: torch's ZeroRedundancyOptimizer over DDP.
 
 Gradients are all-reduced as under DDP; each rank keeps and updates the AdamW state of its
-share of the parameters and broadcasts the updated values. Checkpoints have the DDP
-format (the optimizer state is consolidated on rank 0 and keyed by parameter name).
+share of the parameters and broadcasts the updated values. Checkpoints have the layout of
+every strategy (engine.state): each rank writes the AdamW state of the parameters it owns,
+keyed by name, so the optimizer is never consolidated on one rank.
 """
 
 from __future__ import annotations
 
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from accord.dist import DistInfo
 from accord.engine.ddp import DDPEngine
-from accord.engine.state import load_schedule, read_state_files, save_schedule, write_state_files
+from accord.engine.state import ADAM_KEYS, MODEL, OPTIM, PendingWrite, load_schedule, read_into, save_schedule, write_sharded
 from accord.recipe import Recipe
 
 
@@ -29,42 +29,33 @@ class TorchZeroEngine(DDPEngine):
         super().__init__(model, recipe, info, device, total_steps)
         self.state_optimizer = self.optimizer.optim  # the local AdamW over this rank's share
 
-    def _names(self) -> dict[torch.Tensor, str]:
-        return {p: name for name, p in self.module.named_parameters()}
+    def _owned(self) -> dict[str, torch.Tensor]:
+        """The parameters whose AdamW state this rank keeps (ZeroRedundancyOptimizer gives each
+        parameter whole to one rank), by name."""
+        mine = {id(p) for group in self.state_optimizer.param_groups for p in group["params"]}
+        return {name: p for name, p in self.module.named_parameters() if id(p) in mine}
 
-    def _names_by_index(self) -> list[str]:
-        """Parameter names in the order of the optimizer's global state indices (its groups' order)."""
-        names = self._names()
-        return [names[p] for p in chain.from_iterable(g["params"] for g in self.optimizer.param_groups)]
+    def _state(self, create: bool) -> dict:
+        """This rank's part of the checkpoint: the (replicated) model, and the AdamW state of the
+        parameters it owns, by name (each rank different names, so nothing is consolidated)."""
+        model_state = get_model_state_dict(self._wrapped, options=StateDictOptions())
+        local = self.state_optimizer.state
+        optim = {}
+        for name, p in self._owned().items():
+            if create and not local.get(p):  # before the first update: created as AdamW would
+                local[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            if p in local and local[p]:
+                optim[name] = {key: local[p][key] for key in ADAM_KEYS}
+        return {MODEL: model_state, OPTIM: optim}
 
-    def save_state(self, folder: Path, writer: bool) -> None:
-        model_state = get_model_state_dict(self._wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        self.optimizer.consolidate_state_dict(to=0)  # collective; `writer` is rank 0
-        if not writer:
-            return
-        full = self.optimizer.state_dict()
-        index_names = self._names_by_index()
-        state = {index_names[i]: _to_cpu(s) for i, s in full["state"].items() if s is not None}
-        groups = [g | {"params": [index_names[i] for i in g["params"]]} for g in full["param_groups"]]
-        write_state_files(model_state, {"state": state, "param_groups": groups}, folder)
-        save_schedule(folder, self.scheduler, self.scaler)
+    def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
+        pending = write_sharded(self._state(create=False), folder, asynchronous)
+        if writer:
+            save_schedule(folder, self.scheduler, self.scaler)
+        return pending
 
     def load_state(self, folder: Path) -> None:
-        model_state, optim_state = read_state_files(folder)
-        set_model_state_dict(self._wrapped, model_state, options=StateDictOptions(full_state_dict=True))
-        names = self._names()
-        index = {name: i for i, name in enumerate(self._names_by_index())}
-        saved_groups = {g["params"][0]: g for g in optim_state["param_groups"] if g["params"]}
-        groups = []
-        for group in self.optimizer.param_groups:
-            mine = [names[p] for p in group["params"]]
-            settings = {k: v for k, v in saved_groups.get(mine[0], group).items() if k != "params"}
-            groups.append(settings | {"params": [index[n] for n in mine]})
-        state = {index[name]: value for name, value in optim_state["state"].items() if name in index}
-        # A full (consolidated) state dict: each rank keeps the state of its own share.
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        state = self._state(create=True)
+        read_into(state, folder)  # in place: the local AdamW state too
+        set_model_state_dict(self._wrapped, state[MODEL], options=StateDictOptions())
         load_schedule(folder, self.scheduler, self.scaler)
-
-
-def _to_cpu(state: dict) -> dict:
-    return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}

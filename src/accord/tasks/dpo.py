@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accord.batches import fetch, to_device
-from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs
+from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs, text_prefix
 
 
 class DPOTask(Task):
@@ -30,13 +30,14 @@ class DPOTask(Task):
         super().__init__(tokenizer, recipe)
         self.beta = recipe.dpo.beta
         self.eos_id = tokenizer.eos_token_id
-        self.prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.add_bos = recipe.data.add_bos
+        self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
         self.reference: nn.Module | None = None  # a frozen model, or None: adapters off
         self.policy: nn.Module | None = None
         self.precomputed = 0  # training pairs whose reference log-probabilities were precomputed
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"format": 1}
+        return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix}
 
     # ---------------------------------------------------------------- the reference policy
 
@@ -49,7 +50,7 @@ class DPOTask(Task):
             from accord.models import build_model
             from accord.recipe import ModelConfig
 
-            self.reference = build_model(ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind)
+            self.reference = build_model(ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True)
         elif self.recipe.lora is None:
             self.reference = copy.deepcopy(model)
         if self.reference is not None:
@@ -58,7 +59,9 @@ class DPOTask(Task):
     def setup(self, engine, train, eval_ds):
         self.policy = engine.module
         if self.reference is not None:
-            self.reference.to(engine.device)
+            # Built on the meta device (a copy of the starting model is only its description):
+            # the engine materialises it, sharded like the policy under fsdp.
+            self.reference = engine.prepare_frozen(self.reference)
         if not self.recipe.dpo.precompute_reference:
             return train, eval_ds
         train, eval_ds = (self._with_reference_logps(ds, engine) if ds is not None else None for ds in (train, eval_ds))

@@ -1,0 +1,21 @@
+"""Each rank's peak memory at the end of a run's phases (build, train, checkpoint, export).
+
+The peak so far is monotonic (RSS high-water mark on the CPU, max_memory_allocated on a
+GPU), so the value recorded at the end of a phase is the peak of everything up to it; the
+phase that raised it is the first whose value is higher. Every rank's figure is gathered
+(one tiny collective per phase), so a sharded run shows whether any rank held more than
+its share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accord import dist
+from accord.observe.steplog import peak_memory_gib
+
+
+def memory_record(step: int, phase: str, device: torch.device) -> dict:
+    """Collective: a `memory` record for metrics.jsonl."""
+    peaks = dist.all_gather_value(peak_memory_gib(device), device)
+    return {"kind": "memory", "step": step, "phase": phase, "peak_gib_per_rank": peaks, "peak_gib_max": max(peaks), "peak_gib_total": sum(peaks)}
