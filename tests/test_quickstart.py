@@ -24,11 +24,18 @@ def quickstart_run(tmp_path_factory):
 
 
 def test_quickstart_reports_plan_eval_and_outputs(quickstart_run):
+    """Everything the run says is on stderr (`2> log` keeps it all; stdout stays empty), rank 0
+    only, starting with what it is doing before the workers exist."""
     out, proc = quickstart_run
-    log = proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    log = proc.stderr
     assert log.count("accord: batch 2 processes × ") == 1  # printed once, by rank 0
     assert "accord: step 12: eval loss" in log and "exact-match" in log
     assert f"accord: outputs in {out}/" in log
+    assert log.startswith("accord: checking recipe…\n")
+    stages = ["accord: checking recipe…", "accord: preparing data…", "accord: starting 2 workers…", "accord: loading model…", "accord: batch "]
+    positions = [log.index(stage) for stage in stages]
+    assert positions == sorted(positions) and log.count("accord: loading model…") == 1
 
 
 def test_quickstart_writes_recipe_metrics_and_tensorboard(quickstart_run):
@@ -77,21 +84,68 @@ def test_saved_model_reloads_in_plain_transformers(quickstart_run):
     print(f"exported model's eval loss {loss_sum / targets:.6f}, logged {logged['loss']:.6f}")
     assert abs(loss_sum / targets - logged["loss"]) <= 1e-4
 
-    correct = 0
-    for row in rows.select(range(16)):  # train.eval_generate=16
-        prompt = tokenizer(row["prompt"], add_special_tokens=False).input_ids
-        prompt = torch.tensor([[tokenizer.bos_token_id] + prompt])
-        assert prompt[0].tolist() == row["input_ids"][: prompt.shape[1]]  # the exported tokenizer encodes as the run did
-        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        text = tokenizer.decode(generated[0, prompt.shape[1]:], skip_special_tokens=True)
-        correct += int(text.strip() == row["completion"].strip())
+    for row in rows.select(range(16)):
+        prompt = tokenizer(row["prompt"]).input_ids  # the plain way: the tokenizer's own BOS policy
+        assert prompt == row["input_ids"][: len(prompt)]  # the exported tokenizer encodes as the run did
+        assert row["labels"][len(prompt)] != -100  # ... and the completion follows right after
+
+
+def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_run):
+    """The README's snippet, in a process that never imports accord: `tokenizer(prompt)` then
+    `generate` from final/ gives, prompt by prompt, the answers the model gives to the tokens it
+    was trained and evaluated on, and as many of them are right as accord's evaluation counted."""
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from accord.data.prepare import prepare_data
+    from accord.models import build_tokenizer
+    from accord.observe.metrics import read_metrics
+    from accord.recipe import validate_recipe
+    from accord.tasks import build_task
+
+    out, _ = quickstart_run
+    logged = [r for r in read_metrics(out) if r["kind"] == "eval"][-1]
+    recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
+    accord_tokenizer = build_tokenizer(recipe.model)
+    rows = list(prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval.select(range(16)))
+
+    script = f"""
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(out / 'final')!r})
+model = AutoModelForCausalLM.from_pretrained({str(out / 'final')!r})
+answers = []
+for prompt in json.loads(sys.stdin.read()):
+    output = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    answers.append(tokenizer.decode(output[0], skip_special_tokens=True)[len(prompt):])
+assert not [name for name in sys.modules if name.split(".")[0] == "accord"]
+print(json.dumps(answers))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], input=json.dumps([r["prompt"] for r in rows]), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # The same greedy answers from the trained tokens (the run's own encoded prompts).
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    trained = []
+    for row in rows:
+        start = row["labels"].index(next(t for t in row["labels"] if t != -100))
+        prompt = torch.tensor([row["input_ids"][:start]])
+        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=accord_tokenizer.pad_token_id, eos_token_id=accord_tokenizer.eos_token_id)
+        trained.append(accord_tokenizer.decode(generated[0, start:], skip_special_tokens=True))
+    print("plain transformers:", plain)
+    assert plain == trained
+    correct = sum(a.strip() == r["completion"].strip() for a, r in zip(plain, rows))
     assert correct == round(logged["exact_match_accuracy"] * 16), (correct, logged["exact_match_accuracy"])
 
 
 def test_second_run_into_the_same_folder_is_refused_and_loses_nothing(quickstart_run):
     out, _ = quickstart_run
-    before = (out / "final" / "model.safetensors").read_bytes()
+    before = (out / "final" / "model-00001-of-00001.safetensors").read_bytes()
     proc = run_accord("train", REPO / "recipes" / "quickstart.yaml", *SHORT, f"output.dir={out}", timeout=60)
     assert proc.returncode == 2
     assert "already holds a run" in proc.stderr and "--overwrite" in proc.stderr
-    assert (out / "final" / "model.safetensors").read_bytes() == before
+    assert (out / "final" / "model-00001-of-00001.safetensors").read_bytes() == before

@@ -54,10 +54,19 @@ class PlanResult:
     world_size: int
     gpu_memory_gib: float | None
     advice: str
+    device: str = "GPU"  # what a rank runs on: "GPU", or "CPU process" (planned for this machine's RAM)
+    nodes: int = 1
+    memory_source: str = ""  # where gpu_memory_gib came from, e.g. "--gpu-memory", "2 × NVIDIA H200", "31.3 GiB RAM / 2"
+
+    @property
+    def per_node(self) -> int:
+        return self.world_size // self.nodes
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
+            "device": self.device,
+            "memory_source": self.memory_source,
             "gpu_memory_gib": self.gpu_memory_gib,
             "strategies": [row.as_dict() for row in self.rows],
             "advice": self.advice,
@@ -93,6 +102,9 @@ def train(
     launcher raises Interrupted once its workers have stopped. A run stopped on request
     after a checkpoint returns status "preempted", its message saying how to continue.
     """
+    from accord.observe.progress import announce
+
+    announce("checking recipe…")  # before the imports below (torch: seconds)
     from accord.checkpoint import resume_hint
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
@@ -141,25 +153,43 @@ def plan(
     /,
     overrides: Overrides = None,
     *,
-    gpus: int,
+    gpus: int | None = None,
     nodes: int = 1,
     gpu_memory: float | str | None = None,
 ) -> PlanResult:
     """What each strategy holds per GPU for `recipe` on nodes × gpus GPUs, from the model
     built on the meta device (nothing is loaded), and the cheapest strategy that fits.
 
+    gpus: GPUs per node (default: this machine's; on a machine without GPUs, the recipe's
+    engine.processes CPU processes, each with an equal share of the RAM as its memory).
     gpu_memory: memory per GPU in GiB, or a size such as "80GB" or "24GiB" (default: the
-    visible GPU's; without one there is no recommendation).
+    smallest visible GPU's, or RAM / processes on the CPU).
     """
     from accord.planner import plan as plan_strategies, recommend
 
     recipe = load(recipe, overrides)
+    device, source = "GPU", "--gpu-memory"
+    local = _local_gpus()
+    if gpus is None:
+        if local:
+            gpus = len(local)
+        else:
+            device, gpus = "CPU process", recipe.engine.processes
     if gpus < 1 or nodes < 1:
         raise UserInputError(f"gpus and nodes must be at least 1, got gpus={gpus}, nodes={nodes}")
-    memory = _memory_gib(gpu_memory) if gpu_memory is not None else _visible_gpu_memory()
+    if gpu_memory is not None:
+        memory: float | None = _memory_gib(gpu_memory)
+    elif device == "GPU" and local:
+        memory = min(m for _, m in local)
+        source = f"{len(local)} × {local[0][0]} here"
+    elif device == "GPU":
+        memory, source = None, ""
+    else:
+        ram = _ram_gib()
+        memory, source = ram / gpus, f"{ram:.1f} GiB RAM / {gpus} processes"
     rows, world = plan_strategies(recipe, gpus, nodes)
-    advice = recommend(rows, recipe, world, memory) if memory else "give the memory per GPU (--gpu-memory) to see what fits"
-    return PlanResult(rows, world, memory, advice)
+    advice = recommend(rows, recipe, world, memory, device) if memory else "give the memory per GPU (--gpu-memory) to see what fits"
+    return PlanResult(rows, world, memory, advice, device, nodes, source)
 
 
 def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
@@ -206,9 +236,24 @@ def _memory_gib(value: float | str) -> float:
     return number * {"gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "mib": 2**20}[unit] / 2**30
 
 
-def _visible_gpu_memory() -> float | None:
+def _local_gpus() -> list[tuple[str, float]]:
+    """(name, GiB) of each GPU visible here."""
     import torch
 
     if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+        return []
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [(p.name, p.total_memory / 2**30) for p in props]
+
+
+def _ram_gib() -> float:
+    """This machine's memory (its cgroup limit when lower)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total / 2**30

@@ -14,10 +14,13 @@ examples:
   accord train recipes/quickstart.yaml batch.micro_batch_size=8 train.max_steps=50
   accord train recipes/quickstart.yaml engine.processes=4 output.dir=runs/four --overwrite
   torchrun --nproc_per_node 2 -m accord train recipes/quickstart.yaml
+  deepspeed --num_gpus 2 --module accord train recipes/quickstart.yaml --deepspeed ds.json
 
 Every recipe key can be overridden as section.key=value (values are read as YAML).
 Without an outer launcher accord starts one worker per GPU, or engine.processes
-workers on the CPU; under torchrun / accelerate launch it runs as the worker it is.
+workers on the CPU; under torchrun / accelerate launch / torch.distributed.launch /
+deepspeed it runs as the worker it is (their --local_rank=N is accepted anywhere and
+--deepspeed FILE means engine.deepspeed_config=FILE). Everything a run says is on stderr.
 """
 
 
@@ -76,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         "master weights and activations, and recommend the cheapest strategy and largest micro batch that fit.",
     )
     _recipe_arguments(plan)
-    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node")
+    plan.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default: this machine's GPUs; without any, "
+                      "engine.processes CPU processes sharing the RAM)")
     plan.add_argument("--nodes", type=int, default=1, metavar="M")
-    plan.add_argument("--gpu-memory", metavar="80GB", help="memory per GPU (e.g. 80GB, 24GiB); default: the visible GPU's")
+    plan.add_argument("--gpu-memory", metavar="80GB", help="memory per GPU (e.g. 80GB, 24GiB); default: the smallest visible GPU's "
+                      "(on the CPU: RAM / processes)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
 
@@ -109,7 +114,45 @@ def _recipe_arguments(parser: argparse.ArgumentParser, overrides_help: str = "re
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
+def launcher_arguments(argv: list[str]) -> list[str]:
+    """argv without what launchers put into a script's arguments, wherever they put it:
+    `--local_rank=N` / `--local-rank=N` (torch.distributed.launch, DeepSpeed's launcher; the
+    rank is read from the environment they also set) and `--deepspeed FILE` (DeepSpeed's
+    convention, read as engine.deepspeed_config=FILE)."""
+    out: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        i += 1
+        name, eq, value = item.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not eq and i < len(argv) and argv[i].isdigit():
+                i += 1
+        elif name in ("--deepspeed", "--deepspeed_config", "--deepspeed-config"):
+            if not eq and i < len(argv):
+                value, i = argv[i], i + 1
+            if not value:
+                raise SystemExit(_fail(f"{name} needs a DeepSpeed JSON file"))
+            overrides.append(f"engine.deepspeed_config={value}")
+        else:
+            out.append(item)
+    return out + overrides
+
+
+def entry() -> None:
+    """The `accord` command (and `python -m accord`)."""
+    code = main()
+    # Only a process that imported accord.dist can have joined a group; importing it up front
+    # would cost torch's import (~2 s) before the command's first line of output.
+    dist = sys.modules.get("accord.dist")
+    if dist is not None and dist.left_a_group():  # a worker ran in this process (under torchrun, accelerate launch, srun ...)
+        dist.exit_after_shutdown(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = launcher_arguments(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     # Overrides may come before or after options; argparse collects the ones it meets
     # after an option as unknown arguments.
@@ -182,7 +225,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
         return 0
-    print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {args.gpus} GPU(s), per GPU (GiB):")
+    memory = f" with {result.gpu_memory_gib:.1f} GiB each" if result.gpu_memory_gib else ""
+    source = f" ({result.memory_source})" if result.memory_source else ""
+    devices = f"{result.per_node} {result.device}" + ("" if result.per_node == 1 else "es" if result.device.endswith("s") else "s")
+    print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {devices}{memory}{source}, per {result.device} (GiB):")
     print(format_table(result.rows, result.gpu_memory_gib))
     print(f"accord: {result.advice}")
     return 0

@@ -64,6 +64,10 @@ def run(recipe: Recipe, topology: Topology = Topology()) -> str:
         from accord.worker import train_worker  # this process is the (only) worker
 
         return train_worker(data)["status"]
+    if topology.hosts_rank_zero:
+        from accord.observe.progress import announce
+
+        announce(f"starting {nproc} worker{'s' if nproc != 1 else ''}…" + (f" (this node's of {topology.nnodes})" if topology.multi_node else ""))
     return _elastic_launch(json.dumps(data), nproc, recipe.engine.max_restarts, topology)
 
 

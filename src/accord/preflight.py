@@ -40,6 +40,9 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]
 def prepare_and_check_data(recipe: Recipe) -> list[str]:
     """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
     worker starts and the workers only read the cache."""
+    from accord.observe.progress import announce
+
+    announce("preparing data…")
     from accord.data.packing import training_rows
     from accord.data.prepare import prepare_data
     from accord.models import build_tokenizer

@@ -112,6 +112,12 @@ class DataConfig(Section):
     group_by_length: bool = Field(False, description="Without packing: batch examples of similar length (still one seeded global order).")
     shuffle: bool = Field(True, description="Seeded shuffle of the global order every epoch (false: the files' order).")
     completion_only_loss: bool = Field(True, description="sft: train only on completion / assistant tokens (false: on every token).")
+    add_bos: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="What goes before each text: auto follows the tokenizer's own policy (what `tokenizer(text)` adds, "
+        "its post-processor or add_bos_token; the chat template as it renders for chat), always puts the BOS token "
+        "first, never adds nothing. auto makes the trained tokens those that final/'s tokenizer gives at inference.",
+    )
     cache_dir: str = Field("~/.cache/accord/data", description="Where tokenized data is cached, keyed by a fingerprint of data, tokenizer and settings.")
     prepare_timeout_s: float = Field(1800.0, gt=0, description="How long other processes wait for the first one to prepare the data.")
 
@@ -149,6 +155,13 @@ class OptimConfig(Section):
     eps: float = Field(1.0e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    extend: Literal["continue", "restart_decay"] = Field(
+        "continue",
+        description="Resuming with a different train.max_steps: continue recomputes the schedule as if the run had "
+        "been planned that long (the lr at the resume step moves to the new curve); restart_decay keeps the steps "
+        "so far as they ran and starts a new warm-up and decay from optim.lr over the added steps. Either way the "
+        "run prints what happens.",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
 
 
@@ -286,11 +299,18 @@ class LoraConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """When to write checkpoints (always also at the end) and how many to keep."""
+    """When to write checkpoints (always also at the end), how many to keep, and whether to write them in the background."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
 
     every_steps: int | None = Field(None, gt=0, description="Write a checkpoint every N optimizer steps.")
     every_minutes: float | None = Field(None, gt=0, description="Write a checkpoint when this many minutes passed since the last one.")
     keep_last: int = Field(2, ge=1, description="Keep the newest K complete checkpoints (older ones are removed after a newer one is complete).")
+    # `async` is a Python keyword: the attribute is async_, the recipe key `async`.
+    async_: bool = Field(
+        False, alias="async", description="Write checkpoints in the background while training continues (sealed once written; "
+        "the next checkpoint waits for the previous one)."
+    )
 
 
 class OutputConfig(Section):
@@ -427,7 +447,7 @@ def _field_names(loc: list[str]) -> list[str]:
         if field is None:
             return []
         model = _section_type(field.annotation)
-    return list(model.model_fields) if _is_section(model) else []
+    return [field.alias or name for name, field in model.model_fields.items()] if _is_section(model) else []
 
 
 def _section_type(annotation: Any) -> Any:

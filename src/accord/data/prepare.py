@@ -22,7 +22,7 @@ from accord.data.sources import DataError, load_split, row_origin
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
-FORMAT_VERSION = 2  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts)
+FORMAT_VERSION = 3  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows data.add_bos)
 _DONE = "done.json"
 
 
@@ -120,8 +120,20 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
 
 def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
     """Encode, then apply the truncation policy; returns (dataset, counts)."""
+    from accord.observe.progress import item_bar
+
     raw_columns = ds.column_names
-    encoded = ds.map(task.encode_batch, batched=True, desc=f"tokenize {split}")
+    # A bar over the examples (shown once tokenizing takes over ~3 s); datasets' own bars are off.
+    with item_bar(len(ds), f"tokenize {split}") as bar:
+
+        def encode(batch: dict[str, list]) -> dict[str, list]:
+            out = task.encode_batch(batch)
+            bar.update(len(next(iter(batch.values()))))
+            return out
+
+        # The fingerprint is given: datasets would otherwise try to hash the bar with the function.
+        token = hashlib.sha256(f"{ds._fingerprint}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()).hexdigest()[:16]
+        encoded = ds.map(encode, batched=True, desc=f"tokenize {split}", new_fingerprint=token)
     policy = recipe.data.truncation
     over = [i for i, flag in enumerate(encoded["over_length"]) if flag] if "over_length" in encoded.column_names else []
     if over and policy == "error":

@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tqdm import tqdm
+
+
+def _leads() -> bool:
+    """This process is (or, as a launcher, will start) global rank 0: read from the launchers'
+    environment, so it can be asked before torch is imported."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")) == "0"
+
+
+def announce(message: str) -> None:
+    """One line on stderr saying what the run is doing now, from rank 0's process only."""
+    if _leads():
+        print(f"accord: {message}", file=sys.stderr, flush=True)
+
+
+def item_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
+    """A bar over items (examples being tokenized, ...) that appears only when the work takes
+    longer than ~3 s, on stderr like every other run message."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="ex",
+        file=sys.stderr,
+        delay=3.0,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+        disable=not enabled or not _leads(),
+        leave=False,
+    )
 
 
 class Progress:

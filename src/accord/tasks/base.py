@@ -153,6 +153,28 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return (picked * mask).sum(-1)
 
 
+def text_prefix(tokenizer, policy: str = "auto") -> list[int]:
+    """The ids accord puts in front of a text (data.add_bos): `auto` what the tokenizer's own
+    policy puts there (`tokenizer(text)` minus `tokenizer(text, add_special_tokens=False)`:
+    its post-processor or add_bos_token), `always` the BOS token, `never` nothing. So what a
+    model trained on is what `tokenizer(prompt)` from its final/ folder gives."""
+    if policy == "never":
+        return []
+    if policy == "always":
+        if tokenizer.bos_token_id is None:
+            from accord.data.sources import DataError
+
+            raise DataError("data.add_bos=always but the tokenizer has no BOS token; use data.add_bos=auto or never")
+        return [tokenizer.bos_token_id]
+    probe = "0"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
 def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
     """Right-pad lists of ids to the longest."""
     width = max(len(r) for r in rows)

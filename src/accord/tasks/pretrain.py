@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accord.tasks.base import IGNORE
+from accord.tasks.base import IGNORE, text_prefix
 from accord.tasks.causal import CausalLMTask
 
 # Documents joined per group before cutting blocks: bounded memory, and only the last
@@ -26,12 +26,15 @@ class PretrainTask(CausalLMTask):
         super().__init__(tokenizer, recipe)
         self.join = recipe.data.packing is not False
         self.eos_id = tokenizer.eos_token_id
+        # Each document starts as `tokenizer(text)` starts it (data.add_bos) and ends with EOS.
+        self.add_bos = recipe.data.add_bos
+        self.prefix = text_prefix(tokenizer, self.add_bos)
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"join_documents": self.join}
+        return super().settings() | {"join_documents": self.join, "add_bos": self.add_bos, "prefix": self.prefix}
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
-        docs = [ids + [self.eos_id] for ids in self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
+        docs = [self.prefix + ids + [self.eos_id] for ids in self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
         if self.join:
             return {"input_ids": docs}  # blocks are cut in regroup()
         return _rows([d[: self.max_length] for d in docs], over=[len(d) > self.max_length for d in docs])

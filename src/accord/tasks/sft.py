@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from accord.data.sources import DataError, check_columns
-from accord.tasks.base import IGNORE, PADDING
+from accord.tasks.base import IGNORE, PADDING, text_prefix
 from accord.tasks.causal import CausalLMTask
 
 
@@ -20,12 +20,14 @@ class SFTTask(CausalLMTask):
         super().__init__(tokenizer, recipe)
         self.completion_only = recipe.data.completion_only_loss
         self.eos_id = tokenizer.eos_token_id
-        # Tokenizers without a BOS (e.g. GPT-2 style) start the sequence with the prompt.
-        self.prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        # data.add_bos: by default what `tokenizer(prompt)` puts first (the BOS for Llama-style
+        # tokenizers, nothing for GPT-2 style), so final/ encodes prompts as training did.
+        self.add_bos = recipe.data.add_bos
+        self.prefix = text_prefix(tokenizer, self.add_bos)
         self.chat = False
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"completion_only_loss": self.completion_only}
+        return super().settings() | {"completion_only_loss": self.completion_only, "add_bos": self.add_bos, "prefix": self.prefix}
 
     def fit(self, train, eval_ds):
         self.chat = "messages" in train.column_names
@@ -90,13 +92,20 @@ class SFTTask(CausalLMTask):
                     "assistant turns cannot be located; set data.completion_only_loss=false"
                 )
             spans.append((len(before), len(through)))
+        # The template's own text, as `apply_chat_template` tokenizes it (auto); `always` puts a
+        # BOS first where the template does not, `never` drops one the template puts there.
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
+        ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+        bos = self.tokenizer.bos_token_id
+        if self.add_bos == "always" and bos is not None and ids[:1] != [bos]:
+            ids, offsets = [bos] + ids, [(-1, -1)] + offsets
+        elif self.add_bos == "never" and bos is not None and ids[:1] == [bos]:
+            ids, offsets = ids[1:], offsets[1:]
         if not self.completion_only:
             return ids, [IGNORE] + ids[1:]
         labels = [
             token if any(start <= begin < end for start, end in spans) else IGNORE
-            for token, (begin, _) in zip(ids, encoded["offset_mapping"])
+            for token, (begin, _) in zip(ids, offsets)
         ]
         return ids, labels
 

@@ -1,0 +1,54 @@
+"""What a new user meets first: `accord plan` with no flags plans for this machine."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_accord
+
+
+def test_plan_without_flags_plans_for_this_machine(tiny_recipe):
+    """No GPU here (the tests hide them): engine.processes CPU processes, each with an equal
+    share of the RAM, and the header says so."""
+    proc = run_accord("plan", tiny_recipe, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    header, *rest = proc.stdout.splitlines()
+    assert header.startswith(f"accord plan: {tiny_recipe} on 1 node(s) × 2 CPU processes with ")
+    assert "GiB RAM / 2 processes" in header and header.endswith("per CPU process (GiB):")
+    assert rest[-1].startswith("accord: recommended: engine.strategy=ddp") and rest[-1].endswith("GiB per CPU process")
+
+    import accord
+    from conftest import TINY_RECIPE
+
+    result = accord.plan(TINY_RECIPE)  # the same from Python
+    assert result.device == "CPU process" and result.world_size == 2 and result.gpu_memory_gib > 0
+    assert json.loads(json.dumps(result.as_dict()))["memory_source"].endswith("GiB RAM / 2 processes")
+
+
+FIRST_LINE = """
+import sys
+import accord.observe.progress as progress
+seen = []
+announce = progress.announce
+progress.announce = lambda message: (seen.append(("torch" in sys.modules, message)), announce(message))
+sys.argv = ["accord", "train", sys.argv[1]]
+from accord.cli import entry
+try:
+    entry()
+except SystemExit:
+    pass
+print(seen[0])
+"""
+
+
+def test_the_first_line_comes_before_torch_is_imported(tmp_path):
+    """`accord train` says `checking recipe…` before importing torch (seconds), so something is
+    visible within a second; the command's entry point must not import torch up front either."""
+    import subprocess
+    import sys
+
+    from conftest import accord_env
+
+    proc = subprocess.run([sys.executable, "-c", FIRST_LINE, str(tmp_path / "missing.yaml")], capture_output=True, text=True, env=accord_env(), timeout=120)
+    assert proc.stdout.strip() == "(False, 'checking recipe…')", proc.stdout + proc.stderr
+    assert proc.stderr.startswith("accord: checking recipe…\n") and "accord: error:" in proc.stderr
