@@ -60,7 +60,10 @@ def restore_run(run, folder: Path) -> int:
     from accord.engine.state import convert_legacy, is_legacy
 
     state = read_state(folder)
-    if is_legacy(folder):
+    # Rank 0's answer for all: its conversion renames `state/` into place, so a rank that
+    # looked later would see the new format, skip the barrier and hang its peers.
+    (legacy,) = dist.any_rank(run.info.is_main and is_legacy(folder))
+    if legacy:
         if run.info.is_main:
             dist.print0(f"accord: converting {folder} from the single-file checkpoint format to the sharded one")
             convert_legacy(folder)
