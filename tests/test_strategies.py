@@ -326,8 +326,11 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     assert zero["stage"] == stage
     assert zero.get("offload_optimizer") == ({"device": "cpu", "pin_memory": False} if stage >= 2 else None)
     assert zero.get("offload_param") == ({"device": "cpu", "pin_memory": False} if stage == 3 else None)
+    width = TINY_RECIPE["model"]["config"]["hidden_size"]
+    assert zero["reduce_bucket_size"] == width * width  # buckets sized to the model, not DeepSpeed's 5e8 elements
     if stage == 3:  # small tensors (norms) stay whole: 10 × the model's hidden size
-        assert zero["stage3_param_persistence_threshold"] == 10 * TINY_RECIPE["model"]["config"]["hidden_size"]
+        assert zero["stage3_param_persistence_threshold"] == 10 * width
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * width * width)
     fp32 = deepspeed_config(validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model)
     assert fp32["bf16"] == {"enabled": False} and fp32["fp16"]["enabled"] is False and "communication_data_type" not in fp32
     assert fp32["gradient_clipping"] == TINY_RECIPE["optim"]["max_grad_norm"] and fp32["optimizer"]["params"]["lr"] == TINY_RECIPE["optim"]["lr"]

@@ -43,8 +43,15 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, mode
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if engine.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    width = hidden_size(model) if model is not None else None
+    if width:
+        # Buckets sized to the model, as transformers' integration derives them, instead of
+        # DeepSpeed's fixed 5e8 elements (2 GB per fp32 buffer). Sums are elementwise: bucket
+        # boundaries do not change the result.
+        zero["reduce_bucket_size"] = width * width
+        if stage == 3:
+            zero["stage3_prefetch_bucket_size"] = int(0.9 * width * width)
     if stage == 3:
-        width = hidden_size(model) if model is not None else None
         # Parameters smaller than this stay whole on every rank (norms, biases): gathering
         # them costs more than they weigh. 10 × hidden size, as transformers' integration derives it.
         zero["stage3_param_persistence_threshold"] = 10 * width if width else 100_000
