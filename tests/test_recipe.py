@@ -124,3 +124,19 @@ def test_a_recipe_validates_the_same_on_any_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     engine = TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer+params", "precision": "fp16", "device": "auto"}
     assert validate_recipe(TINY_RECIPE | {"engine": engine}).engine.strategy == "zero3"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("optim.extend=keep", "optim.extend"), ("checkpoint.async=sometimes", "checkpoint.async: expected true or false")],
+)
+def test_new_fields_name_bad_values_in_one_line(override, expected):
+    import copy
+
+    from accord.recipe import RecipeError, apply_override, validate_recipe
+
+    raw = copy.deepcopy(TINY_RECIPE)
+    apply_override(raw, override)
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(raw)
+    assert expected in str(e.value) and "\n" not in str(e.value)

@@ -36,11 +36,10 @@ class CheckpointSchedule:
         position = run.order.position(step)
         state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size)
         try:
-            self._pending = save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_)
+            pending = save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_)
         except CheckpointError as e:  # raised on every rank alike by save_checkpoint
             raise TrainingStopped(str(e)) from None
-        if not self.cfg.async_:
-            self._pending = None
+        self._pending = pending if self.cfg.async_ else None  # a synchronous one is sealed already
         self._last = time.monotonic()
         return run.out_dir / CHECKPOINTS / step_name(step)
 
