@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from accord.recipe import PROCESS_GROUP_TIMEOUT_S
+
 # Environment variables that an outer launcher sets for each worker, and who sets them.
 _LAUNCHER_MARKERS = (
     ("ACCELERATE_DYNAMO_BACKEND", "accelerate launch"),
@@ -58,7 +60,7 @@ _control_group: dist.ProcessGroup | None = None
 _left_group = False  # set by shutdown(): this process joined (and left) a process group
 
 
-def init(device: torch.device, timeout_s: float = 600.0) -> DistInfo:
+def init(device: torch.device, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> DistInfo:
     """Join the process group (gloo on CPU, NCCL on GPU); a no-op for a single process."""
     global _control_group
     info = env_info()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from accord import dist
+from accord import dist, heartbeat
 from accord.batches import fetch, lockstep_batches, to_device
 from accord.recipe import TrainConfig
 from accord.tasks.base import PADDING, Task
@@ -40,6 +40,7 @@ class Evaluator:
         totals: dict[str, torch.Tensor] = {}
         batches = lockstep_batches(len(self.data), self.info.rank, self.info.world_size, self.cfg.eval_micro_batch_size)
         for indices, weight in batches:
+            heartbeat.tick()  # a long evaluation is progress, batch by batch
             batch = to_device(self.task.collate([[e] for e in fetch(self.data, indices)]), self.engine.device)
             with self.engine.autocast():
                 sums = self.task.eval_sums(model, batch)

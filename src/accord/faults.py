@@ -10,6 +10,10 @@ cost one dictionary lookup.
                          window to kill the run mid-write (under checkpoint.async in
                          the background writer, while training goes on)
   nan_loss_at_step=N     make the loss of optimizer step N (1-based) NaN on every rank
+  stop_rank=R,stop_at_step=N
+                         rank R SIGSTOPs itself in the forward pass of step N (1-based), in
+                         the first worker group only (a restarted group runs on): a hang
+                         for the watchdog at an exact point
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def maybe_poison_loss(task, current_step: Callable[[], int]):
     return task if at is None else _NaNLoss(task, int(at), current_step)
 
 
+def maybe_stop_rank(task, current_step: Callable[[], int], rank: int, restart: int):
+    """The task, or (under stop_rank / stop_at_step, for this rank in the first worker group)
+    a stand-in that SIGSTOPs this process when the loss of that step is computed."""
+    at = _faults().get("stop_at_step")
+    if at is None or _faults().get("stop_rank", 0) != rank or restart > 0:
+        return task
+    return _StopInLoss(task, int(at), current_step)
+
+
 class _NaNLoss:
     """Delegates everything to the task; only `loss` at the chosen step is poisoned."""
 
@@ -55,3 +68,17 @@ class _NaNLoss:
         if self._current_step() == self._at_step:
             out.loss_sum = out.loss_sum * float("nan")
         return out
+
+
+class _StopInLoss(_NaNLoss):  # delegates like _NaNLoss; only `loss` at the chosen step differs
+    _stopped = False
+
+    def loss(self, model, batch):
+        if self._current_step() == self._at_step and not self._stopped:
+            import signal
+
+            self._stopped = True  # once: continued to dump its stacks, it must not stop again
+            print(f"accord: [fault injection] stopping this process (SIGSTOP) in the forward pass of step {self._at_step} "
+                  f"at unix time {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self._task.loss(model, batch)

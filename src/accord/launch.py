@@ -68,7 +68,26 @@ def run(recipe: Recipe, topology: Topology = Topology()) -> str:
         from accord.observe.progress import announce
 
         announce(f"starting {nproc} worker{'s' if nproc != 1 else ''}…" + (f" (this node's of {topology.nnodes})" if topology.multi_node else ""))
-    return _elastic_launch(json.dumps(data), nproc, recipe.engine.max_restarts, topology)
+    return _launch_watched(recipe, json.dumps(data), nproc, topology)
+
+
+def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topology) -> str:
+    """The workers under the hang watchdog (accord.watchdog): a hang that used up the restarts
+    ends the run with its own message rather than "worker rank N failed"."""
+    from accord.engine.device import wants_cuda
+    from accord.watchdog import HangDetected, watch_for_hangs
+
+    cfg = recipe.engine
+    with watch_for_hangs(cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)) as watchdog:
+        try:
+            return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology)
+        except WorkerFailed:
+            if watchdog is None or watchdog.restart not in watchdog.verdicts:
+                raise
+            restarts = f"no restart left of engine.max_restarts={cfg.max_restarts}" if cfg.max_restarts else "engine.max_restarts=0"
+            raise HangDetected(
+                f"the run hung and its workers were stopped ({restarts}); continue from the latest checkpoint with --resume"
+            ) from None
 
 
 def _set_worker_environment(cfg: EngineConfig, nproc: int, topology: Topology) -> None:

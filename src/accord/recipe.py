@@ -191,6 +191,10 @@ class TrainConfig(Section):
         return self
 
 
+# How long a collective may wait before torch's process group gives up (accord.dist.init).
+PROCESS_GROUP_TIMEOUT_S = 600
+
+
 class EngineConfig(Section):
     """Where and how the model runs: processes, devices, strategy, precision."""
 
@@ -205,7 +209,15 @@ class EngineConfig(Section):
     processes: int = Field(2, gt=0, description="Worker processes on CPU (on GPU: one per device).")
     devices: list[int] | None = Field(None, description="GPU indices to use, e.g. [0, 1] (default: all visible).")
     max_restarts: int = Field(
-        0, ge=0, description="When a worker dies, restart the whole local group up to this many times; it resumes from the latest checkpoint."
+        0, ge=0, description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes from the latest checkpoint."
+    )
+    # Well under the process-group timeout (PROCESS_GROUP_TIMEOUT_S): past that, torch ends the
+    # run itself without saying which rank was stuck or where.
+    hang_timeout_s: float | None = Field(
+        300.0,
+        description="Hang watchdog (accord's launcher): when no rank made progress for this many seconds, name the stuck "
+        "rank(s), dump every rank's stacks into output.dir/hang-<time>/ and stop the workers (restarted under "
+        "engine.max_restarts). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); null: off.",
     )
     deepspeed_config: str | None = Field(
         None,
@@ -234,6 +246,16 @@ class EngineConfig(Section):
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "
         "auto: DeepSpeed when it is installed, else torch.",
     )
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_timeout_below_group_timeout(cls, value: float | None) -> float | None:
+        if value is not None and not 1 <= value < PROCESS_GROUP_TIMEOUT_S:
+            raise ValueError(
+                f"engine.hang_timeout_s={value:g} must be at least 1 and below {PROCESS_GROUP_TIMEOUT_S} s (the process-group "
+                "timeout, after which torch stops the run without naming the stuck rank); null turns the watchdog off"
+            )
+        return value
 
     @field_validator("precision", mode="before")
     @classmethod

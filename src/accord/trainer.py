@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accord import dist, faults
+from accord import dist, faults, heartbeat
 from accord.assemble import RunSetup
 from accord.batches import fetch, to_device
 from accord.checkpoint import latest_checkpoint, seed_for
@@ -31,6 +31,7 @@ class Trainer:
         self.run = run
         self.engine, self.plan, self.rows, self.order = run.engine, run.plan, run.rows, run.order
         self.task = faults.maybe_poison_loss(run.task, lambda: self.step + 1)  # only under ACCORD_FAULTS
+        self.task = faults.maybe_stop_rank(self.task, lambda: self.step + 1, run.info.rank, dist.restart_count())
         self.step = 0
         self.evaluator = Evaluator(run.task, run.engine, run.info, run.eval_data, run.recipe.train) if run.eval_data is not None else None
         self.guard = NonFiniteGuard(run.recipe.train, run.engine.handles_overflow, self._intact_note)
@@ -51,16 +52,20 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.engine.device)
         metrics: dict[str, torch.Tensor] = {}
         for micro_step in range(self.plan.grad_accum):
+            last = micro_step == self.plan.grad_accum - 1
+            heartbeat.phase("forward", self.step + 1)
             row_ids = global_batch[self.plan.micro_slice(self.run.info.rank, micro_step)]
             batch = to_device(self.task.collate(self._rows(row_ids)), self.engine.device)
-            with self.engine.sync_context(last_micro_step=micro_step == self.plan.grad_accum - 1):
+            with self.engine.sync_context(last_micro_step=last):
                 with self.engine.autocast():
                     out = self.task.loss(self.engine.train_model, batch)
+                heartbeat.phase("backward/all-reduce" if last else "backward", self.step + 1)  # gradients sync on the last
                 self.engine.backward(out.loss_sum, max(targets, 1))
             loss_sum += out.loss_sum.detach()
             for name, value in out.metrics.items():
                 metrics[name] = metrics.get(name, 0) + value.detach().float()
         lr = self.engine.lr
+        heartbeat.phase("optimizer step", self.step + 1)
         grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
         self.step += 1
         tokens = int(self.rows.lengths[global_batch].sum())
@@ -120,9 +125,11 @@ class Trainer:
                     final_eval = self._evaluate(progress)
                 # One small collective per step: did any rank get a stop signal, is a
                 # timed checkpoint due (rank 0's clock decides)?
+                heartbeat.phase("stop/checkpoint flags", self.step)
                 stopping, time_due = dist.any_rank(stop is not None and stop.requested, run.info.is_main and self.schedule.time_due())
                 if at_end or stopping or time_due or self.schedule.step_due(self.step):
                     self._flush(progress)
+                    heartbeat.phase("checkpoint save", self.step)
                     self.save_checkpoint()
                 if stopping and not at_end:
                     self.schedule.finish()  # an asynchronous checkpoint sealed before exiting
@@ -131,6 +138,7 @@ class Trainer:
                     dist.print0(f"accord: stop requested ({why}): checkpoint of step {self.step} written")
                     return RunResult("preempted", self.step, final_eval, "checkpointed on request")
         finally:
+            heartbeat.phase(heartbeat.DONE, self.step)  # export and shutdown are not watched
             progress.close()
         dist.print0(f"accord: trained {self.step - start_step} steps in {time.perf_counter() - start:.1f} s")
         return RunResult("completed", self.step, final_eval)
@@ -142,6 +150,7 @@ class Trainer:
             progress.show(logged[-1].loss, logged[-1].stats.lr, tokens_per_s)
 
     def _evaluate(self, progress: Progress) -> dict[str, float]:
+        heartbeat.phase("eval", self.step)
         results = self.evaluator.evaluate()
         self.log.write({"kind": "eval", "step": self.step, **results})
         progress.write(f"accord: step {self.step}: {self.task.format_eval(results)}")

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any
 
-from accord import dist
+from accord import dist, heartbeat
 from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, resume_source
 from accord.engine.device import select_device
 from accord.outputs import prepare_output_dir
@@ -53,6 +53,9 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     _quiet_libraries(info)
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
+    heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
+    if device.type == "cuda":  # before the process group exists: NCCL reads these once
+        heartbeat.enable_flight_recorder(os.environ.get(heartbeat.DUMP_DIR_ENV, recipe.output.dir))
     dist.init(device)
     clean = False
     try:

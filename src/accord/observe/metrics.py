@@ -13,12 +13,13 @@ from typing import Any
 class MetricsWriter:
     def __init__(self, out_dir: Path, resume_step: int = 0):
         """Append to the run's metrics; a resumed run first drops what was logged after
-        the step it resumes from (those steps are trained again)."""
+        the step it resumes from (those steps are trained again), but not the hang records
+        that explain why it resumed."""
         from torch.utils.tensorboard import SummaryWriter
 
         path = out_dir / "metrics.jsonl"
         if resume_step and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in path.read_text().splitlines() if line.strip() and _kept_on_resume(json.loads(line), resume_step)]
             tmp = path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -42,6 +43,10 @@ class MetricsWriter:
         # SummaryWriter owns a writer thread; closing joins it so no thread outlives the run.
         self._tb.close()
         self._jsonl.close()
+
+
+def _kept_on_resume(record: dict[str, Any], resume_step: int) -> bool:
+    return record["step"] <= resume_step or record["kind"] == "hang"
 
 
 def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,150 @@
+"""Issue 13: a rank that hangs is named (rank, host, operation) within engine.hang_timeout_s,
+every rank's stacks are kept in output.dir/hang-<time>/, and the run exits 1 or, under
+engine.max_restarts, restarts from the last checkpoint and ends as if never interrupted."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from accord import heartbeat
+from accord.observe.metrics import read_metrics
+from accord.recipe import RecipeError, load_recipe
+from accord.watchdog import StallClock, diagnose
+from conftest import TINY_RECIPE, _tree_members, final_params, finish, max_param_diff, start_accord, write_recipe
+
+TIMEOUT_S = 5  # small, so that a hang costs the test seconds; progress comes every few ms
+STOP_AT_STEP = 7  # the tiny reference checkpoints at step 5: the restart redoes steps 6-10
+
+
+# ---------------------------------------------------------------- the recipe field
+
+
+@pytest.mark.parametrize("value", ["600", "0.5", "-3"])
+def test_hang_timeout_outside_its_range_is_refused_naming_the_field(tmp_path, value):
+    recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
+    with pytest.raises(RecipeError, match=r"engine.hang_timeout_s=.* below 600 s .*null turns the watchdog off"):
+        load_recipe(recipe, [f"engine.hang_timeout_s={value}"])
+
+
+def test_hang_timeout_null_turns_the_watchdog_off(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
+    assert load_recipe(recipe, ["engine.hang_timeout_s=null"]).engine.hang_timeout_s is None
+    assert load_recipe(recipe).engine.hang_timeout_s == 300
+
+
+# ---------------------------------------------------------------- what counts as progress
+
+
+def _record(rank: int, seq: int, op: str = "forward", ticks: int = 0, step: int = 3) -> dict:
+    return {"rank": rank, "local_rank": rank, "host": "h", "pid": 100 + rank, "seq": seq, "ticks": ticks, "op": op, "step": step}
+
+
+def test_one_rank_progressing_while_the_others_wait_is_not_a_hang():
+    """Rank 0 evaluates (ticks) or writes for longer than the timeout while rank 1 waits in a
+    collective: the run is slow, not stuck."""
+    clock = StallClock(nproc=2, timeout_s=4)
+    for t in range(0, 20):
+        clock.update({0: _record(0, 5, "eval", ticks=t), 1: _record(1, 5, "eval")}, set(), now=float(t))
+        assert not clock.stalled(float(t))
+    clock.update({0: _record(0, 5, "eval", ticks=19), 1: _record(1, 5, "eval")}, set(), now=23.0)
+    assert clock.stalled(23.0) and clock.stalled_for(23.0) == 4.0
+
+
+def test_the_loop_is_watched_only_between_every_rank_entering_it_and_one_leaving_it():
+    clock = StallClock(nproc=2, timeout_s=4)
+    clock.update({0: _record(0, 0, "start-up")}, set(), now=0.0)  # loading: silent, however long
+    clock.update({0: _record(0, 0, "start-up"), 1: _record(1, 4)}, set(), now=1.0)
+    assert not clock.stalled(100.0)
+    clock.update({0: _record(0, 9, heartbeat.DONE), 1: _record(1, 9, heartbeat.DONE)}, set(), now=101.0)  # export
+    assert not clock.stalled(200.0)
+
+
+def test_a_stopped_process_is_a_hang_in_any_phase_and_a_stopped_launcher_is_not():
+    clock = StallClock(nproc=2, timeout_s=4)
+    clock.update({0: _record(0, 0, "start-up"), 1: _record(1, 0, "start-up")}, {1}, now=0.0)
+    clock.update({0: _record(0, 0, "start-up"), 1: _record(1, 0, "start-up")}, {1}, now=4.0)
+    assert clock.stalled(4.0)
+
+    clock = StallClock(nproc=2, timeout_s=4)
+    clock.update({0: _record(0, 5), 1: _record(1, 5)}, set(), now=0.0)
+    clock.update({0: _record(0, 5), 1: _record(1, 5)}, set(), now=60.0)  # the whole job was suspended
+    assert not clock.stalled(60.0)
+    assert clock.stalled(64.0)
+
+
+def test_the_stopped_rank_is_named_else_the_one_behind_else_all():
+    a, b = _record(0, 12, "backward/all-reduce"), _record(1, 12, "backward/all-reduce")
+    assert diagnose([a, b], stopped={101}) == ([b], "stopped by a signal (SIGSTOP)")
+    behind = _record(1, 10, "forward")
+    assert diagnose([a, behind], stopped=set())[0] == [behind]
+    assert diagnose([a, b], stopped=set())[0] == [a, b]
+
+
+def test_progress_is_read_back_exactly_as_the_rank_wrote_it(tmp_path, monkeypatch):
+    import faulthandler
+
+    monkeypatch.setenv(heartbeat.DUMP_DIR_ENV, str(tmp_path))
+    try:
+        heartbeat.start(4.0, rank=3, local_rank=1, world_size=4, restart=2)
+        path = heartbeat.progress_file(tmp_path, 2, 3)
+        assert heartbeat.read_progress(path)["op"].startswith("start-up")
+        heartbeat.phase("optimizer step", 41)
+        heartbeat.tick()
+        record = heartbeat.read_progress(path)
+        assert (record["rank"], record["local_rank"], record["op"], record["step"], record["ticks"]) == (3, 1, "optimizer step", 41, 1)
+        assert heartbeat.progress_files(tmp_path, 2) == [path]
+    finally:
+        faulthandler.unregister(heartbeat.DUMP_SIGNAL)
+        heartbeat._beat.mapped = None
+
+
+# ---------------------------------------------------------------- a stopped worker, end to end
+
+
+def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str) -> tuple[str, int]:
+    """Train with rank 1 SIGSTOPping itself in step STOP_AT_STEP: (output, exit code)."""
+    faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}"}
+    proc = start_accord("train", recipe, f"engine.hang_timeout_s={TIMEOUT_S}", "checkpoint.every_steps=5", *extra, f"output.dir={out}", env_extra=faults)
+    output, _ = finish(proc, timeout=240)
+    assert not _tree_members(proc.tree_token), "processes of the run outlived it"
+    return output, proc.returncode
+
+
+def _stopped_at(output: str) -> float:
+    """When the fault stopped the rank (its line says, in Unix time)."""
+    (line,) = [line for line in output.splitlines() if "stopping this process (SIGSTOP)" in line]
+    return float(line.rsplit("at unix time ", 1)[1])
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_is_named_with_its_operation_and_the_run_exits_1(tmp_path):
+    out = tmp_path / "hung"
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    output, code = _run_with_a_stopped_rank(recipe, out)
+    assert code == 1, output
+    (hang,) = [r for r in read_metrics(out) if r["kind"] == "hang"]
+    named = f"stuck: rank 1 (host {socket.gethostname()}, pid {hang['ranks'][1]['pid']}), stopped by a signal (SIGSTOP)"
+    assert named in output and f'rank 1 in "forward" of step {STOP_AT_STEP}' in output
+    assert "the run hung and its workers were stopped" in output and "Traceback" not in output
+    assert hang["stuck"] == [1] and hang["stalled_s"] >= TIMEOUT_S
+    # Named within the timeout + 10 s of the stop (the fault's line says when it stopped).
+    assert hang["time"] - _stopped_at(output) <= TIMEOUT_S + 10
+    folder = Path(hang["folder"])
+    assert folder.parent == out and json.loads((folder / "hang.json").read_text())["stuck"] == [1]
+    for rank in (0, 1):  # the stopped rank too: continued just long enough to dump
+        assert "accord/trainer.py" in (folder / f"stacks-rank-{rank:05d}.txt").read_text()
+
+
+@pytest.mark.distributed
+def test_a_hang_under_max_restarts_resumes_and_ends_as_the_uninterrupted_run(tiny_reference, tmp_path):
+    recipe, reference = tiny_reference
+    out = tmp_path / "restarted"
+    output, code = _run_with_a_stopped_rank(recipe, out, "engine.max_restarts=1")
+    assert code == 0, output
+    assert "hang:" in output and "worker group restarted (1 of 1)" in output and "at step 5 " in output
+    assert [r["stuck"] for r in read_metrics(out) if r["kind"] == "hang"] == [[1]]  # kept, and no second one
+    assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
