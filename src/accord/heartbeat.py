@@ -121,17 +121,20 @@ def read_progress(path: Path) -> dict | None:
     return {**identity, "seq": seq, "ticks": ticks, "step": step, "op": op}
 
 
-def enable_flight_recorder(folder: str | Path) -> None:
-    """NCCL: keep the last collectives of each rank (torch's flight recorder) and dump them on
-    a timeout, or when the watchdog writes to the rank's pipe. Set before the process group
-    is created; values already set (by the watchdog or the user) are kept."""
+def enable_flight_recorder(folder: str | Path, pipe: bool) -> None:
+    """NCCL: keep the last collectives of each rank (torch's flight recorder) and dump them into
+    `folder` on a timeout, and with `pipe` also when the watchdog writes to the rank's pipe
+    there (made when the process group is created: `folder` must exist by then). Set before
+    the process group is created; values already set (by the watchdog or the user) are kept."""
     stem = str(Path(folder) / "nccl-trace-rank-")
-    for name, value in {
+    settings = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
         "TORCH_FR_DUMP_TEMP_FILE": stem,
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(Path(folder) / "nccl-pipe-rank-"),
-    }.items():
+    }
+    if pipe:
+        settings["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] = str(Path(folder) / "nccl-pipe-rank-")
+    for name, value in settings.items():
         os.environ.setdefault(name, value)

@@ -211,7 +211,7 @@ def watch_for_hangs(timeout_s: float | None, nproc: int, max_restarts: int, out_
     before = dict(os.environ)
     os.environ[heartbeat.DUMP_DIR_ENV] = str(dump_dir)
     if nccl:
-        heartbeat.enable_flight_recorder(dump_dir)
+        heartbeat.enable_flight_recorder(dump_dir, pipe=True)
     dog = Watchdog(timeout_s, nproc, max_restarts, Path(out_dir), dump_dir)
     dog.start()
     try:

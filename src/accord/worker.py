@@ -54,8 +54,8 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
-    if device.type == "cuda":  # before the process group exists: NCCL reads these once
-        heartbeat.enable_flight_recorder(os.environ.get(heartbeat.DUMP_DIR_ENV, recipe.output.dir))
+    if device.type == "cuda" and heartbeat.DUMP_DIR_ENV not in os.environ:  # the watchdog's are set
+        heartbeat.enable_flight_recorder(recipe.output.dir, pipe=False)  # dumped on torch's timeout
     dist.init(device)
     clean = False
     try:
