@@ -139,8 +139,13 @@ def test_a_stopped_worker_is_named_with_its_operation_and_the_run_exits_1(tmp_pa
         assert "accord/trainer.py" in (folder / f"stacks-rank-{rank:05d}.txt").read_text()
 
 
+# Two worker start-ups: slow. The default tier has the hang (test above) and the restart from
+# the last checkpoint after a killed worker (test_resume.py) separately.
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_hang_under_max_restarts_resumes_and_ends_as_the_uninterrupted_run(tiny_reference, tmp_path):
+    """Restarted, the run also makes it through resume, checkpoints and export without a second
+    (false) hang under the same 5 s timeout."""
     recipe, reference = tiny_reference
     out = tmp_path / "restarted"
     output, code = _run_with_a_stopped_rank(recipe, out, "engine.max_restarts=1")

@@ -158,15 +158,17 @@ class Watchdog(threading.Thread):
         line = describe(culprits, why, records, stalled_s, folder)
         self.verdicts[self.restart] = line
         print(f"accord: {line}", file=sys.stderr, flush=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        self._dump(records, stopped, folder)
-        for record in records:  # the agent sees the group fail: restart or the end of the run
-            _signal(record["pid"], signal.SIGKILL)
-        summary = {"kind": "hang", "step": max(r["step"] for r in records), "stalled_s": round(stalled_s, 1),
+        summary = {"kind": "hang", "step": max(r["step"] for r in records), "time": time.time(), "stalled_s": round(stalled_s, 1),
                    "stuck": [r["rank"] for r in culprits], "why": why, "folder": str(folder),
                    "ranks": [{**r, "state": "stopped" if r["pid"] in stopped else "waiting"} for r in records]}
-        (folder / "hang.json").write_text(json.dumps(summary, indent=1) + "\n")
-        _append_line(self.out_dir / "metrics.jsonl", json.dumps({**summary, "time": time.time()}))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._dump(records, stopped, folder)
+            (folder / "hang.json").write_text(json.dumps(summary, indent=1) + "\n")
+            _append_line(self.out_dir / "metrics.jsonl", json.dumps(summary))
+        finally:  # whatever could not be written: the agent sees the group fail (a restart, or the end)
+            for record in records:
+                _signal(record["pid"], signal.SIGKILL)
 
     def _dump(self, records: list[dict], stopped: set[int], folder: Path) -> None:
         """Every rank's Python stacks (faulthandler, on DUMP_SIGNAL) and on NCCL the flight
