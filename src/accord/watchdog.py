@@ -157,7 +157,8 @@ class Watchdog(threading.Thread):
         folder = self.out_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
         line = describe(culprits, why, records, stalled_s, folder)
         self.verdicts[self.restart] = line
-        print(f"accord: {line}", file=sys.stderr, flush=True)
+        # On a line of its own: rank 0's progress bar may be mid-line on the same terminal.
+        print(f"\naccord: {line}", file=sys.stderr, flush=True)
         summary = {"kind": "hang", "step": max(r["step"] for r in records), "time": time.time(), "stalled_s": round(stalled_s, 1),
                    "stuck": [r["rank"] for r in culprits], "why": why, "folder": str(folder),
                    "ranks": [{**r, "state": "stopped" if r["pid"] in stopped else "waiting"} for r in records]}
