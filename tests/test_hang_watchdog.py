@@ -105,9 +105,9 @@ def test_progress_is_read_back_exactly_as_the_rank_wrote_it(tmp_path, monkeypatc
 # ---------------------------------------------------------------- a stopped worker, end to end
 
 
-def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str) -> tuple[str, int]:
+def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str, fault: str = "") -> tuple[str, int]:
     """Train with rank 1 SIGSTOPping itself in step STOP_AT_STEP: (output, exit code)."""
-    faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}"}
+    faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}{fault}"}
     proc = start_accord("train", recipe, f"engine.hang_timeout_s={TIMEOUT_S}", "checkpoint.every_steps=5", *extra, f"output.dir={out}", env_extra=faults)
     output, _ = finish(proc, timeout=240)
     assert not _tree_members(proc.tree_token), "processes of the run outlived it"
@@ -116,7 +116,7 @@ def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str) -> tuple[str,
 
 def _stopped_at(output: str) -> float:
     """When the fault stopped the rank (its line says, in Unix time)."""
-    (line,) = [line for line in output.splitlines() if "stopping this process (SIGSTOP)" in line]
+    (line,) = [line for line in output.splitlines() if "[fault injection]" in line]
     return float(line.rsplit("at unix time ", 1)[1])
 
 
@@ -153,3 +153,19 @@ def test_a_hang_under_max_restarts_resumes_and_ends_as_the_uninterrupted_run(tin
     assert "hang:" in output and "worker group restarted (1 of 1)" in output and "at step 5 " in output
     assert [r["stuck"] for r in read_metrics(out) if r["kind"] == "hang"] == [[1]]  # kept, and no second one
     assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_stuck_while_running_is_named_as_behind_the_others(tmp_path):
+    """No stopped process (a deadlock, a lost message): the rank that did not reach the phase
+    its peers wait in is named, and its live stack shows where it is."""
+    out = tmp_path / "hung"
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    output, code = _run_with_a_stopped_rank(recipe, out, fault=",stop_by_sleeping=1")
+    assert code == 1, output
+    (hang,) = [r for r in read_metrics(out) if r["kind"] == "hang"]
+    assert hang["stuck"] == [1] and hang["why"] == "behind the other ranks", output
+    assert f'rank 1 in "forward" of step {STOP_AT_STEP}' in output
+    assert hang["time"] - _stopped_at(output) <= TIMEOUT_S + 10
+    assert "in loss" in (Path(hang["folder"]) / "stacks-rank-00001.txt").read_text()

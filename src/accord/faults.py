@@ -14,6 +14,8 @@ cost one dictionary lookup.
                          rank R SIGSTOPs itself in the forward pass of step N (1-based), in
                          the first worker group only (a restarted group runs on): a hang
                          for the watchdog at an exact point
+  stop_by_sleeping=1     ... sleeps there instead: a rank that hangs while running (a
+                         deadlock, a lost message)
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ class _StopInLoss(_NaNLoss):  # delegates like _NaNLoss; only `loss` at the chos
             import signal
 
             self._stopped = True  # once: continued to dump its stacks, it must not stop again
-            print(f"accord: [fault injection] stopping this process (SIGSTOP) in the forward pass of step {self._at_step} "
-                  f"at unix time {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            how = "sleeping" if _faults().get("stop_by_sleeping") else "stopping this process (SIGSTOP)"
+            print(f"accord: [fault injection] {how} in the forward pass of step {self._at_step} at unix time {time.time():.3f}", flush=True)
+            if _faults().get("stop_by_sleeping"):
+                time.sleep(3600)
+            else:
+                os.kill(os.getpid(), signal.SIGSTOP)
         return self._task.loss(model, batch)
