@@ -86,7 +86,7 @@ def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topo
                 raise
             restarts = f"no restart left of engine.max_restarts={cfg.max_restarts}" if cfg.max_restarts else "engine.max_restarts=0"
             raise HangDetected(
-                f"the run hung and its workers were stopped ({restarts}); continue from the latest checkpoint with --resume"
+                f"the run hung and its workers were stopped ({restarts}); --resume continues from the latest checkpoint, if one was written"
             ) from None
 
 
