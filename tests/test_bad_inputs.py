@@ -229,6 +229,22 @@ def test_nodes_of_one_run_share_the_lock_and_another_run_is_refused(tmp_path):
     assert not (out / LOCK_FILE).exists()
 
 
+def test_lock_of_a_killed_process_not_yet_collected_is_stale(tmp_path):
+    import socket
+    import subprocess
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: open(f"/proc/{exited.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", timeout=30)
+    from accord import runlock
+
+    info = runlock.LockInfo(socket.gethostname(), exited.pid, time.time(), "x", "")
+    assert runlock.stale_reason(info, tmp_path / runlock.LOCK_FILE) == f"process {exited.pid} has exited"
+    exited.wait()
+    assert runlock.stale_reason(info, tmp_path / runlock.LOCK_FILE) == f"process {exited.pid} no longer exists"
+    me = runlock.LockInfo(socket.gethostname(), os.getpid(), time.time(), "x", runlock._process_start(os.getpid()))
+    assert runlock.stale_reason(me, tmp_path / runlock.LOCK_FILE) is None
+
+
 def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
     from accord import runlock
 

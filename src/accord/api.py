@@ -93,7 +93,8 @@ def train(
     visible GPU, started here (or as the worker an outer launcher such as torchrun started).
 
     overwrite: replace an earlier run in output.dir (output.overwrite=true).
-    resume: continue from the latest complete checkpoint in output.dir (resume=auto).
+    resume: continue from the latest complete checkpoint in output.dir (resume=auto); unlike
+    resume=auto in a recipe, refused (UserInputError) when there is none to continue from.
     processes: CPU worker processes (engine.processes); devices: GPU indices (engine.devices).
     nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
     command's flags of the same names (default: the environment's NNODES & co., or SLURM's).

@@ -136,7 +136,9 @@ def stale_reason(holder: LockInfo, path: Path) -> str | None:
             return f"process {holder.pid} no longer exists"
         except PermissionError:
             pass  # alive, another user's
-        started = _process_start(holder.pid)
+        state, started = _process_stat(holder.pid)
+        if state == "Z":
+            return f"process {holder.pid} has exited"  # killed, its parent has not collected it yet
         if holder.pid_start and started and started != holder.pid_start:
             return f"pid {holder.pid} now belongs to another process"
         return None
@@ -204,7 +206,7 @@ def _remove_if_unchanged(path: Path, raw: bytes) -> bool:
 def _read_bytes(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock, or output.dir is a file (preflight says so)
         return None
 
 
@@ -222,9 +224,14 @@ def _read(path: Path) -> LockInfo | None:
 
 
 def _process_start(pid: int) -> str:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22); "" elsewhere."""
+    return _process_stat(pid)[1]
+
+
+def _process_stat(pid: int) -> tuple[str, str]:
+    """A process's state letter and start time in clock ticks since boot (/proc/PID/stat
+    fields 3 and 22); empty strings where /proc is not there."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "", ""
+    return fields[0], fields[19]
