@@ -89,8 +89,9 @@ def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_
     "damage, needle",
     [
         # (a truncated file: test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run)
-        ("garbage", "model.safetensors cannot be read (Error while deserializing header"),
-        ("missing-shard", "model-00002-of-00002.safetensors cannot be read (listed in the index but missing)"),
+        # The same check as a truncated file: slow tier (the default suite's budget).
+        pytest.param("garbage", "model.safetensors cannot be read (Error while deserializing header", marks=pytest.mark.slow),
+        pytest.param("missing-shard", "model-00002-of-00002.safetensors cannot be read (listed in the index but missing)", marks=pytest.mark.slow),
         ("tokenizer", "model.path: the tokenizer in"),
     ],
 )
@@ -278,7 +279,7 @@ def test_recipe_that_is_not_utf8_is_one_line(tmp_path):
     assert_one_line(run_accord("train", recipe, timeout=60), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8")
 
 
-@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("split", ["train", pytest.param("eval", marks=pytest.mark.slow)])
 def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, split):
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
     bad = tmp_path / "latin1.jsonl"
@@ -289,6 +290,7 @@ def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, s
     assert_one_line(proc, f"{prefix}{bad}:4: not UTF-8 text (byte 0xe9 at offset 129); save it as UTF-8")
 
 
+@pytest.mark.slow
 def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
     bad = tmp_path / "rows.csv"
     bad.write_bytes("prompt,completion\n1+1=,2\ncafé,x\n".encode("latin-1"))
@@ -299,14 +301,19 @@ def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
 # ------------------------------------------------------------------ errors that point at the right place
 
 
-def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_path):
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        ([{"prompt": "1+1="}], "sft data (prompt/completion or messages): missing field 'completion'"),
+        pytest.param([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": None}],
+                     "row 2: field 'completion' is missing or null", marks=pytest.mark.slow),
+    ],
+)
+def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_path, rows, needle):
     good = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
-    missing_field = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1="}])
-    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={missing_field}", f"output.dir={tmp_path / 'o'}", timeout=120)
-    assert_one_line(proc, f"data.eval: {missing_field}: sft data (prompt/completion or messages): missing field 'completion'")
-    null_row = write_jsonl(tmp_path / "eval2.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": None}])
-    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={null_row}", f"output.dir={tmp_path / 'o'}", timeout=120)
-    assert_one_line(proc, f"data.eval: {null_row}: row 2: field 'completion' is missing or null")
+    bad = write_jsonl(tmp_path / "eval.jsonl", rows)
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={bad}", f"output.dir={tmp_path / 'o'}", timeout=120)
+    assert_one_line(proc, f"data.eval: {bad}: {needle}")
 
 
 def test_empty_completions_give_a_warning_with_their_count(tmp_path):
