@@ -267,7 +267,7 @@ def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
     assert not typo.exists()
     empty = tmp_path / "started"
     (empty / "checkpoints").mkdir(parents=True)
-    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={empty}", "--resume", timeout=120), f"{empty}/checkpoints holds no complete checkpoint")
+    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={empty}", "--resume", timeout=120), f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)")
 
 
 # ------------------------------------------------------------------ tracebacks to one line

@@ -169,7 +169,7 @@ def _check_something_to_resume(recipe: Recipe) -> None:
     out_dir = Path(recipe.output.dir)
     if recipe.resume != "auto" or latest_checkpoint(out_dir) is not None:
         return
-    where = f"{out_dir} does not exist" if not out_dir.exists() else f"{out_dir}/{CHECKPOINTS} holds no complete checkpoint"
+    where = f"{out_dir} does not exist" if not out_dir.exists() else f"no complete checkpoint in {out_dir}/{CHECKPOINTS}"
     raise UserInputError(f"--resume: nothing to resume ({where}); check output.dir=..., or leave out --resume to start a fresh run")
 
 
