@@ -23,7 +23,7 @@ def test_script_runs_one_task_per_node_signals_and_requeues(tmp_path):
     assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
     assert "#SBATCH --account='team x'" in script and "#SBATCH --output='/data/runs/a b/slurm-%j.out'" in script
-    assert "--resume 'output.dir=runs/a b' optim.lr=1e-3" in script
+    assert "resume=auto 'output.dir=runs/a b' optim.lr=1e-3" in script  # --resume would refuse the first start
     assert 'if [ "$status" -eq 75 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     with pytest.raises(SlurmError, match="--time 'soon'"):
         job_script(JobRequest(tmp_path / "r.yaml", (), 1, 0, time="soon"), "/o", tmp_path)

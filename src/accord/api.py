@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from accord.errors import UserInputError
 from accord.recipe import Recipe, apply_override, load_recipe, validate_recipe
+from accord.runlock import OutputLocked, acquire, lock_problem, new_run_id
 
 if TYPE_CHECKING:
     from accord.planner import StrategyPlan
@@ -92,7 +93,8 @@ def train(
     visible GPU, started here (or as the worker an outer launcher such as torchrun started).
 
     overwrite: replace an earlier run in output.dir (output.overwrite=true).
-    resume: continue from the latest complete checkpoint in output.dir (resume=auto).
+    resume: continue from the latest complete checkpoint in output.dir (resume=auto); unlike
+    resume=auto in a recipe, refused (UserInputError) when there is none to continue from.
     processes: CPU worker processes (engine.processes); devices: GPU indices (engine.devices).
     nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
     command's flags of the same names (default: the environment's NNODES & co., or SLURM's).
@@ -105,12 +107,13 @@ def train(
     from accord.observe.progress import announce
 
     announce("checking recipe…")  # before the imports below (torch: seconds)
+    from accord import dist
     from accord.checkpoint import resume_hint
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
     from accord.forked import call_in_fork
     from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
-    from accord.launch import Interrupted, planned_world_size, run, starts_workers
+    from accord.launch import planned_world_size, starts_workers
     from accord.preflight import preflight
 
     lines = override_lines(overrides)
@@ -123,7 +126,16 @@ def train(
     if devices is not None:
         lines.append(f"engine.devices={json.dumps(list(devices))}")
     recipe = load(recipe, lines)
+    out_dir = Path(recipe.output.dir)
+    if resume:
+        _check_something_to_resume(recipe)
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    run_id = topology.run_id or dist.launcher_run_id() or new_run_id()
+    # One lock per node: taken by the launcher, or under an outer launcher by each node's local rank 0.
+    locks_here = dist.outer_launcher() is None or dist.env_info().local_rank == 0
+    held_elsewhere = lock_problem(out_dir, run_id) if locks_here else None
+    if held_elsewhere:
+        raise OutputLocked(held_elsewhere)
     world_size = planned_world_size(recipe.engine, topology)
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
     if recipe.engine.deepspeed_config:
@@ -139,13 +151,51 @@ def train(
     if problems:
         raise UserInputError("\n".join(problems))
 
-    out_dir = Path(recipe.output.dir)
+    lock = acquire(out_dir, run_id) if locks_here else None
     try:
-        status = run(recipe, topology)
-    except Interrupted as e:
-        raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
+        status = _run_in_output_dir(recipe, topology, writer=topology.hosts_rank_zero and dist.is_main())
+    finally:
+        if lock is not None:
+            lock.release()
     message = f"stopped early on request; {resume_hint(out_dir)}" if status == "preempted" else ""
     return TrainResult(status, out_dir, message)
+
+
+def _check_something_to_resume(recipe: Recipe) -> None:
+    """--resume asks to continue a run: with nothing to continue, a typo in output.dir would
+    otherwise start a fresh (maybe days-long) run. `resume: auto` in a recipe starts fresh."""
+    from accord.checkpoint import CHECKPOINTS, latest_checkpoint
+
+    out_dir = Path(recipe.output.dir)
+    if recipe.resume != "auto" or latest_checkpoint(out_dir) is not None:
+        return
+    where = f"{out_dir} does not exist" if not out_dir.exists() else f"no complete checkpoint in {out_dir}/{CHECKPOINTS}"
+    raise UserInputError(f"--resume: nothing to resume ({where}); check output.dir=..., or leave out --resume to start a fresh run")
+
+
+def _run_in_output_dir(recipe: Recipe, topology, writer: bool) -> str:
+    """Run with the lock held. The writer sets an earlier run aside for --overwrite; the
+    workers delete it after their first step, and if the run ends before that it is put back."""
+    from accord.checkpoint import resume_hint
+    from accord.launch import Interrupted, run
+    from accord.observe.progress import announce
+    from accord.outputs import check_output_dir, restore_earlier_run, set_aside_earlier_run
+
+    out_dir = Path(recipe.output.dir)
+    if writer:
+        # Checked again under the lock: another run may have finished here since the checks.
+        problems = check_output_dir(recipe)
+        if problems:
+            raise UserInputError("\n".join(problems))
+        if recipe.output.overwrite and set_aside_earlier_run(out_dir):
+            announce(f"--overwrite: the earlier run is set aside in {out_dir}/.previous-run until this run completes a step")
+    try:
+        return run(recipe, topology)
+    except Interrupted as e:
+        raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
+    finally:
+        if writer and restore_earlier_run(out_dir):
+            announce(f"the run ended before its first good step: the earlier run in {out_dir} is back as it was")
 
 
 def plan(

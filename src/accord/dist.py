@@ -168,3 +168,15 @@ def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
+
+
+def launcher_run_id() -> str | None:
+    """An id shared by every process of one job that an outer launcher started (the same
+    on every node, different for two jobs running at once: they cannot share a master
+    port); None for a single process, which shares nothing."""
+    if outer_launcher() is None or env_info().world_size == 1:
+        return None
+    import hashlib
+
+    parts = "|".join(os.environ.get(k, "") for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    return f"launcher-{hashlib.sha256(parts.encode()).hexdigest()[:12]}"

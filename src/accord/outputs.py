@@ -23,6 +23,9 @@ RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "
 # The final model's safetensors shards: at most this many bytes each (the exporting rank's buffer).
 SHARD_BYTES = 2**30
 SHARD_INDEX = "model.safetensors.index.json"
+# Where --overwrite moves an earlier run's artefacts until the new run has completed a step
+# (then they are deleted) or has failed before that (then they are moved back).
+PREVIOUS_RUN = ".previous-run"
 
 
 def earlier_run(out_dir: Path) -> list[str]:
@@ -35,6 +38,11 @@ def check_output_dir(recipe: Recipe) -> list[str]:
     if out_dir.exists() and not out_dir.is_dir():
         return [f"output.dir: {out_dir} exists and is not a folder"]
     found = earlier_run(out_dir)
+    if (out_dir / PREVIOUS_RUN).exists():
+        return [
+            f"output.dir: {out_dir / PREVIOUS_RUN} holds the run an interrupted --overwrite set aside (the run replacing "
+            f"it never completed a step); move its contents back into {out_dir}, or delete it"
+        ]
     if recipe.output.overwrite and recipe.resume != "never":
         return ["--overwrite starts over and --resume / resume continues: choose one"]
     if found and not recipe.output.overwrite and recipe.resume == "never":
@@ -48,16 +56,53 @@ def check_output_dir(recipe: Recipe) -> list[str]:
     return []
 
 
-def prepare_output_dir(recipe: Recipe, clear: bool) -> Path:
-    """Create output.dir (clearing an earlier run's artefacts when `clear`) and save the recipe."""
+def prepare_output_dir(recipe: Recipe) -> Path:
+    """Create output.dir and save the recipe (an earlier run was set aside by the launcher)."""
     out_dir = Path(recipe.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if clear:
-        for name in earlier_run(out_dir):
-            target = out_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
     write_text_atomic(out_dir / "recipe.yaml", recipe_to_yaml(recipe))
     return out_dir
+
+
+def set_aside_earlier_run(out_dir: Path) -> Path | None:
+    """--overwrite: move the earlier run's artefacts into out_dir/PREVIOUS_RUN (renames in one
+    folder: nothing is copied or deleted yet); None when there was no earlier run."""
+    found = earlier_run(out_dir)
+    if not found:
+        return None
+    aside = out_dir / PREVIOUS_RUN
+    aside.mkdir()
+    for name in found:
+        os.rename(out_dir / name, aside / name)
+    return aside
+
+
+def discard_earlier_run(out_dir: Path) -> bool:
+    """The new run completed a step: the set-aside earlier run goes. True if there was one."""
+    aside = out_dir / PREVIOUS_RUN
+    if not aside.exists():
+        return False
+    # Renamed first, so a crash while deleting never leaves a half-deleted PREVIOUS_RUN
+    # that a later start would offer to move back.
+    doomed = Path(tempfile.mkdtemp(prefix=".discarded-", dir=out_dir))
+    os.rename(aside, doomed / PREVIOUS_RUN)
+    shutil.rmtree(doomed)
+    return True
+
+
+def restore_earlier_run(out_dir: Path) -> bool:
+    """The new run failed before completing a step: its artefacts go, the earlier run's
+    come back as they were. True if there was one to restore."""
+    aside = out_dir / PREVIOUS_RUN
+    if not aside.is_dir():
+        return False
+    for name in earlier_run(out_dir):
+        target = out_dir / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    for item in sorted(aside.iterdir()):
+        os.rename(item, out_dir / item.name)
+    aside.rmdir()
+    return True
 
 
 def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = None) -> None:

@@ -50,6 +50,11 @@ def prepare_and_check_data(recipe: Recipe) -> list[str]:
 
     try:
         tokenizer = build_tokenizer(recipe.model)
+    except Exception as e:  # transformers and tokenizers raise many kinds; all mean the same to the user
+        where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
+        reason = " ".join(str(e).split())[:300]
+        return [f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"]
+    try:
         task = build_task(recipe, tokenizer)
         data = prepare_data(recipe, tokenizer, task, preparer=True)
     except DataError as e:
@@ -86,6 +91,9 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
         else:
             problems += _check_config_loads(folder, cfg.trust_remote_code)
+            from accord.weights import check_weight_files
+
+            problems += check_weight_files(folder)
     if tokenizer is not None and not tokenizer.is_dir():
         problems.append(f"model.tokenizer: folder not found: {tokenizer} (use `byte` or a local tokenizer folder)")
     if cfg.config is not None:

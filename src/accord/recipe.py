@@ -378,7 +378,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the recipe as UTF-8") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):

@@ -1,7 +1,7 @@
 """`accord slurm`: a job script that runs a recipe on N nodes, survives the time limit and
 requeues itself.
 
-One task per node runs `accord train ... --resume`; accord reads the node list and node id
+One task per node runs `accord train ... resume=auto` (fresh at the first start); accord reads the node list and node id
 from SLURM's environment. SLURM sends SIGUSR1 two minutes before the limit: accord
 finishes the step, checkpoints and exits 75, and the script requeues the job, which then
 resumes from that checkpoint. Every value written into the script is shell-quoted.
@@ -67,7 +67,7 @@ def job_script(job: JobRequest, output_dir: str, workdir: Path, python: str = sy
         "--open-mode=append",
         f"--output={q(str(Path(output_dir) / 'slurm-%j.out'))}",
     ]
-    command = [python, "-m", "accord", "train", str(job.recipe.resolve()), "--resume", *job.overrides]
+    command = [python, "-m", "accord", "train", str(job.recipe.resolve()), "resume=auto", *job.overrides]
     lines = [
         "#!/bin/bash",
         f"# Written by `accord slurm` for {job.recipe}. Submit with: sbatch <this file>",

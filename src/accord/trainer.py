@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ class Trainer:
         self.guard = NonFiniteGuard(run.recipe.train, run.engine.handles_overflow, self._intact_note)
         self.schedule = CheckpointSchedule(run.recipe.checkpoint)
         self.log: StepLog | None = None
+        self._after_first_step: Callable[[], None] | None = None
         torch.manual_seed(seed_for(run.recipe.seed, 0, run.info.rank))  # dropout etc.: distinct per rank
 
     def restore(self, folder: Path) -> None:
@@ -92,7 +94,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self, stop: StopRequest | None = None) -> RunResult:
+    def train(self, stop: StopRequest | None = None, after_first_step: Callable[[], None] | None = None) -> RunResult:
+        """`after_first_step`: called once, when this run's first steps are logged and found
+        finite (how --overwrite knows the new run trains before it deletes the earlier one)."""
+        self._after_first_step = after_first_step
         run, cfg = self.run, self.run.recipe.train
         throughput = Throughput(self.plan.global_batch_size, run.info.world_size, run.model.flops_per_token, run.model.peak_tflops, self.engine.device)
         self.log = StepLog(run.out_dir, self.step, throughput, writer=run.info.is_main)
@@ -147,6 +152,9 @@ class Trainer:
         logged, tokens_per_s = self.log.flush()
         if logged:
             self.guard.after_flush(logged)
+            if self._after_first_step is not None:
+                self._after_first_step, proven = None, self._after_first_step
+                proven()
             progress.show(logged[-1].loss, logged[-1].stats.lr, tokens_per_s)
 
     def _evaluate(self, progress: Progress) -> dict[str, float]:

@@ -288,15 +288,7 @@ class Checkpoint:
         self._stored = stored
 
     def _files(self) -> list[str]:
-        for weights in ("model.safetensors", "pytorch_model.bin"):
-            index = self.folder / f"{weights}.index.json"
-            if index.exists():
-                return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if (self.folder / weights).exists():
-                return [weights]
-        from accord.errors import UserInputError
-
-        raise UserInputError(f"model.path={self.folder}: no model.safetensors or pytorch_model.bin (or their index) in it")
+        return weight_files(self.folder)
 
     def _open(self, file: str):
         if file.endswith(".safetensors"):
@@ -318,6 +310,51 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The weights files of a save_pretrained folder (the shards its index lists, or the one file)."""
+    from accord.errors import UserInputError
+
+    for weights in ("model.safetensors", "pytorch_model.bin"):
+        index = folder / f"{weights}.index.json"
+        if index.exists():
+            try:
+                return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserInputError(f"model.path: {index} is not a weights index ({type(e).__name__}: {e}); re-save the folder with save_pretrained") from None
+        if (folder / weights).exists():
+            return [weights]
+    raise UserInputError(f"model.path={folder}: no model.safetensors or pytorch_model.bin (or their index) in it")
+
+
+def check_weight_files(folder: Path) -> list[str]:
+    """Problems with a model folder's weights files, found by reading their headers only (a
+    truncated or corrupt safetensors file fails here, before any worker starts)."""
+    from safetensors import safe_open
+
+    from accord.errors import UserInputError
+
+    try:
+        files = weight_files(folder)
+    except UserInputError as e:
+        return [str(e)]
+    problems = []
+    for file in files:
+        path = folder / file
+        try:
+            if not path.is_file():
+                raise FileNotFoundError("listed in the index but missing")
+            if file.endswith(".safetensors"):
+                # The header is checked against the file's size: a truncated file fails here.
+                with safe_open(str(path), framework="numpy"):
+                    pass
+            else:
+                torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # safetensors, zipfile and pickle raise many kinds; all mean "unreadable"
+            reason = " ".join(str(e).split())[:200]
+            problems.append(f"model.path: {path} cannot be read ({reason}); is it truncated (an interrupted copy or download)? copy it again")
+    return problems
 
 
 def _rename(stored: dict[str, str], model: nn.Module) -> dict[str, str]:

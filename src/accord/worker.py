@@ -17,7 +17,7 @@ from typing import Any
 from accord import dist, heartbeat
 from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, resume_source
 from accord.engine.device import select_device
-from accord.outputs import prepare_output_dir
+from accord.outputs import discard_earlier_run, prepare_output_dir
 from accord.recipe import Recipe
 from accord.stopping import EXIT_CODES, StopRequest
 from accord.assemble import build_run, describe
@@ -78,8 +78,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     source = resume_source(recipe, restarted=restarted)
     out_dir = None
     if info.is_main:
-        # A restarted worker group continues the run it started: never clear it again.
-        out_dir = prepare_output_dir(recipe, clear=recipe.output.overwrite and not restarted)
+        out_dir = prepare_output_dir(recipe)
         for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
             dist.print0(f"accord: ignoring incomplete checkpoint {stale} (a crash while writing it); removing it")
             shutil.rmtree(stale, ignore_errors=True)
@@ -104,7 +103,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
             from accord.extend import apply_on_resume
 
             apply_on_resume(run, source, trainer.step)  # a changed train.max_steps: say and apply optim.extend
-        result = trainer.train(stop)
+        result = trainer.train(stop, after_first_step=(lambda: _discard_earlier_run(out_dir)) if info.is_main else None)
         if result.status == "completed":
             final = trainer.save()
             dist.print0(
@@ -114,6 +113,12 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
         return result
     finally:
         trainer.close()
+
+
+def _discard_earlier_run(out_dir) -> None:
+    """The run has proven it trains: the earlier run that --overwrite set aside can go."""
+    if discard_earlier_run(out_dir):
+        dist.print0(f"accord: first step done: removed the earlier run that --overwrite had set aside in {out_dir}")
 
 
 def _quiet_libraries(info: dist.DistInfo) -> None:

@@ -27,8 +27,18 @@ class DataError(UserInputError):
     """Unusable input data; the message names the file and row and how to fix it."""
 
 
-def load_source(source: SourceConfig, required: tuple[str, ...]):
-    """One source as a Dataset with the `required` columns (as strings unless the task says otherwise)."""
+def load_source(source: SourceConfig, required: tuple[str, ...], role: str = "data.train"):
+    """One source as a Dataset with the `required` columns (as strings unless the task says otherwise).
+    `role`: the recipe key it comes from; an eval source's errors say so (its rows too)."""
+    try:
+        return _load_source(source, required, "" if role == "data.train" else f"{role}: ")
+    except DataError as e:
+        if role == "data.train" or str(e).startswith(f"{role}: "):
+            raise
+        raise DataError(f"{role}: {e}") from None
+
+
+def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     import datasets
 
     try:
@@ -42,6 +52,7 @@ def load_source(source: SourceConfig, required: tuple[str, ...]):
         )
     fmt = detect_format(path, source.format)
     files = _files(path, fmt)
+    _check_text_encoding(files, fmt, source.encoding)
     datasets.disable_progress_bars()
     if fmt == "arrow":
         ds = datasets.load_from_disk(str(path))
@@ -54,7 +65,7 @@ def load_source(source: SourceConfig, required: tuple[str, ...]):
     ds = _rename(ds, source, path)
     if fmt == "contrastive":
         ds = _split_common_prefix(ds, path)
-    ds = ds.add_column(SOURCE, [str(path)] * len(ds)).add_column(ROW, list(range(1, len(ds) + 1)))
+    ds = ds.add_column(SOURCE, [f"{label}{path}"] * len(ds)).add_column(ROW, list(range(1, len(ds) + 1)))
     ds = check_columns(ds, required, str(path))
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
@@ -85,6 +96,36 @@ def _files(path: Path, fmt: str) -> list[str]:
     if not files:
         raise DataError(f"{path}: no {fmt} files in this folder")
     return files
+
+
+# Formats read as text, and whether source.encoding applies to them (JSON is UTF-8 by definition).
+_TEXT_FORMATS = {"jsonl": False, "json": False, "contrastive": False, "chatterbot": False, "csv": True, "tsv": True, "text": True}
+
+
+def _check_text_encoding(files: list[str], fmt: str, encoding: str) -> None:
+    """Name the file and line of the first byte that is not UTF-8: datasets and pyarrow
+    would otherwise fail later with a UnicodeDecodeError that names neither."""
+    import codecs
+
+    if fmt not in _TEXT_FORMATS or (_TEXT_FORMATS[fmt] and codecs.lookup(encoding).name != "utf-8"):
+        return
+    for file in files:
+        decoder, lines, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    bad = e.object[e.start]
+                    line = lines + chunk[: e.start].count(b"\n")
+                    fix = "save it as UTF-8" + (", or set encoding: (e.g. latin-1) on this source" if _TEXT_FORMATS[fmt] else "")
+                    raise DataError(f"{file}:{line}: not UTF-8 text (byte 0x{bad:02x} at offset {offset + e.start}); {fix}") from None
+                lines += chunk.count(b"\n")
+                offset += len(chunk)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise DataError(f"{file}:{lines}: not UTF-8 text (the file ends inside a character); save it as UTF-8") from None
 
 
 def _load_files(files: list[str], fmt: str, source: SourceConfig):
@@ -142,6 +183,9 @@ def check_columns(ds, required: tuple[str, ...], where: str):
 
     missing = [field for field in required if field not in ds.column_names]
     if missing:
+        if SOURCE in ds.column_names and len(ds):
+            files = ", ".join(sorted(set(ds.unique(SOURCE))))  # the files (and, for eval, the role) to fix
+            where = files if where in files else f"{files}: {where}"
         present = [c for c in ds.column_names if not c.startswith("__")]
         raise DataError(
             f"{where}: missing field {', '.join(map(repr, missing))} (fields present: {', '.join(present)}); "
@@ -229,7 +273,7 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
     assert cfg.train is not None
     train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
-        return train, mix([load_source(s, required) for s in cfg.eval], [s.weight for s in cfg.eval], seed)
+        return train, mix([load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed)
     if cfg.eval_fraction:
         held_out = max(1, round(len(train) * cfg.eval_fraction))
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(train))

@@ -25,6 +25,9 @@ class SFTTask(CausalLMTask):
         self.add_bos = recipe.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)
         self.chat = False
+        # split -> [count, where the first is]: rows whose completion is "" train on EOS alone,
+        # which is legal but almost always a data bug; said at every start (kept with the cache).
+        self.empty_completions: dict[str, list] = {}
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"completion_only_loss": self.completion_only, "add_bos": self.add_bos, "prefix": self.prefix}
@@ -32,21 +35,35 @@ class SFTTask(CausalLMTask):
     def fit(self, train, eval_ds):
         self.chat = "messages" in train.column_names
         checked = []
-        for ds in (train, eval_ds):
+        self.empty_completions = {}
+        for split, ds in (("train", train), ("eval", eval_ds)):
             if ds is not None and self.chat:
                 _check_messages(ds)
             elif ds is not None:
                 ds = check_columns(ds, ("prompt", "completion"), "sft data (prompt/completion or messages)")
+                empty = [i for i, completion in enumerate(ds["completion"]) if completion == ""]
+                if empty:
+                    from accord.data.sources import row_origin
+
+                    self.empty_completions[split] = [len(empty), row_origin(ds[empty[0]])]
             checked.append(ds)
         if self.chat and self.tokenizer.chat_template is None:
             raise DataError("sft on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)")
         return tuple(checked)
 
     def state(self) -> dict[str, Any]:
-        return {"chat": self.chat}
+        return {"chat": self.chat, "empty_completions": self.empty_completions}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.chat = state["chat"]
+        self.empty_completions = state.get("empty_completions", {})
+
+    def describe(self) -> list[str]:
+        return [
+            f"warning: {count} {'training' if split == 'train' else 'eval'} example(s) have an empty completion, so only "
+            f"the EOS token is a target (first: {first}); fill them in or remove them if that is not intended"
+            for split, (count, first) in self.empty_completions.items()
+        ]
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

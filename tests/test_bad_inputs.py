@@ -1,0 +1,338 @@
+"""Nothing lost, nothing silent: bad inputs that used to end in a traceback or cost an earlier
+run, one run per output folder, and --resume that has nothing to resume. Every refusal is
+one line on stderr, exit 2, no traceback; an earlier run is compared byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, start_accord, start_process, wait_for, write_jsonl
+from test_cli_errors import assert_clean_error
+
+# A short run on one process: enough to write every artefact (checkpoint, final, metrics).
+SHORT = ("engine.processes=1", "train.max_steps=2", "train.log_every=1")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (hidden ones included) -> sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_one_line(proc, *needles) -> None:
+    assert_clean_error(proc, *needles)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error: ")]
+    assert len(errors) == 1, proc.stderr
+
+
+@pytest.fixture
+def earlier_run(tiny_reference, tmp_path) -> Path:
+    """A copy of a finished run (checkpoints, final/, metrics, TensorBoard) to protect."""
+    out = tmp_path / "run"
+    shutil.copytree(tiny_reference[1], out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """A tiny Llama save_pretrained folder with the byte tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accord.models import build_byte_tokenizer
+
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    tokenizer = build_byte_tokenizer()
+    model_cfg = {k: v for k, v in TINY_RECIPE["model"]["config"].items() if k != "architecture"}
+    LlamaForCausalLM(LlamaConfig(**model_cfg, vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def damaged_copy(model_folder: Path, where: Path, damage: str) -> Path:
+    folder = where / f"model-{damage}"
+    shutil.copytree(model_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncated":  # an interrupted copy: the header is whole, the tensors are not
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        weights.write_bytes(b"\xff" * 64)
+    elif damage == "missing-shard":
+        weights.rename(folder / "model-00001-of-00002.safetensors")
+        index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors", "model.norm.weight": "model-00002-of-00002.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif damage == "tokenizer":
+        (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    return folder
+
+
+# ------------------------------------------------------------------ nothing deleted first
+
+
+@pytest.mark.distributed  # the earlier run is the session's reference run
+def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_run, model_folder, tiny_recipe, tmp_path):
+    before = snapshot(earlier_run)
+    broken = damaged_copy(model_folder, tmp_path, "truncated")
+    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={broken}", f"output.dir={earlier_run}", "--overwrite", timeout=120)
+    assert_one_line(proc, f"model.path: {broken}/model.safetensors cannot be read", "truncated")
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        # (a truncated file: test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run)
+        # The same check as a truncated file: slow tier (the default suite's budget).
+        pytest.param("garbage", "model.safetensors cannot be read (Error while deserializing header", marks=pytest.mark.slow),
+        pytest.param("missing-shard", "model-00002-of-00002.safetensors cannot be read (listed in the index but missing)", marks=pytest.mark.slow),
+        ("tokenizer", "model.path: the tokenizer in"),
+    ],
+)
+def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_recipe, tmp_path, damage, needle):
+    broken = damaged_copy(model_folder, tmp_path, damage)
+    out = tmp_path / "out"
+    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={broken}", "model.tokenizer=null", f"output.dir={out}", timeout=120)
+    assert_one_line(proc, needle)
+    assert not out.exists()
+
+
+@pytest.mark.distributed
+def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_new_run_trains(earlier_run, tiny_recipe):
+    before = snapshot(earlier_run)
+    # A run that passes every check but fails at its first step (a NaN loss, injected).
+    failing = run_process_with_faults("nan_loss_at_step=1", tiny_recipe, *SHORT, f"output.dir={earlier_run}", "--overwrite")
+    assert failing.returncode == 1, failing.stderr
+    assert "step 1: loss nan is not finite" in failing.stderr
+    assert "the earlier run in" in failing.stderr and "is back as it was" in failing.stderr
+    assert "Traceback" not in failing.stdout + failing.stderr
+    assert snapshot(earlier_run) == before
+
+    replacing = run_accord("train", tiny_recipe, *SHORT, f"output.dir={earlier_run}", "--overwrite")
+    assert_ok(replacing)
+    assert "removed the earlier run that --overwrite had set aside" in replacing.stderr
+    assert not (earlier_run / ".previous-run").exists()
+    steps = [json.loads(line)["step"] for line in (earlier_run / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
+    assert steps == [1, 2]  # only the new run's steps: nothing of the old one mixed in
+    assert sorted(p.name for p in (earlier_run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-000002"]
+
+
+def run_process_with_faults(faults: str, *args):
+    from conftest import run_process
+
+    command = [sys.executable, "-m", "accord", "train", *map(str, args)]
+    return run_process(command, cwd=REPO, env=accord_env() | {"ACCORD_FAULTS": faults}, timeout=300)
+
+
+def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, tmp_path):
+    out = tmp_path / "out"
+    (out / ".previous-run").mkdir(parents=True)
+    (out / ".previous-run" / "metrics.jsonl").write_text("{}\n")
+    before = snapshot(out)
+    proc = run_accord("train", tiny_recipe, f"output.dir={out}", "--overwrite", timeout=120)
+    assert_one_line(proc, f"{out}/.previous-run holds the run an interrupted --overwrite set aside")
+    assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------ one run per folder
+
+
+@pytest.mark.distributed
+def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(tiny_recipe, tmp_path):
+    out = tmp_path / "out"
+    # resume: auto in the recipe with nothing to resume starts fresh (only the --resume flag refuses).
+    first = start_accord("train", tiny_recipe, *SHORT, "resume=auto", f"output.dir={out}")
+    wait_for(lambda: (out / ".accord.lock").exists() or first.poll() is not None, timeout=180)
+    holder = json.loads((out / ".accord.lock").read_text())
+    second = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", timeout=120)
+    assert_one_line(second, f"output.dir: {out} is in use by another run (host {holder['host']}, pid {holder['pid']}, started 20")
+    first_out, _ = finish(first, timeout=300)
+    assert first.returncode == 0, first_out[-4000:]
+    assert final_params(out)  # the first run's model, whole
+    assert not (out / ".accord.lock").exists()  # released on the way out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lock_left_by_a_sigkilled_run_is_taken_over(tiny_recipe, tmp_path):
+    out = tmp_path / "out"
+    killed = start_accord("train", tiny_recipe, *SHORT, f"output.dir={out}")
+    wait_for(lambda: (out / ".accord.lock").exists() or killed.poll() is not None, timeout=180)
+    pid = json.loads((out / ".accord.lock").read_text())["pid"]
+    kill_tree(killed)  # SIGKILL to the launcher and its workers: nothing releases the lock
+    assert (out / ".accord.lock").exists()
+    proc = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", "--overwrite")
+    assert_ok(proc)
+    assert "taking over the lock of a run that is gone (host" in proc.stderr and f"process {pid} no longer exists" in proc.stderr
+    assert not (out / ".accord.lock").exists()
+
+
+TAKE_OVER = """
+import sys, time
+from pathlib import Path
+from accord.runlock import OutputLocked, acquire
+out, start = Path(sys.argv[1]), float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))
+try:
+    lock = acquire(out, sys.argv[3])
+except OutputLocked as e:
+    print("refused:", e, flush=True)
+else:
+    print("owner" if lock.owner else "joined", flush=True)
+    time.sleep(3)  # hold it while the others try
+    lock.release()
+"""
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_stale_lock_is_taken_over_by_exactly_one_of_several_starters(tmp_path):
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = {"host": socket.gethostname(), "pid": dead_pid(), "started": time.time() - 60, "run_id": "dead", "pid_start": ""}
+    (out / ".accord.lock").write_text(json.dumps(stale))
+    start = time.time() + 1.5  # all four try at the same moment
+    env = accord_env() | {"PYTHONPATH": str(REPO / "src")}
+    procs = [start_process([sys.executable, "-c", TAKE_OVER, str(out), str(start), f"run-{i}"], env=env) for i in range(4)]
+    outputs = [finish(p, timeout=60)[0] for p in procs]
+    assert sorted(line.split(":")[0].strip() for line in outputs) == ["owner", "refused", "refused", "refused"], outputs
+    assert all("is in use by another run" in line for line in outputs if line.startswith("refused"))
+    assert not (out / ".accord.lock").exists()
+
+
+def test_nodes_of_one_run_share_the_lock_and_another_run_is_refused(tmp_path):
+    from accord.runlock import LOCK_FILE, OutputLocked, acquire
+
+    out = tmp_path / "out"
+    node0 = acquire(out, "run-a")
+    node1 = acquire(out, "run-a")  # the same run's other node, writing into a shared folder
+    assert node0.owner and not node1.owner
+    with pytest.raises(OutputLocked, match=rf"in use by another run \(host .+, pid {os.getpid()}, started "):
+        acquire(out, "run-b")
+    node1.release()
+    assert (out / LOCK_FILE).exists()  # only the node that created it removes it
+    node0.release()
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_lock_of_a_killed_process_not_yet_collected_is_stale(tmp_path):
+    import socket
+    import subprocess
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: open(f"/proc/{exited.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", timeout=30)
+    from accord import runlock
+
+    info = runlock.LockInfo(socket.gethostname(), exited.pid, time.time(), "x", "")
+    assert runlock.stale_reason(info, tmp_path / runlock.LOCK_FILE) == f"process {exited.pid} has exited"
+    exited.wait()
+    assert runlock.stale_reason(info, tmp_path / runlock.LOCK_FILE) == f"process {exited.pid} no longer exists"
+    me = runlock.LockInfo(socket.gethostname(), os.getpid(), time.time(), "x", runlock._process_start(os.getpid()))
+    assert runlock.stale_reason(me, tmp_path / runlock.LOCK_FILE) is None
+
+
+def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
+    from accord import runlock
+
+    path = tmp_path / runlock.LOCK_FILE
+    info = runlock.LockInfo("some-other-host", 1, time.time(), "x", "")
+    path.write_text(json.dumps(info.__dict__))
+    assert runlock.stale_reason(info, path) is None  # refreshed just now
+    old = time.time() - runlock.STALE_AFTER_S - 5
+    os.utime(path, (old, old))
+    assert runlock.stale_reason(info, path).startswith("no heartbeat for")
+
+
+# ------------------------------------------------------------------ --resume with nothing to resume
+
+
+def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
+    typo = tmp_path / "rnus" / "long-run"
+    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={typo}", "--resume", timeout=120), f"--resume: nothing to resume ({typo} does not exist)")
+    assert not typo.exists()
+    empty = tmp_path / "started"
+    (empty / "checkpoints").mkdir(parents=True)
+    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={empty}", "--resume", timeout=120), f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)")
+
+
+# ------------------------------------------------------------------ tracebacks to one line
+
+
+def test_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"seed: 7\n# caf\xe9 au lait\n")
+    assert_one_line(run_accord("train", recipe, timeout=60), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8")
+
+
+@pytest.mark.parametrize("split", ["train", pytest.param("eval", marks=pytest.mark.slow)])
+def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, split):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "completion": "2"}\n' * 3 + '{"prompt": "café", "completion": "x"}\n'.encode("latin-1"))
+    data = [f"data.train={bad}"] if split == "train" else [f"data.train={good}", f"data.eval={bad}"]
+    proc = run_accord("train", tiny_recipe, "data.generate=null", *data, f"output.dir={tmp_path / 'o'}", timeout=120)
+    prefix = "data.eval: " if split == "eval" else ""
+    assert_one_line(proc, f"{prefix}{bad}:4: not UTF-8 text (byte 0xe9 at offset 129); save it as UTF-8")
+
+
+@pytest.mark.slow
+def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
+    bad = tmp_path / "rows.csv"
+    bad.write_bytes("prompt,completion\n1+1=,2\ncafé,x\n".encode("latin-1"))
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={bad}", f"output.dir={tmp_path / 'o'}", timeout=120)
+    assert_one_line(proc, f"{bad}:3: not UTF-8 text", "or set encoding: (e.g. latin-1) on this source")
+
+
+# ------------------------------------------------------------------ errors that point at the right place
+
+
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        ([{"prompt": "1+1="}], "sft data (prompt/completion or messages): missing field 'completion'"),
+        pytest.param([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": None}],
+                     "row 2: field 'completion' is missing or null", marks=pytest.mark.slow),
+    ],
+)
+def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_path, rows, needle):
+    good = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
+    bad = write_jsonl(tmp_path / "eval.jsonl", rows)
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={bad}", f"output.dir={tmp_path / 'o'}", timeout=120)
+    assert_one_line(proc, f"data.eval: {bad}: {needle}")
+
+
+def test_empty_completions_give_a_warning_with_their_count(tmp_path):
+    from accord.data.prepare import prepare_data
+    from accord.models import build_byte_tokenizer
+    from accord.recipe import validate_recipe
+    from accord.tasks import build_task
+
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]
+    for i in (5, 17, 30):
+        rows[i]["completion"] = ""
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    recipe = validate_recipe({**TINY_RECIPE, "data": {"train": str(train), "max_length": 32, "cache_dir": str(tmp_path / "cache")}})
+    tokenizer = build_byte_tokenizer()
+    for _ in range(2):  # prepared here, then read from the cache: the warning is said at every start
+        task = build_task(recipe, tokenizer)
+        prepared = prepare_data(recipe, tokenizer, task, preparer=True)
+        assert prepared.report["train_examples"] == 40  # a warning, not an error: the rows still train
+        assert task.describe() == [
+            f"warning: 3 training example(s) have an empty completion, so only the EOS token is a target "
+            f"(first: {train}: row 6); fill them in or remove them if that is not intended"
+        ]
