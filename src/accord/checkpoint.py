@@ -351,7 +351,7 @@ def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool 
             return folder
         skipped.append((folder, problems))
     if skipped:
-        raise StartRefused(_refusal(recipe, skipped))
+        raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))
     return None
 
 
@@ -363,9 +363,10 @@ def _summary(reasons: list[str]) -> str:
     return reasons[0] + (f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else "")
 
 
-def _refusal(recipe: Recipe, skipped: list[tuple[Path, list[str]]]) -> str:
-    """The one line for a resume with no usable checkpoint; nothing was touched."""
-    if recipe.resume not in ("auto", "never"):
+def _refusal(skipped: list[tuple[Path, list[str]]], explicit: bool) -> str:
+    """The one line for a resume with no usable checkpoint (`explicit`: the one resume=PATH
+    names); nothing was touched."""
+    if explicit:
         folder, reasons = skipped[0]
         return f"resume: {folder} is damaged: {_summary(reasons)}; resume from another checkpoint (resume=PATH)"
     detail = "; ".join(f"{folder.name}: {_summary(reasons)}" for folder, reasons in skipped)
@@ -439,7 +440,7 @@ def check_resume(recipe: Recipe) -> list[str]:
             break
         skipped.append((folder, problems))
     else:
-        return [_refusal(recipe, skipped)]
+        return [_refusal(skipped, explicit=recipe.resume != "auto")]
     changes = identity_changes(read_checkpoint_recipe(folder), recipe)
     if changes:
         return [

@@ -55,7 +55,7 @@ def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> Pend
     With `asynchronous` the tensors are copied to host memory here and written by a
     background thread (its collectives on a gloo group of their own); wait on the result.
     Synchronous: written when this returns (the result is already done)."""
-    writer = _RecordingWriter(folder / STATE_DIR)
+    writer = RecordingWriter(folder / STATE_DIR)
     if not asynchronous:
         dcp.save(state, storage_writer=writer, no_dist=not tdist.is_initialized())
         done: Future = Future()
@@ -71,7 +71,7 @@ class PendingWrite:
     index once every rank finished), and the files this rank wrote once it is done. `group`:
     the process group of a background write's collectives (None: the default one)."""
 
-    def __init__(self, future, writer: _RecordingWriter, group=None):
+    def __init__(self, future, writer: RecordingWriter, group=None):
         self.future: Future = getattr(future, "upload_completion", future)
         self._writer = writer
         self.group = group
@@ -84,7 +84,7 @@ class PendingWrite:
         return [f"{STATE_DIR}/{name}" for name in self._writer.written]
 
 
-class _RecordingWriter(FileSystemWriter):
+class RecordingWriter(FileSystemWriter):
     """DCP's file writer, remembering the shard files this rank wrote, so that this rank can
     hash them for the checkpoint's manifest (the index, written by rank 0, is rank 0's to hash)."""
 
