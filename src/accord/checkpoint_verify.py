@@ -31,11 +31,17 @@ MANIFEST = "MANIFEST.json"
 # no corruption of a multi-GB shard slips past it, where a 32-bit CRC misses one in 2^32.
 HASH = "sha256"
 FORMAT = 1
+CHUNK_BYTES = 2**20
 
 
 def hash_file(path: Path, algorithm: str = HASH) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, algorithm).hexdigest()  # releases the GIL while hashing
+    digest = hashlib.new(algorithm)
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            digest.update(view[:size])  # releases the GIL: a writer thread does not hold up training
+    return digest.hexdigest()
 
 
 def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dict[str, Any]]:
