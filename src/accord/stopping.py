@@ -37,7 +37,7 @@ class StartRefused(TrainingStopped):
 
 @dataclass
 class RunResult:
-    status: str  # completed | preempted | stopped
+    status: str  # completed | preempted | stopped | refused
     step: int
     eval: dict[str, float] = field(default_factory=dict)
     message: str = ""
