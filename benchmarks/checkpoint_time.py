@@ -12,6 +12,10 @@ the whole training state (weights + AdamW moments) repeatedly, alternating:
   dcp           accord's checkpoint now: every rank writes its shards (torch.distributed.checkpoint)
   dcp-async     the same with checkpoint.async: training is blocked only while the shards are
                 copied to host memory; the files are written in the background
+  dcp-manifest  dcp plus what a checkpoint records for verification (accord.checkpoint_verify):
+                each rank hashes its own files (sha256), rank 0 gathers the entries, hashes
+                its small files and writes MANIFEST.json
+  dcp-async-manifest  the same, hashing in the background writer thread
 
 and then exports final/ both ways:
 
@@ -39,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("full-gather", "dcp", "dcp-async")
+MODES = ("full-gather", "dcp", "dcp-async", "dcp-manifest", "dcp-async-manifest")
 EXPORTS = ("export-full-gather", "export-streamed")
 
 
@@ -79,6 +83,8 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from accord import dist as accord_dist
+    from accord.checkpoint_verify import file_entries, unlisted_entries, write_manifest
     from accord.engine.base import unique_entries
     from accord.engine.state import save_torch_state, unshared
     from accord.models import build_byte_tokenizer
@@ -128,14 +134,24 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
                         torch.save(osd, target / "optimizer.pt")
                     del msd, osd
                 else:
-                    pending = save_torch_state(model, optimizer, target, asynchronous=mode == "dcp-async")
+                    pending = save_torch_state(model, optimizer, target, asynchronous=mode.startswith("dcp-async"))
                 blocked = time.perf_counter() - start
                 if pending is not None:
                     pending.result()
+                hashing = time.perf_counter()
+                if mode.endswith("manifest"):  # as accord.checkpoint's PendingCheckpoint does before sealing
+                    entries = file_entries(target, pending.files(), rank)
+                    gathered = accord_dist.all_gather_objects(entries, group=pending.group)
+                    if rank == 0:
+                        listed = {name: entry for part in gathered for name, entry in part.items()}
+                        write_manifest(target, listed | unlisted_entries(target, listed))
+                    if mode == "dcp-manifest":
+                        blocked = time.perf_counter() - start  # a synchronous checkpoint hashes before training goes on
                 done = time.perf_counter() - start
+                hashing = time.perf_counter() - hashing
             grown = peak.peak - rss0
             dist.barrier()
-            timings[mode].append((blocked, done, grown))
+            timings[mode].append((blocked, done, grown, hashing))
             if rank == 0:
                 shutil.rmtree(target)
     def streamed():
@@ -214,6 +230,9 @@ def main() -> None:
         ratio = blocked_of[mode] / blocked_of[saves[0]]
         print(f"{mode:<12} {blocked_of[mode]:>10.2f} {statistics.median(written):>10.2f} {ratio:>24.2f} "
               f"{' / '.join(f'{g:.0f}' for g in grown):>28}")
+    for mode in [m for m in saves if m.endswith("manifest")]:
+        hashing = statistics.median(max(results[r]["timings"][mode][i][3] for r in results) for i in range(args.repeats))
+        print(f"{mode}: the manifest (each rank hashing its files, the gather, rank 0 writing it) took {hashing:.2f} s (slowest rank, median)")
     for mode in [m for m in EXPORTS if m in args.modes]:
         done = max(results[r]["timings"][mode][0][1] for r in results)
         grown = " / ".join(f"{results[r]['timings'][mode][0][2]:.0f}" for r in sorted(results))

@@ -34,6 +34,56 @@ def test_prune_keeps_the_newest_complete_ones(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000015", "step-000020"]
 
 
+def test_prune_keeps_the_checkpoint_just_sealed_and_leaves_later_ones(tmp_path):
+    """A run resumed from step 10 (step 30 skipped: damaged) seals step 20: later checkpoints
+    are neither counted nor removed, so the one just written is never pruned for them."""
+    for step in (10, 20, 30):
+        _fake_checkpoint(tmp_path, step)
+    prune(tmp_path, keep_last=1, sealed=tmp_path / "step-000020")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000020", "step-000030"]
+
+
+def _manifested_checkpoint(folder, files: dict[str, tuple[bytes, int]]):
+    """A checkpoint folder whose files (name -> (bytes, writing rank)) are recorded in its manifest."""
+    from accord.checkpoint_verify import file_entries, write_manifest
+
+    entries = {}
+    for name, (data, rank) in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+        entries |= file_entries(folder, [name], rank)
+    write_manifest(folder, entries)
+    return folder
+
+
+def test_verify_names_changed_bytes_a_wrong_size_and_a_missing_file_with_its_writer(tmp_path):
+    from accord.checkpoint_verify import verify
+
+    files = {"state/__0_0.distcp": (b"a" * 4096, 0), "state/__1_0.distcp": (b"b" * 4096, 1), "schedule.pt": (b"c" * 10, 0)}
+    folder = _manifested_checkpoint(tmp_path / "step-000001", files)
+    assert verify(folder) == []
+    (folder / "state" / "__0_0.distcp").write_bytes(b"a" * 4095 + b"x")  # same length
+    assert verify(folder, checksums=False) == []  # sizes only: what the launcher checks
+    assert verify(folder) == ["state/__0_0.distcp does not match its sha256 checksum (its bytes changed after it was written)"]
+    (folder / "schedule.pt").write_bytes(b"c" * 1234)
+    (folder / "state" / "__1_0.distcp").unlink()
+    problems = verify(folder, checksums=False)
+    assert problems[0] == "schedule.pt is 1,234 bytes, expected 10"
+    assert problems[1].startswith("state/__1_0.distcp (written by rank 1) is missing on this node")
+
+
+def test_each_rank_verifies_the_files_its_rank_number_wrote(tmp_path):
+    """Resumed on 2 ranks, a checkpoint of 4: rank 1 checks what ranks 1 and 3 wrote."""
+    from accord.checkpoint_verify import verify
+
+    files = {f"state/__{r}_0.distcp": (bytes([r]) * 64, r) for r in range(4)}
+    folder = _manifested_checkpoint(tmp_path / "step-000001", files)
+    for r in range(4):
+        (folder / "state" / f"__{r}_0.distcp").unlink()
+    assert [p.split(" ")[0] for p in verify(folder, rank=1, world=2)] == ["state/__1_0.distcp", "state/__3_0.distcp"]
+    assert [p.split(" ")[0] for p in verify(folder, rank=0, world=2)] == ["state/__0_0.distcp", "state/__2_0.distcp"]
+
+
 def test_identity_changes_name_the_field_and_ignore_safe_ones():
     saved = validate_recipe(TINY_RECIPE).model_dump(mode="json")
     safe = TINY_RECIPE | {"train": TINY_RECIPE["train"] | {"max_steps": 99, "log_every": 1}}
@@ -141,6 +191,23 @@ def test_state_problems_name_a_missing_or_truncated_file(tmp_path):
     shard.unlink()
     (problem,) = state_problems(folder)
     assert str(shard) in problem and "missing" in problem
+
+
+def test_a_checkpoint_without_manifest_is_checked_against_its_index(tmp_path):
+    """Written before manifests existed: verified as before, every shard as long as DCP's index says."""
+    import torch
+
+    from accord.checkpoint_verify import verify
+    from accord.engine.state import write_sharded
+
+    folder = tmp_path / "step-000001"
+    write_sharded({"model": {"w": torch.ones(64, 64)}, "optim": {}}, folder)
+    assert verify(folder) == []
+    (shard,) = (folder / "state").glob("*.distcp")
+    os.truncate(shard, 100)
+    (problem,) = verify(folder)
+    assert str(shard) in problem and "truncated" in problem
+    assert verify(folder, rank=1, world=2) == []  # rank 0 alone checks an old checkpoint
 
 
 def test_a_field_added_since_the_checkpoint_is_no_identity_change():

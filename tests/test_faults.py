@@ -56,7 +56,7 @@ from conftest import TINY_RECIPE
 
 calls = {"n": 0}
 
-class DiskFullOnTheSecondWrite(engine_state.FileSystemWriter):
+class DiskFullOnTheSecondWrite(engine_state.RecordingWriter):
     # the sharded state's writer, failing in its second checkpoint as on a full disk
 
     def write_data(self, plan, planner):
@@ -65,7 +65,7 @@ class DiskFullOnTheSecondWrite(engine_state.FileSystemWriter):
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         return super().write_data(plan, planner)
 
-engine_state.FileSystemWriter = DiskFullOnTheSecondWrite
+engine_state.RecordingWriter = DiskFullOnTheSecondWrite
 raw = TINY_RECIPE | {"output": {"dir": sys.argv[1]}, "checkpoint": {"every_steps": 4}}
 raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
 print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode="json"))))

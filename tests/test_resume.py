@@ -3,6 +3,7 @@ after a worker dies, after a crash mid-checkpoint — and ends as if never inter
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from accord.checkpoint import COMPLETE, complete_checkpoints, read_state
+from accord.checkpoint_verify import MANIFEST, verify
 from accord.stopping import PREEMPTED_EXIT_CODE
 from conftest import (
     TINY_RECIPE,
@@ -150,27 +152,83 @@ def test_kill_during_an_async_checkpoint_write_keeps_the_previous_one(uninterrup
 # ---------------------------------------------------------------- damaged and old checkpoints
 
 
-@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "missing index"])
-def test_a_damaged_checkpoint_is_refused_naming_the_file(tiny_reference, recipe, tmp_path, damage):
-    """A shard file gone or cut short, or the index gone: one line naming the file, exit 2,
-    before any worker starts; the run's folder is left as it was."""
+def _damage(state: Path, damage: str) -> Path:
+    """Damage one file of a checkpoint's state/ folder as a disk or a copy might; the file."""
+    target = {"missing shard": state / "__1_0.distcp", "missing index": state / ".metadata"}.get(damage, state / "__0_0.distcp")
+    if damage == "truncated shard":
+        os.truncate(target, target.stat().st_size // 2)
+    elif damage == "corrupt bytes":  # the same length, 16 bytes in the middle inverted
+        with target.open("r+b") as f:
+            f.seek(target.stat().st_size // 2)
+            chunk = f.read(16)
+            f.seek(-len(chunk), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+    else:
+        target.unlink()
+    return target
+
+
+def _snapshot(folder: Path) -> dict[Path, tuple[bytes, int]]:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["corrupt bytes", pytest.param("truncated shard", marks=pytest.mark.slow)])
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tiny_reference, recipe, tmp_path, damage):
+    """The latest checkpoint's shard changed (same length) or cut short: the run names it in
+    one line, resumes from the one before and ends as the uninterrupted run; the damaged
+    checkpoint is left for the user (set aside when the run writes that step again)."""
     import shutil
 
     out = tmp_path / "run"
     shutil.copytree(tiny_reference[1], out)
-    state = out / "checkpoints" / "step-000010" / "state"
-    target = {"missing shard": state / "__1_0.distcp", "truncated shard": state / "__0_0.distcp", "missing index": state / ".metadata"}[damage]
-    if damage == "truncated shard":
-        os.truncate(target, target.stat().st_size // 2)
-    else:
-        target.unlink()
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    target = _damage(out / "checkpoints" / "step-000010" / "state", damage)
+    damaged = target.read_bytes()
+    proc = run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}", "--resume")
+    assert_ok(proc)
+    (skipped,) = [line for line in proc.stderr.splitlines() if "skipped" in line]
+    reason = "does not match its sha256 checksum" if damage == "corrupt bytes" else f"is {len(damaged):,} bytes, expected"
+    assert skipped.startswith(f"accord: warning: checkpoint step-000010 skipped: state/{target.name} {reason}"), skipped
+    assert skipped.endswith("; resuming from step-000005") and "at step 5 " in proc.stderr
+    assert max_param_diff(final_params(tiny_reference[1]), final_params(out)) <= TOLERANCE
+    (kept,) = (out / "checkpoints").glob("replaced-step-000010-*")
+    assert (kept / "state" / target.name).read_bytes() == damaged
+    assert verify(out / "checkpoints" / "step-000010") == []  # written again by the resumed run
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "missing index", "corrupt bytes"])
+def test_with_every_checkpoint_damaged_resume_is_refused_naming_the_files(tiny_reference, recipe, tmp_path, damage):
+    """Every checkpoint damaged: one line naming each one's damaged file, exit 2, no traceback,
+    and not a byte of the run's folder changed. Missing and cut-short files are found before
+    any worker starts; changed bytes by the workers' checksums."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_reference[1], out)
+    names = [_damage(out / "checkpoints" / step / "state", damage).name for step in ("step-000005", "step-000010")]
+    before = _snapshot(out)
     proc = run_accord("train", recipe, "train.max_steps=12", f"output.dir={out}", "--resume", timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error")]
-    assert len(errors) == 1 and str(target) in errors[0] and ("truncated" if damage == "truncated shard" else "missing") in errors[0]
-    assert "Traceback" not in proc.stderr
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written, nothing removed
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"no checkpoint in {out / 'checkpoints'} verifies" in errors[0]
+    assert f"step-000010: state/{names[1]}" in errors[0] and f"step-000005: state/{names[0]}" in errors[0]
+    assert ("missing" if "missing" in damage else "checksum" if damage == "corrupt bytes" else "bytes, expected") in errors[0]
+    assert _snapshot(out) == before  # nothing written, nothing removed
+
+
+def test_an_async_checkpoint_records_every_ranks_files_in_its_manifest(recipe, tmp_path):
+    """checkpoint.async: each rank hashes its own files in its writer thread, and the
+    manifest lists every file of the checkpoint with the rank that wrote it."""
+    out = tmp_path / "async"
+    assert_ok(run_accord("train", recipe, "train.max_steps=5", "checkpoint.every_steps=5", "checkpoint.async=true", f"output.dir={out}"))
+    for folder in complete_checkpoints(out / "checkpoints"):
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST, COMPLETE}
+        assert set(files) == on_disk
+        written_by = {name: entry["rank"] for name, entry in files.items()}
+        assert written_by["state/__1_0.distcp"] == written_by["rng/rank-00001.pt"] == 1
+        assert written_by["state/__0_0.distcp"] == written_by["state/.metadata"] == written_by["schedule.pt"] == 0
+        assert verify(folder) == []
 
 
 def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_reference, recipe, tmp_path):
@@ -191,6 +249,7 @@ def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_refere
     groups = [{"lr": 0.0, "params": list(whole["optim"])}]
     torch.save({"state": whole["optim"], "param_groups": groups}, old / "optimizer.pt")
     shutil.rmtree(old / "state")
+    (old / MANIFEST).unlink()  # that format had none either
 
     out = tmp_path / "resumed"
     proc = run_accord("train", recipe, "engine.strategy=fsdp", f"resume={old}", f"output.dir={out}")

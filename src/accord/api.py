@@ -38,6 +38,7 @@ class TrainResult:
     """How a training run ended."""
 
     status: str  # completed | preempted (stopped on request, checkpointed) | stopped (could not go on; the reason is on stderr)
+    # | refused (bad input the workers found before writing anything, e.g. no checkpoint verifies; the reason is on stderr)
     output_dir: Path
     message: str = ""  # preempted: where the run can continue from
 

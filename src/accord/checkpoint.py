@@ -7,6 +7,10 @@ replaced atomically after that and older checkpoints are pruned last. A crash at
 therefore leaves the previous complete checkpoint untouched, and a folder without its
 marker is never used. With checkpoint.async the shards are written in the background and
 the sealing (COMPLETE, rename, latest, prune) happens once they are all on disk.
+
+Before COMPLETE, rank 0 writes MANIFEST.json: every file's size and checksum, each hashed
+by the rank that wrote it (accord.checkpoint_verify). A resume takes the newest checkpoint
+whose files still match it, naming the ones it skipped, which it leaves in place.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, dist, faults
+from accord.checkpoint_verify import file_entries, unlisted_entries, verify, write_manifest
 from accord.errors import RunStopped
 from accord.recipe import Recipe, recipe_to_yaml
+from accord.stopping import StartRefused
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -80,11 +86,11 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
     write = None
     try:
         write = engine.save_state(tmp, writer=info.is_main, asynchronous=asynchronous)
-        torch.save(_rng_state(), tmp / "rng" / f"rank-{info.rank:05d}.pt")
+        torch.save(_rng_state(), tmp / "rng" / _rng_name(info.rank))
     except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
     _agree_or_raise(error, state.step, tmp, info)
-    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write)
+    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write, asynchronous)
     if not asynchronous:
         pending.wait()
     return pending
@@ -95,24 +101,42 @@ class PendingCheckpoint:
     in a background thread when the write is asynchronous. Until then it is a .tmp- folder
     that resuming ignores: a crash leaves the previous checkpoint whole."""
 
-    def __init__(self, state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, info: dist.DistInfo, write):
+    def __init__(self, state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, info: dist.DistInfo, write, asynchronous: bool):
         self.state, self.recipe, self.root, self.final, self.tmp, self.info = state, recipe, root, final, tmp, info
         self._write = write
         self._error: BaseException | None = None
         self._thread = None
-        if write is not None:
+        if asynchronous:
             self._thread = threading.Thread(target=self._finish, name=f"accord-checkpoint-{state.step}", daemon=True)
             self._thread.start()
 
     def _finish(self) -> None:
+        entries: dict[str, Any] | str = {}
         try:
             if self._write is not None:
                 self._write.result()  # this rank's files; on rank 0 also the index, written after every rank's
+            entries = self._hash_own_files()
+        except (Exception, CheckpointException) as e:
+            self._error, entries = e, f"rank {self.info.rank}: {_reason(e)}"
+        # Every rank's entries to rank 0, on every rank alike (a failed one sends its error):
+        # over the background write's own group when asynchronous, never training's.
+        gathered = dist.all_gather_objects(entries, group=getattr(self._write, "group", None) if self._thread else None)
+        try:
+            failed = [e for e in gathered if isinstance(e, str)]
+            if failed and self._error is None:
+                raise OSError(failed[0])
             faults.pause_before_sealing_checkpoint(self.state.step)
             if self.info.is_main:
-                _seal(self.state, self.recipe, self.root, self.final, self.tmp)
+                manifest = {name: entry for rank_entries in gathered for name, entry in rank_entries.items()}
+                _seal(self.state, self.recipe, self.root, self.final, self.tmp, manifest)
         except (Exception, CheckpointException) as e:
-            self._error = e
+            self._error = self._error or e
+
+    def _hash_own_files(self) -> dict[str, Any]:
+        """The manifest's entries for the files this rank wrote: its shards and its RNG state
+        (rank 0's small files are hashed when it seals)."""
+        names = [*(self._write.files() if self._write is not None else []), f"rng/{_rng_name(self.info.rank)}"]
+        return file_entries(self.tmp, names, self.info.rank)
 
     def wait(self) -> Path:
         """Collective: the write finished and the checkpoint is sealed on every rank's word."""
@@ -124,19 +148,23 @@ class PendingCheckpoint:
         return self.final
 
 
-def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path) -> None:
-    """Rank 0, once every rank's files are in `tmp`: mark it COMPLETE, rename it into place,
-    point `latest` at it, and only then prune older checkpoints."""
+def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0, once every rank's files are in `tmp` and `manifest` holds their entries: record
+    them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
+    older checkpoints."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
     (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
+    write_manifest(tmp, manifest | unlisted_entries(tmp, manifest))
     _fsync_tree(tmp)
     _write_durably(tmp / COMPLETE, "")
-    if final.exists():  # the same step written again by a resumed run
-        shutil.rmtree(final)
+    if final.exists():
+        # The same step written again by a run resumed from an earlier one, perhaps because
+        # this one failed verification: kept aside for the user, never deleted.
+        os.rename(final, root / f"replaced-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(tmp, final)
     _fsync_dir(root)
     _write_durably(root / LATEST, final.name + "\n", atomic=True)
-    prune(root, recipe.checkpoint.keep_last)
+    prune(root, recipe.checkpoint.keep_last, sealed=final)
 
 
 def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
@@ -170,10 +198,18 @@ def _reason(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Remove the oldest complete checkpoints beyond `keep_last` (called after a new one is sealed)."""
-    for old in complete_checkpoints(root)[:-keep_last]:
+def prune(root: Path, keep_last: int, sealed: Path | None = None) -> None:
+    """Remove the oldest complete checkpoints beyond `keep_last` (called after `sealed`, a new
+    one, is complete). Only those up to `sealed`'s step count: later ones are from before a
+    resume from an earlier step (one skipped because it failed verification, kept for the
+    user), so the one just written, which verifies, is never removed in their favour."""
+    found = [p for p in complete_checkpoints(root) if sealed is None or p.name <= sealed.name]
+    for old in found[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -261,7 +297,7 @@ def read_checkpoint_recipe(folder: Path) -> dict[str, Any]:
 
 def restore_rng(folder: Path, state: TrainingState, info: dist.DistInfo, seed: int) -> bool:
     """This rank's RNG as it was, when the world size is unchanged (else a seeded fresh one)."""
-    path = folder / "rng" / f"rank-{info.rank:05d}.pt"
+    path = folder / "rng" / _rng_name(info.rank)
     if state.world_size == info.world_size and path.is_file():
         saved = torch.load(path, weights_only=True)
         torch.set_rng_state(saved["torch"])
@@ -280,24 +316,65 @@ def seed_for(seed: int, step: int, rank: int) -> int:
 # ------------------------------------------------------------------ resume rules
 
 
-def resume_source(recipe: Recipe, restarted: bool = False) -> Path | None:
-    """The checkpoint this run continues from, or None for a fresh start.
+def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
+    """The checkpoints this run may continue from, in order of preference (none: a fresh
+    start): with resume=auto every complete one, newest first; with resume=PATH that one.
 
     `restarted` is true in workers that the elastic agent restarted after a failure:
-    they always continue from the latest checkpoint.
+    they always continue from the latest checkpoint that verifies.
     """
     setting = "auto" if restarted else recipe.resume
     if setting == "never":
-        return None
+        return []
     out_dir = Path(recipe.output.dir)
     if setting == "auto":
-        return latest_checkpoint(out_dir)
+        return complete_checkpoints(out_dir / CHECKPOINTS)[::-1]
     folder = Path(setting)
     if not (folder / COMPLETE).is_file():
         raise CheckpointError(
             f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with {COMPLETE})"
         )
-    return folder
+    return [folder]
+
+
+def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool = False) -> Path | None:
+    """Collective: the newest candidate checkpoint whose files match their manifest, each rank
+    checking its share of the files (checksums included) and all agreeing; the skipped ones
+    are named, and left as they are. StartRefused when none verifies."""
+    (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
+    skipped: list[tuple[Path, list[str]]] = []
+    for folder in candidates:
+        problems = _unique(p for rank_problems in dist.all_gather_objects(verify(folder, info.rank, info.world_size)) for p in rank_problems)
+        if not problems:
+            for bad, reasons in skipped:
+                dist.print0(f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}")
+            return folder
+        skipped.append((folder, problems))
+    if skipped:
+        raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))
+    return None
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _summary(reasons: list[str]) -> str:
+    return reasons[0] + (f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else "")
+
+
+def _refusal(skipped: list[tuple[Path, list[str]]], explicit: bool) -> str:
+    """The one line for a resume with no usable checkpoint (`explicit`: the one resume=PATH
+    names); nothing was touched."""
+    if explicit:
+        folder, reasons = skipped[0]
+        return f"resume: {folder} is damaged: {_summary(reasons)}; resume from another checkpoint (resume=PATH)"
+    detail = "; ".join(f"{folder.name}: {_summary(reasons)}" for folder, reasons in skipped)
+    root = skipped[0][0].parent
+    return (
+        f"resume: no checkpoint in {root} verifies ({detail}); they are left as they are — restore their files, "
+        f"or start over with --overwrite"
+    )
 
 
 def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
@@ -342,28 +419,32 @@ def resume_hint(out_dir: Path) -> str:
 
 
 def check_resume(recipe: Recipe) -> list[str]:
-    """Problems with resuming this recipe, found before any worker starts."""
+    """Problems with resuming this recipe, found before any worker starts: sizes only (the
+    checksums are the workers' to check, in parallel)."""
     try:
-        source = resume_source(recipe)
+        candidates = resume_candidates(recipe)
     except CheckpointError as e:
         return [str(e)]
     out_dir = Path(recipe.output.dir)
-    if source is None:
+    if not candidates:
         if recipe.resume == "auto":
             from accord.outputs import earlier_run
 
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
                 return [f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"]
         return []
-    from accord.engine.state import state_problems
-
-    damaged = state_problems(source)
-    if damaged:
-        return damaged
-    changes = identity_changes(read_checkpoint_recipe(source), recipe)
+    skipped = []
+    for folder in candidates:
+        problems = verify(folder, checksums=False)
+        if not problems:
+            break
+        skipped.append((folder, problems))
+    else:
+        return [_refusal(skipped, explicit=recipe.resume != "auto")]
+    changes = identity_changes(read_checkpoint_recipe(folder), recipe)
     if changes:
         return [
-            f"resume: {source} was written by a different run: {change}; a resumed run keeps "
+            f"resume: {folder} was written by a different run: {change}; a resumed run keeps "
             f"{', '.join(IDENTITY)} — restore it, or start a new run in another output.dir"
             for change in changes
         ]

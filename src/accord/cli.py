@@ -189,6 +189,8 @@ def _train(args: argparse.Namespace) -> int:
     )
     if result.status == "preempted":
         return _fail(result.message, code=PREEMPTED_EXIT_CODE)
+    if result.status == "refused":
+        return 2  # bad input the workers found (the reason is printed); nothing was written
     return 1 if result.status == "stopped" else 0  # a stopped run's worker printed why
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 from datetime import timedelta
 
 import torch
@@ -145,6 +145,17 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group)
     return tuple(bool(v) for v in tensor.tolist())
+
+
+def all_gather_objects(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `value` (small and picklable), in rank order, on every rank; over `group`
+    (a gloo one), else the control group (just this one for one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    group = group or _control_group
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 def all_gather_value(value: float, device: torch.device) -> list[float]:

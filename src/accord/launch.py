@@ -185,7 +185,7 @@ def _run_agent(config, recipe_path: str) -> str:
     except ChildFailedError as e:
         # The first failure is the cause; the agent then stops the other workers.
         rank, failure = e.get_first_failure()
-        for status in ("preempted", "stopped"):
+        for status in ("preempted", "stopped", "refused"):
             if failure.exitcode == EXIT_CODES[status]:
                 return status
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None

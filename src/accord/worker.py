@@ -15,7 +15,7 @@ import traceback
 from typing import Any
 
 from accord import dist, heartbeat
-from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, resume_source
+from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, verified_resume_source
 from accord.engine.device import select_device
 from accord.outputs import discard_earlier_run, prepare_output_dir
 from accord.recipe import Recipe
@@ -67,7 +67,7 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
         # shutdown can still be orderly.
         clean = True
         dist.print0(f"accord: error: {e}", file=sys.stderr)
-        return RunResult("stopped", -1, message=str(e)).__dict__
+        return RunResult(e.status, -1, message=str(e)).__dict__
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
         dist.shutdown(clean=clean)
@@ -75,7 +75,7 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
 
 def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
     restarted = dist.restart_count() > 0
-    source = resume_source(recipe, restarted=restarted)
+    source = verified_resume_source(recipe, info, restarted=restarted)  # before anything is written
     out_dir = None
     if info.is_main:
         out_dir = prepare_output_dir(recipe)

@@ -50,27 +50,52 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 # ------------------------------------------------------------------ writing
 
 
-def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> PendingWrite | None:
+def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> PendingWrite:
     """Collective: this rank's part of `state` ({"model": ..., "optim": ...}) into folder/state.
     With `asynchronous` the tensors are copied to host memory here and written by a
-    background thread (its collectives on a gloo group of their own); wait on the result."""
-    writer = FileSystemWriter(folder / STATE_DIR)
+    background thread (its collectives on a gloo group of their own); wait on the result.
+    Synchronous: written when this returns (the result is already done)."""
+    writer = RecordingWriter(folder / STATE_DIR)
     if not asynchronous:
         dcp.save(state, storage_writer=writer, no_dist=not tdist.is_initialized())
-        return None
-    started = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group(), no_dist=not tdist.is_initialized())
-    return PendingWrite(started)
+        done: Future = Future()
+        done.set_result(None)
+        return PendingWrite(done, writer)
+    group = _checkpoint_group()
+    started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not tdist.is_initialized())
+    return PendingWrite(started, writer, group)
 
 
 class PendingWrite:
-    """A DCP write running in the background (this rank's files; rank 0 also writes the index
-    once every rank finished)."""
+    """A DCP write, maybe running in the background (this rank's files; rank 0 also writes the
+    index once every rank finished), and the files this rank wrote once it is done. `group`:
+    the process group of a background write's collectives (None: the default one)."""
 
-    def __init__(self, future):
+    def __init__(self, future, writer: RecordingWriter, group=None):
         self.future: Future = getattr(future, "upload_completion", future)
+        self._writer = writer
+        self.group = group
 
     def result(self) -> None:
         self.future.result()
+
+    def files(self) -> list[str]:
+        """Paths relative to the checkpoint folder of the files this rank wrote (after result())."""
+        return [f"{STATE_DIR}/{name}" for name in self._writer.written]
+
+
+class RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the shard files this rank wrote, so that this rank can
+    hash them for the checkpoint's manifest (the index, written by rank 0, is rank 0's to hash)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # returns once the files are written
+        self.written += sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
 
 
 _GROUP = None
@@ -159,18 +184,19 @@ def _read(folder: Path, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def state_problems(folder: Path) -> list[str]:
     """What makes a checkpoint's state unreadable, found without reading the tensors: a
-    missing index, a shard file that is missing or shorter than the index says."""
+    missing index, a shard file that is missing or shorter than the index says (one reason
+    per problem, naming the file)."""
     state_dir = folder / STATE_DIR
     if not state_dir.is_dir():
         if is_legacy(folder):
             return []  # converted when the run resumes from it (convert_legacy)
-        return [f"resume: {folder} has no {STATE_DIR}/ folder: the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+        return [f"{folder} has no {STATE_DIR}/ folder"]
     if not (state_dir / ".metadata").is_file():
-        return [f"resume: {state_dir / '.metadata'} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+        return [f"{state_dir / '.metadata'} is missing"]
     try:
         metadata = FileSystemReader(state_dir).read_metadata()
     except Exception as e:  # a truncated or garbled index
-        return [f"resume: {state_dir / '.metadata'} cannot be read ({type(e).__name__}): the checkpoint is damaged; resume from an earlier one (resume=PATH)"]
+        return [f"{state_dir / '.metadata'} cannot be read ({type(e).__name__})"]
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -178,12 +204,9 @@ def state_problems(folder: Path) -> list[str]:
     for name, end in sorted(needed.items()):
         path = state_dir / name
         if not path.is_file():
-            problems.append(f"resume: {path} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)")
+            problems.append(f"{path} is missing")
         elif path.stat().st_size < end:
-            problems.append(
-                f"resume: {path} is truncated ({path.stat().st_size} of {end} bytes): the checkpoint is damaged; "
-                f"resume from an earlier one (resume=PATH)"
-            )
+            problems.append(f"{path} is truncated ({path.stat().st_size:,} of {end:,} bytes)")
     return problems
 
 
