@@ -20,6 +20,8 @@ from accord.errors import UserInputError
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
+# train.loss_chunk_size default, measured with benchmarks/long_context.py (see the README).
+LOSS_CHUNK_SIZE = 1024
 
 
 class RecipeError(UserInputError):
@@ -183,6 +185,14 @@ class TrainConfig(Section):
         "or skip that update (checked every step, which costs one host sync per step).",
     )
     max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
+    # In `train`, not `engine`: it changes how a task computes its loss (same value, less
+    # memory) under every strategy, not how the model is distributed.
+    loss_chunk_size: int = Field(
+        LOSS_CHUNK_SIZE,
+        ge=0,
+        description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits).",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
