@@ -109,7 +109,8 @@ def train(
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
     from accord.forked import call_in_fork
-    from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
+    from accord.dist import print0
+    from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
     from accord.launch import Interrupted, planned_world_size, run, starts_workers
     from accord.preflight import preflight
 
@@ -126,6 +127,8 @@ def train(
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     world_size = planned_world_size(recipe.engine, topology)
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
+    for line in accelerate_warnings():
+        print0(f"accord: warning: {line}")  # once, not per rank under accelerate launch
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)

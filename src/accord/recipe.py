@@ -32,6 +32,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class RopeScalingConfig(Section):
+    """Rotary position embeddings stretched past the length a model was trained on (passed to
+    transformers as the config's rope_parameters, so final/ keeps them for inference)."""
+
+    rope_type: Literal["linear", "dynamic", "yarn"] = Field(
+        ..., description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN."
+    )
+    factor: float = Field(..., ge=1.0, description="How many times the original context to reach (e.g. 4.0).")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this)."
+    )
+
+
 class ModelConfig(Section):
     """Which model to train: a local Hugging Face folder, or an architecture built from a config."""
 
@@ -48,6 +61,8 @@ class ModelConfig(Section):
     )
     attn_implementation: str | None = Field(None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model folder to run.")
+    # A section of the model (not of data): it changes the model's config, saved with final/.
+    rope_scaling: RopeScalingConfig | None = Field(None, description="Extend a RoPE model's context: {rope_type: linear|dynamic|yarn, factor: 4.0}.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
