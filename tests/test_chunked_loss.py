@@ -150,3 +150,22 @@ def test_two_process_chunked_run_equals_the_plain_run(tmp_path, tiny_reference, 
     print(f"{overrides}: max |Δparam| {diff:.2e}, max |Δloss| {loss_diff:.2e}")
     assert sorted(expected) == sorted(losses) == list(range(1, TINY_RECIPE["train"]["max_steps"] + 1))
     assert diff <= 1e-5 and loss_diff <= 1e-5
+
+
+def test_plan_counts_one_chunk_of_logits_instead_of_whole_ones(tmp_path):
+    from accord.planner import plan
+
+    raw = copy.deepcopy(TINY_RECIPE)
+    raw["model"]["config"] = raw["model"]["config"] | {"vocab_size": 32000, "max_position_embeddings": 8192}
+    raw["data"]["max_length"] = 8192
+    tokens = 8192 * 4  # micro batch 4 on 2 processes (global 32 → 2 × 4 × 4)
+    raw["batch"]["micro_batch_size"] = 4
+    activations = {}
+    for chunk in (0, 1024):
+        raw["train"]["loss_chunk_size"] = chunk
+        rows, _ = plan(validate_recipe(raw), gpus=2)
+        activations[chunk] = rows[0].activations
+    assert activations[0] - activations[1024] == 2 * 4 * tokens * 32000 - 4 * 4 * 1024 * 32000
+    raw["task"] = "classify"  # not a chunked task: the estimate keeps whole logits
+    rows, _ = plan(validate_recipe(raw), gpus=2)
+    assert rows[0].activations == activations[0]
