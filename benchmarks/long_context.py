@@ -7,7 +7,8 @@ process builds a small Llama (hidden 256, 4 layers) with a realistic vocabulary,
 logits (length × vocabulary, fp32) dominate, and runs pretraining steps on one row of that
 length through accord's own task (the same `loss` the trainer calls) and AdamW. It reports
 the process's peak RSS (the high-water mark, model and optimizer state included), how much
-of it the steps added over the model built, and tokens/s over the timed steps. A run whose
+of it the steps added over the model built, and tokens per second over the timed steps, of
+wall-clock time and of the process's CPU time (the steadier of the two on a shared machine). A run whose
 plain logits alone would pass --cap-gib is not started (others share the machine).
 
 The first part of issue 12's benchmark: sequence parallelism and the Trainer/TRL comparison
@@ -52,16 +53,22 @@ def one_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> di
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times = []
+    def cpu_seconds() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    times, cpu = [], []
     for _ in range(steps + 1):  # the first step (allocator warm-up, AdamW state) is not timed
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         out = task.loss(model, batch)
         (out.loss_sum / out.num_targets).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mib": peak, "built_mib": built, "tokens_per_s": length * steps / sum(times[1:]), "loss": float(out.loss_sum / out.num_targets)}
+    return {"peak_mib": peak, "built_mib": built, "tokens_per_s": length * steps / sum(times[1:]),
+            "tokens_per_cpu_s": length * steps / sum(cpu[1:]), "loss": float(out.loss_sum / out.num_targets)}
 
 
 def main() -> None:
@@ -80,7 +87,7 @@ def main() -> None:
 
     print(f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
           f"{args.threads} threads; peak RSS of the whole process (MiB), and what the steps added over the built model")
-    header = f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} {'tokens/s':>9} {'loss':>8}"
+    header = f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} {'tokens/s':>9} {'tok/CPU-s':>9} {'loss':>8}"
     print(header)
     print("-" * len(header))
     for length in args.lengths:
@@ -96,7 +103,7 @@ def main() -> None:
                 print(f"{length:>10} {chunk:>15} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} {r['loss']:>8.4f}", flush=True)
+            print(f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} {r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}", flush=True)
 
 
 if __name__ == "__main__":

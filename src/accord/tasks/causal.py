@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from accord.tasks.base import IGNORE, LossOutput, Task, causal_token_loss, pad_rows
-from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, shifted_targets
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
 
 class CausalLMTask(Task):
@@ -29,10 +29,7 @@ class CausalLMTask(Task):
             self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)
 
     def describe(self) -> list[str]:
-        reason = self.plain_loss_reason
-        if reason is None or reason == "train.loss_chunk_size=0":
-            return super().describe()
-        return super().describe() + [f"loss: over whole logits (not chunked: {reason})"]
+        return super().describe() + plain_loss_note(self.plain_loss_reason)
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         input_ids = pad_rows([[t for ex in row for t in ex["input_ids"]] for row in rows], self.pad_id)

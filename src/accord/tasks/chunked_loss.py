@@ -57,6 +57,13 @@ def chunking_blocker(model: nn.Module, recipe) -> str | None:
     return None
 
 
+def plain_loss_note(blocker: str | None) -> list[str]:
+    """The start-of-run line for a chunked loss the recipe wanted but cannot have."""
+    if blocker is None or blocker == "train.loss_chunk_size=0":
+        return []
+    return [f"loss: over whole logits (not chunked: {blocker})"]
+
+
 class TargetLogprobs:
     """The output layer's second mode, installed once on a causal LM (see the module's text)."""
 

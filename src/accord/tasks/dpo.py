@@ -20,7 +20,7 @@ from torch import nn
 
 from accord.batches import fetch, to_device
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs, text_prefix
-from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note
 
 
 class DPOTask(Task):
@@ -39,6 +39,7 @@ class DPOTask(Task):
         # The chunked log-probabilities (train.loss_chunk_size) of the policy and the reference.
         self.logprobs: TargetLogprobs | None = None
         self.reference_logprobs: TargetLogprobs | None = None
+        self.plain_loss_reason: str | None = None
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix}
@@ -59,7 +60,8 @@ class DPOTask(Task):
             self.reference = copy.deepcopy(model)
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
-        if chunking_blocker(model, self.recipe) is None:
+        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        if self.plain_loss_reason is None:
             chunk = self.recipe.train.loss_chunk_size
             self.logprobs = TargetLogprobs.install(model, chunk)
             if self.reference is not None and chunking_blocker(self.reference, self.recipe) is None:
@@ -94,9 +96,10 @@ class DPOTask(Task):
         return ds.add_column("ref_logp", values.tolist())
 
     def describe(self) -> list[str]:
+        lines = plain_loss_note(self.plain_loss_reason)
         if not self.precomputed:
-            return []
-        return [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
+            return lines
+        return lines + [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         tok = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
