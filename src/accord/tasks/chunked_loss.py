@@ -134,8 +134,11 @@ def row_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: tor
     pieces = []
     for start in range(0, len(positions), chunk):
         args = (picked[start : start + chunk], picked_targets[start : start + chunk], weight, bias)
-        # Recomputed in backward: only this chunk's logits live at any time.
-        pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logprobs(*args))
+        if torch.is_grad_enabled():
+            # Recomputed in backward: only this chunk's logits live at any time (no randomness to replay).
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
     token_logprobs = torch.cat(pieces)
     out = torch.zeros(rows, dtype=token_logprobs.dtype, device=hidden.device)
     return out.index_add(0, positions // length, token_logprobs)
