@@ -248,24 +248,19 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
 # The shapes of TRL's examples/accelerate_configs files: context parallelism on FSDP2, and
 # ALST/Ulysses sequence parallelism on DeepSpeed (its current cp_backend form and the
 # earlier sp_size form).
-_COMMON = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0, "main_training_function": "main",
-           "mixed_precision": "bf16", "num_machines": 1, "rdzv_backend": "static", "same_network": True, "use_cpu": False}
-TRL_CONFIGS = {
-    "context_parallel_2gpu": _COMMON | {
-        "distributed_type": "FSDP", "num_processes": 2,
+TRL_LONG_CONTEXT_CONFIGS = {
+    "context_parallel_2gpu": _trl_style_config("FSDP", mixed_precision="bf16") | {
         "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
                         "fsdp_offload_params": False, "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_version": 2},
         "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
                                "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2},
     },
-    "alst_ulysses_4gpu": _COMMON | {
-        "distributed_type": "DEEPSPEED", "num_processes": 4,
+    "alst_ulysses_4gpu": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
         "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
         "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
                                "parallelism_config_cp_size": 2, "parallelism_config_cp_backend": "deepspeed"},
     },
-    "alst_ulysses_4gpu_sp_size": _COMMON | {
-        "distributed_type": "DEEPSPEED", "num_processes": 4,
+    "alst_ulysses_4gpu_sp_size": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
         "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
         "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
                                "parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed"},
@@ -286,7 +281,7 @@ def test_trl_long_context_configs_are_refused_naming_the_key(tmp_path, name, mes
     with the parallelism dropped: one line names the key."""
     pytest.importorskip("accelerate")
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(TRL_CONFIGS[name]))
+    path.write_text(yaml.safe_dump(TRL_LONG_CONTEXT_CONFIGS[name]))
     with pytest.raises(RecipeError, match=message) as refused:
         accelerate_settings(_launch_environment(path))
     assert "\n" not in str(refused.value)
@@ -308,8 +303,7 @@ def test_fsdp_version_1_is_run_as_fsdp2_and_says_so(tmp_path):
     pytest.importorskip("accelerate")
     from accord.interop import accelerate_warnings
 
-    config = _COMMON | {"distributed_type": "FSDP", "num_processes": 2, "mixed_precision": "no",
-                        "fsdp_config": {"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
+    config = _trl_style_config("FSDP", fsdp_config={"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     path = tmp_path / "fsdp1.yaml"
     path.write_text(yaml.safe_dump(config))
     env = _launch_environment(path)
