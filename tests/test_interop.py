@@ -241,3 +241,74 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
     env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "gone.json")}
     with pytest.raises(RecipeError, match="accelerate config: deepspeed_config_file: file not found"):
         accelerate_settings(env)
+
+
+# ---------------------------------------------------------------- what accord does not run (yet)
+
+# The shapes of TRL's examples/accelerate_configs files: context parallelism on FSDP2, and
+# ALST/Ulysses sequence parallelism on DeepSpeed (its current cp_backend form and the
+# earlier sp_size form).
+TRL_LONG_CONTEXT_CONFIGS = {
+    "context_parallel_2gpu": _trl_style_config("FSDP", mixed_precision="bf16") | {
+        "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
+                        "fsdp_offload_params": False, "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_version": 2},
+        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
+                               "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2},
+    },
+    "alst_ulysses_4gpu": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
+        "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
+        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
+                               "parallelism_config_cp_size": 2, "parallelism_config_cp_backend": "deepspeed"},
+    },
+    "alst_ulysses_4gpu_sp_size": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
+        "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
+        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
+                               "parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed"},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("context_parallel_2gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), which accord does not support yet; set it to 1"),
+        ("alst_ulysses_4gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), which accord does not support yet"),
+        ("alst_ulysses_4gpu_sp_size", r"^accelerate config: parallelism_config_sp_size=2 asks for sequence parallelism \(deepspeed backend\), which accord does not support yet"),
+    ],
+)
+def test_trl_long_context_configs_are_refused_naming_the_key(tmp_path, name, message):
+    """Launched with TRL's long-context accelerate configs, accord does not silently train
+    with the parallelism dropped: one line names the key."""
+    pytest.importorskip("accelerate")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(TRL_LONG_CONTEXT_CONFIGS[name]))
+    with pytest.raises(RecipeError, match=message) as refused:
+        accelerate_settings(_launch_environment(path))
+    assert "\n" not in str(refused.value)
+
+
+def test_data_parallel_sizes_are_accepted_when_they_are_the_world():
+    env = BASE_ENV | {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+                      "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "1"}
+    recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
+    assert reconcile(recipe, accelerate_settings(env), world_size=2).engine.strategy == "fsdp"
+    with pytest.raises(RecipeError, match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 4 processes"):
+        reconcile(recipe, accelerate_settings(env), world_size=4)
+    hybrid = env | {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}
+    with pytest.raises(RecipeError, match=r"parallelism_config_dp_replicate_size=2 with parallelism_config_dp_shard_size=2 asks for hybrid sharding"):
+        accelerate_settings(hybrid)
+
+
+def test_fsdp_version_1_is_run_as_fsdp2_and_says_so(tmp_path):
+    pytest.importorskip("accelerate")
+    from accord.interop import accelerate_warnings
+
+    config = _trl_style_config("FSDP", fsdp_config={"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    path = tmp_path / "fsdp1.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = _launch_environment(path)
+    assert accelerate_settings(env)["engine.strategy"] == "fsdp"
+    (warning,) = accelerate_warnings(env)
+    assert warning.startswith("accelerate config has fsdp_version: 1, but accord runs FSDP2")
+    assert "fsdp_sharding_strategy SHARD_GRAD_OP is not applied" in warning
+    assert accelerate_warnings(env | {"FSDP_VERSION": "2"}) == []

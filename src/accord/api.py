@@ -113,7 +113,7 @@ def train(
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
     from accord.forked import call_in_fork
-    from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
+    from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
     from accord.launch import planned_world_size, starts_workers
     from accord.preflight import preflight
 
@@ -139,6 +139,8 @@ def train(
         raise OutputLocked(held_elsewhere)
     world_size = planned_world_size(recipe.engine, topology)
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
+    for line in accelerate_warnings():
+        dist.print0(f"accord: warning: {line}")  # once, not per rank under accelerate launch
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)

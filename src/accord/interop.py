@@ -17,7 +17,7 @@ from accord.recipe import Recipe, RecipeError, validate_recipe
 
 # deepspeed_file_settings belongs to this interface (where launchers' and users' configs meet
 # the recipe); the DeepSpeed JSON mapping itself lives beside the config derivation it inverts.
-__all__ = ["accelerate_config", "accelerate_settings", "deepspeed_file_settings", "reconcile", "write_accelerate_config"]
+__all__ = ["accelerate_config", "accelerate_settings", "accelerate_warnings", "deepspeed_file_settings", "reconcile", "write_accelerate_config"]
 
 _PRECISION = {"no": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -31,7 +31,7 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ) if env is None else env
     if "ACCELERATE_MIXED_PRECISION" not in env:
         return {}
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = parallelism_settings(env)
     precision = env["ACCELERATE_MIXED_PRECISION"].lower()
     if precision not in _PRECISION:
         raise RecipeError(f"accelerate config: mixed_precision {precision!r} is not supported by accord (use no, bf16 or fp16)")
@@ -52,6 +52,56 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     return settings
 
 
+# accelerate's parallelism_config (what `accelerate launch` passes as PARALLELISM_CONFIG_*):
+# the dimensions accord cannot run yet, by the key the config file spells.
+_UNSUPPORTED_PARALLELISM = {
+    "CP_SIZE": ("parallelism_config_cp_size", "context parallelism"),
+    "SP_SIZE": ("parallelism_config_sp_size", "sequence parallelism"),
+    "TP_SIZE": ("parallelism_config_tp_size", "tensor parallelism"),
+}
+
+
+def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
+    """What an accelerate config's parallelism_config asks of accord: context, sequence or
+    tensor parallelism over more than one rank is refused (never silently dropped), and so
+    is hybrid sharding; a data-parallel size is checked against the world (reconcile)."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return {}
+    for name, (key, what) in _UNSUPPORTED_PARALLELISM.items():
+        size = int(env.get(f"PARALLELISM_CONFIG_{name}", "1"))
+        if size > 1:
+            backend = env.get(f"PARALLELISM_CONFIG_{name[:2]}_BACKEND")
+            via = f" ({backend} backend)" if backend and name != "TP_SIZE" else ""
+            raise RecipeError(
+                f"accelerate config: {key}={size} asks for {what}{via}, which accord does not support yet; set it to 1 "
+                f"(or remove parallelism_config) to train with plain data parallelism over all ranks"
+            )
+    replicate = int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+    shard = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
+    if replicate > 1 and shard > 1:
+        raise RecipeError(
+            f"accelerate config: parallelism_config_dp_replicate_size={replicate} with parallelism_config_dp_shard_size={shard} "
+            f"asks for hybrid sharding, which accord does not support; keep one of them (accord shards or replicates over all ranks)"
+        )
+    return {"parallelism.data_parallel": max(replicate, shard)} if max(replicate, shard) > 1 else {}
+
+
+def accelerate_warnings(env: dict[str, str] | None = None) -> list[str]:
+    """What the `accelerate launch` environment asks that accord honours differently (one line each)."""
+    env = dict(os.environ) if env is None else env
+    lines = []
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and env.get("FSDP_VERSION", "2") == "1":
+        # A warning, not an error: FSDP2 shards the same way (FULL_SHARD per layer) and gives
+        # the same updates, so TRL's and others' fsdp_version 1 configs still run as meant.
+        strategy = env.get("FSDP_SHARDING_STRATEGY")
+        detail = f" (fsdp_sharding_strategy {strategy} is not applied)" if strategy and strategy not in ("1", "FULL_SHARD") else ""
+        lines.append(
+            f"accelerate config has fsdp_version: 1, but accord runs FSDP2 (fully_shard, each decoder layer fully sharded){detail}; "
+            f"set fsdp_version: 2 to silence this"
+        )
+    return lines
+
+
 def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source: str = "accelerate config") -> Recipe:
     """The recipe with the launcher's settings filled in where the recipe is silent; a value
     the recipe sets differently is an error naming both."""
@@ -59,6 +109,12 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
         return recipe
     data = recipe.model_dump(mode="json")
     accumulation = settings.pop("batch.grad_accum", None)
+    data_parallel = settings.pop("parallelism.data_parallel", None)
+    if data_parallel is not None and data_parallel != world_size:
+        raise RecipeError(
+            f"{source} has a data-parallel size of {data_parallel} (parallelism_config) but accord runs {world_size} "
+            f"processes, all of them data-parallel; make them agree or remove parallelism_config"
+        )
     conflicts = []
     for key, value in settings.items():
         section_name, field = key.split(".")

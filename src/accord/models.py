@@ -16,7 +16,8 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from accord.paths import resolve_path
-from accord.recipe import BYTE_TOKENIZER, LoraConfig, ModelConfig
+from accord.errors import UserInputError
+from accord.recipe import BYTE_TOKENIZER, LoraConfig, ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,6 +119,7 @@ def build_model(
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             settings.setdefault(name, getattr(tokenizer, name))
         config = AutoConfig.for_model(architecture, **settings, **kwargs)
+    apply_rope_scaling(config, cfg.rope_scaling)
     with torch.device("meta"):
         model = auto.from_config(
             config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **({"attn_implementation": attn} if attn else {})
@@ -133,6 +135,31 @@ def build_model(
         model.config.pad_token_id = tokenizer.pad_token_id
     attach_source(model, WeightsSource(folder, seed))
     return model if meta else materialize(model, "cpu")
+
+
+def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
+    """Set model.rope_scaling on a transformers config (its rope_parameters, transformers 5's
+    name for the old rope_scaling); a model type without rotary embeddings is one line."""
+    if scaling is None:
+        return
+    if not getattr(config, "rope_parameters", None):
+        raise UserInputError(
+            f"model.rope_scaling: a {config.model_type} model has no rotary position embeddings (RoPE) that transformers "
+            f"can scale; drop model.rope_scaling"
+        )
+    settings = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+    if scaling.rope_type == "yarn":
+        # YaRN reads the trained context from original_max_position_embeddings and the reach
+        # from max_position_embeddings; their ratio is the factor.
+        original = scaling.original_max_position_embeddings or config.max_position_embeddings
+        settings["original_max_position_embeddings"] = original
+        config.max_position_embeddings = int(original * scaling.factor)
+    nested = config.nested_rope_parameter_keys(config.rope_parameters)
+    if nested:  # one set per attention type (e.g. Gemma 3's sliding and full attention)
+        config.rope_parameters = {key: config.rope_parameters[key] | settings for key in nested}
+    else:
+        config.rope_parameters = config.rope_parameters | settings
+    config.validate_rope()
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:

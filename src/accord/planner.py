@@ -16,6 +16,7 @@ import torch
 
 from accord.batching import BatchPlan, divisors
 from accord.recipe import Recipe
+from accord.tasks.chunked_loss import chunking_blocker
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 GIB = 2**30
@@ -106,10 +107,13 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
     return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
 
 
-def activations(model, micro: int, length: int, precision: str, checkpointing: bool) -> float:
+def activations(model, micro: int, length: int, precision: str, checkpointing: bool, loss_chunk: int = 0) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
-    tensors; flash/sdpa attention keeps no score matrix), plus fp32 logits twice."""
+    tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
+    logits and their log-softmax for every token, or with the chunked loss (`loss_chunk`
+    tokens at a time) about four fp32 chunk × vocabulary tensors (the recomputed logits,
+    their softmax and gradients) whatever the length."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
@@ -119,20 +123,23 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     tokens = micro * length
     per_layer = (8 * h + 4 * f) * element * tokens
     kept = layers * h * element * tokens + per_layer if checkpointing else layers * per_layer
-    return kept + 2 * 4 * tokens * vocab
+    logits = 4 * 4 * min(loss_chunk, tokens) * vocab if loss_chunk else 2 * 4 * tokens * vocab
+    return kept + logits
 
 
 def plan(recipe: Recipe, gpus: int, nodes: int = 1) -> tuple[list[StrategyPlan], int]:
     world = gpus * nodes
     batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world)
     model = meta_model(recipe)
+    # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
+    loss_chunk = recipe.train.loss_chunk_size if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None else 0
     rows = []
     for strategy in STRATEGIES:
         offload = recipe.engine.offload if strategy.startswith("zero") else "none"
         if offload == "optimizer+params" and strategy != "zero3":
             offload = "optimizer"
         state = model_state(model, strategy, world, recipe.engine.precision, offload)
-        act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, recipe.engine.activation_checkpointing)
+        act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, recipe.engine.activation_checkpointing, loss_chunk)
         rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum))
     return rows, world
 

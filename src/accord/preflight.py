@@ -105,7 +105,31 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             close = difflib.get_close_matches(architecture, list(CONFIG_MAPPING_NAMES), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             problems.append(f"model.config.architecture: unknown model type {architecture!r}{hint}")
+    if cfg.rope_scaling is not None and not problems:
+        problems += check_rope_scaling(cfg)
     return problems
+
+
+def check_rope_scaling(cfg: ModelConfig) -> list[str]:
+    """model.rope_scaling fits the model's config (read or built here, no weights)."""
+    from transformers import AutoConfig
+
+    from accord.models import apply_rope_scaling
+
+    if cfg.path is not None and resolve_path(cfg.path).suffix == ".gguf":
+        return []  # its config exists only after conversion; the worker applies the same check
+    try:
+        if cfg.path is not None:
+            config = AutoConfig.from_pretrained(resolve_path(cfg.path), trust_remote_code=cfg.trust_remote_code)
+        else:
+            settings = dict(cfg.config or {})
+            config = AutoConfig.for_model(str(settings.pop("architecture")), **settings)
+        apply_rope_scaling(config, cfg.rope_scaling)
+    except UserInputError as e:
+        return [str(e)]
+    except (KeyError, ValueError, TypeError) as e:  # transformers' own checks of the values
+        return [f"model.rope_scaling: {' '.join(str(e).split())[:300]}"]
+    return []
 
 
 def check_environment(recipe: Recipe) -> list[str]:

@@ -20,6 +20,8 @@ from accord.errors import UserInputError
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
+# train.loss_chunk_size default, measured with benchmarks/long_context.py (see the README).
+LOSS_CHUNK_SIZE = 1024
 
 
 class RecipeError(UserInputError):
@@ -28,6 +30,19 @@ class RecipeError(UserInputError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class RopeScalingConfig(Section):
+    """Rotary position embeddings stretched past the length a model was trained on (passed to
+    transformers as the config's rope_parameters, so final/ keeps them for inference)."""
+
+    rope_type: Literal["linear", "dynamic", "yarn"] = Field(
+        ..., description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN."
+    )
+    factor: float = Field(..., ge=1.0, description="How many times the original context to reach (e.g. 4.0).")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this)."
+    )
 
 
 class ModelConfig(Section):
@@ -46,6 +61,8 @@ class ModelConfig(Section):
     )
     attn_implementation: str | None = Field(None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model folder to run.")
+    # A section of the model (not of data): it changes the model's config, saved with final/.
+    rope_scaling: RopeScalingConfig | None = Field(None, description="Extend a RoPE model's context: {rope_type: linear|dynamic|yarn, factor: 4.0}.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -183,6 +200,14 @@ class TrainConfig(Section):
         "or skip that update (checked every step, which costs one host sync per step).",
     )
     max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
+    # In `train`, not `engine`: it changes how a task computes its loss (same value, less
+    # memory) under every strategy, not how the model is distributed.
+    loss_chunk_size: int = Field(
+        LOSS_CHUNK_SIZE,
+        ge=0,
+        description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits).",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:

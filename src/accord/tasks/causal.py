@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from accord.tasks.base import IGNORE, LossOutput, Task, causal_token_loss, pad_rows
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
 
 class CausalLMTask(Task):
@@ -18,9 +19,17 @@ class CausalLMTask(Task):
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
         self.attn_implementation = "sdpa"
+        self.logprobs: TargetLogprobs | None = None  # the chunked loss (train.loss_chunk_size)
+        self.plain_loss_reason: str | None = None
 
     def configure_model(self, model: nn.Module) -> None:
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        if self.plain_loss_reason is None:
+            self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)
+
+    def describe(self) -> list[str]:
+        return super().describe() + plain_loss_note(self.plain_loss_reason)
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         input_ids = pad_rows([[t for ex in row for t in ex["input_ids"]] for row in rows], self.pad_id)
@@ -49,6 +58,9 @@ class CausalLMTask(Task):
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self.logprobs is not None:
+            row_logprobs = self.logprobs.row_logprobs(model, inputs, batch["labels"])
+            return LossOutput(-row_logprobs.sum(), (shifted_targets(batch["labels"]) != IGNORE).sum())
         logits = model(**inputs).logits
         loss_sum, targets = causal_token_loss(logits, batch["labels"])
         return LossOutput(loss_sum, targets)

@@ -20,6 +20,7 @@ from torch import nn
 
 from accord.batches import fetch, to_device
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs, text_prefix
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note
 
 
 class DPOTask(Task):
@@ -35,6 +36,10 @@ class DPOTask(Task):
         self.reference: nn.Module | None = None  # a frozen model, or None: adapters off
         self.policy: nn.Module | None = None
         self.precomputed = 0  # training pairs whose reference log-probabilities were precomputed
+        # The chunked log-probabilities (train.loss_chunk_size) of the policy and the reference.
+        self.logprobs: TargetLogprobs | None = None
+        self.reference_logprobs: TargetLogprobs | None = None
+        self.plain_loss_reason: str | None = None
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix}
@@ -55,6 +60,12 @@ class DPOTask(Task):
             self.reference = copy.deepcopy(model)
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
+        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        if self.plain_loss_reason is None:
+            chunk = self.recipe.train.loss_chunk_size
+            self.logprobs = TargetLogprobs.install(model, chunk)
+            if self.reference is not None and chunking_blocker(self.reference, self.recipe) is None:
+                self.reference_logprobs = TargetLogprobs.install(self.reference, chunk)
 
     def setup(self, engine, train, eval_ds):
         self.policy = engine.module
@@ -85,9 +96,10 @@ class DPOTask(Task):
         return ds.add_column("ref_logp", values.tolist())
 
     def describe(self) -> list[str]:
+        lines = plain_loss_note(self.plain_loss_reason)
         if not self.precomputed:
-            return []
-        return [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
+            return lines
+        return lines + [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         tok = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -127,16 +139,14 @@ class DPOTask(Task):
         """Summed answer log-probabilities under the reference, chosen rows then rejected."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         if self.reference is not None:
-            logits = self.reference(**inputs).logits
-        else:
-            assert self.policy is not None, "setup() first"
-            with _adapters_off(self.policy):
-                logits = self.policy(**inputs).logits
-        return sequence_logprobs(logits, batch["labels"])
+            return _row_logprobs(self.reference, self.reference_logprobs, inputs, batch["labels"])
+        assert self.policy is not None, "setup() first"
+        with _adapters_off(self.policy):
+            return _row_logprobs(self.policy, self.logprobs, inputs, batch["labels"])
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        policy = sequence_logprobs(logits, batch["labels"])
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        policy = _row_logprobs(model, self.logprobs, inputs, batch["labels"])
         reference = batch["ref_logps"] if "ref_logps" in batch else self.reference_logps(batch)
         pairs = len(policy) // 2
         chosen = self.beta * (policy[:pairs] - reference[:pairs])
@@ -152,6 +162,13 @@ class DPOTask(Task):
                 "reward_rejected": rejected.detach().sum(),
             },
         )
+
+
+def _row_logprobs(model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
+    if chunked is not None:
+        return chunked.row_logprobs(model, inputs, labels)
+    return sequence_logprobs(model(**inputs).logits, labels)
 
 
 def _adapters_off(model: nn.Module):
