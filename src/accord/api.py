@@ -105,13 +105,12 @@ def train(
     from accord.observe.progress import announce
 
     announce("checking recipe…")  # before the imports below (torch: seconds)
-    from accord.checkpoint import resume_hint
+    from accord.batching import BatchPlan
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
-    from accord.forked import call_in_fork
+    from accord.forked import start_in_fork
     from accord.interop import accelerate_settings, deepspeed_file_settings, reconcile
     from accord.launch import Interrupted, planned_world_size, run, starts_workers
-    from accord.preflight import preflight
 
     lines = override_lines(overrides)
     if overwrite:
@@ -129,23 +128,42 @@ def train(
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
+    checks, problems = None, []
     if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
+        # The likeliest mistake, found in microseconds: refused before any worker starts.
+        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
         # The launcher keeps running for the whole job: check in a child, so the
         # libraries the checks load do not stay resident beside the workers. Not with
         # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
-        problems = call_in_fork(preflight, recipe, world_size, writer=topology.hosts_rank_zero)
+        # The workers start meanwhile (importing torch and transformers takes seconds)
+        # and train only once the checks passed.
+        checks = start_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero)
+        if topology.multi_node:
+            # Not over several nodes: the other nodes' workers would be past their gate
+            # when this node's checks fail.
+            problems, checks = checks.result(), None
     else:
-        problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
+        problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero)
     if problems:
         raise UserInputError("\n".join(problems))
 
     out_dir = Path(recipe.output.dir)
+    from accord.checkpoint import resume_hint
+
     try:
-        status = run(recipe, topology)
+        status = run(recipe, topology, checks)
     except Interrupted as e:
         raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
     message = f"stopped early on request; {resume_hint(out_dir)}" if status == "preempted" else ""
     return TrainResult(status, out_dir, message)
+
+
+def _preflight(recipe: Recipe, world_size: int, writer: bool) -> list[str]:
+    """preflight, imported where it runs: in the forked child, its imports (the checkpoint
+    format's among them) stay out of the launcher, which starts the workers meanwhile."""
+    from accord.preflight import preflight
+
+    return preflight(recipe, world_size, writer=writer)
 
 
 def plan(
