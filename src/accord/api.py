@@ -148,14 +148,18 @@ def train(
         raise UserInputError("\n".join(problems))
 
     out_dir = Path(recipe.output.dir)
-    from accord.checkpoint import resume_hint
-
     try:
         status = run(recipe, topology, checks)
     except Interrupted as e:
-        raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
-    message = f"stopped early on request; {resume_hint(out_dir)}" if status == "preempted" else ""
+        raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
+    message = f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else ""
     return TrainResult(status, out_dir, message)
+
+
+def _resume_hint(out_dir: Path) -> str:
+    from accord.checkpoint import resume_hint  # the checkpoint format's imports: only when needed
+
+    return resume_hint(out_dir)
 
 
 def _preflight(recipe: Recipe, world_size: int, writer: bool) -> list[str]:
