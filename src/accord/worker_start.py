@@ -40,7 +40,10 @@ class _Watcher(threading.Thread):
 
     def run(self) -> None:
         while True:
-            verdict = self.gate.read_text() if self.gate.exists() else None
+            try:
+                verdict = self.gate.read_text()
+            except FileNotFoundError:  # not written yet
+                verdict = None
             if verdict == GO:
                 self.opened.set()
                 return
