@@ -109,13 +109,12 @@ def train(
 
     announce("checking recipe…")  # before the imports below (torch: seconds)
     from accord import dist
-    from accord.checkpoint import resume_hint
+    from accord.batching import BatchPlan
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
-    from accord.forked import call_in_fork
+    from accord.forked import start_in_fork
     from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
-    from accord.launch import planned_world_size, starts_workers
-    from accord.preflight import preflight
+    from accord.launch import Interrupted, planned_world_size, run, starts_workers
 
     lines = override_lines(overrides)
     if overwrite:
@@ -144,23 +143,32 @@ def train(
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
-    if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
-        # The launcher keeps running for the whole job: check in a child, so the
-        # libraries the checks load do not stay resident beside the workers. Not with
-        # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
-        problems = call_in_fork(preflight, recipe, world_size, writer=topology.hosts_rank_zero)
-    else:
-        problems = preflight(recipe, world_size, writer=topology.hosts_rank_zero)
-    if problems:
-        raise UserInputError("\n".join(problems))
-
-    lock = acquire(out_dir, run_id) if locks_here else None
+    hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     try:
-        status = _run_in_output_dir(recipe, topology, writer=topology.hosts_rank_zero and dist.is_main())
+        checks, problems = None, []
+        if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
+            # The likeliest mistake, found in microseconds: refused before any worker starts.
+            BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
+            # The launcher keeps running for the whole job: check in a child, so the
+            # libraries the checks load do not stay resident beside the workers. Not with
+            # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
+            # The workers start meanwhile (importing torch and transformers takes seconds)
+            # and train only once the checks passed and the output folder is held.
+            checks = _ChecksThenHold(start_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero), hold)
+            if topology.multi_node:
+                # Not over several nodes: the other nodes' workers would be past their gate
+                # when this node's checks fail.
+                problems, checks = checks.result(), None
+        else:
+            problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero) or hold.enter()
+        if problems:
+            raise UserInputError("\n".join(problems))
+        status = run(recipe, topology, checks)
+    except Interrupted as e:
+        raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
-        if lock is not None:
-            lock.release()
-    message = f"stopped early on request; {resume_hint(out_dir)}" if status == "preempted" else ""
+        hold.leave()
+    message = f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else ""
     return TrainResult(status, out_dir, message)
 
 
@@ -176,29 +184,73 @@ def _check_something_to_resume(recipe: Recipe) -> None:
     raise UserInputError(f"--resume: nothing to resume ({where}); check output.dir=..., or leave out --resume to start a fresh run")
 
 
-def _run_in_output_dir(recipe: Recipe, topology, writer: bool) -> str:
-    """Run with the lock held. The writer sets an earlier run aside for --overwrite; the
-    workers delete it after their first step, and if the run ends before that it is put back."""
-    from accord.checkpoint import resume_hint
-    from accord.launch import Interrupted, run
-    from accord.observe.progress import announce
-    from accord.outputs import check_output_dir, restore_earlier_run, set_aside_earlier_run
+class _OutputHold:
+    """The run's hold on output.dir, taken only once the checks passed (a bad input leaves
+    no folder and no lock behind) and before any worker is let through its gate: the lock,
+    and for --overwrite the earlier run set aside. The workers delete the set-aside run
+    after their first good step; if the run ends before that, `leave` puts it back."""
 
-    out_dir = Path(recipe.output.dir)
-    if writer:
+    def __init__(self, recipe: Recipe, run_id: str, locks_here: bool, writer: bool) -> None:
+        self.recipe, self.run_id, self.locks_here, self.writer = recipe, run_id, locks_here, writer
+        self.out_dir = Path(recipe.output.dir)
+        self.lock = None
+        self.set_aside = False
+
+    def enter(self) -> list[str]:
+        from accord.observe.progress import announce
+        from accord.outputs import check_output_dir, set_aside_earlier_run
+
+        if self.locks_here:
+            self.lock = acquire(self.out_dir, self.run_id)
+        if not self.writer:
+            return []
         # Checked again under the lock: another run may have finished here since the checks.
-        problems = check_output_dir(recipe)
+        problems = check_output_dir(self.recipe)
         if problems:
-            raise UserInputError("\n".join(problems))
-        if recipe.output.overwrite and set_aside_earlier_run(out_dir):
-            announce(f"--overwrite: the earlier run is set aside in {out_dir}/.previous-run until this run completes a step")
-    try:
-        return run(recipe, topology)
-    except Interrupted as e:
-        raise Interrupted(f"{e}; {resume_hint(out_dir)}") from None
-    finally:
-        if writer and restore_earlier_run(out_dir):
-            announce(f"the run ended before its first good step: the earlier run in {out_dir} is back as it was")
+            return problems
+        if self.recipe.output.overwrite and set_aside_earlier_run(self.out_dir):
+            self.set_aside = True
+            announce(f"--overwrite: the earlier run is set aside in {self.out_dir}/.previous-run until this run completes a step")
+        return []
+
+    def leave(self) -> None:
+        from accord.observe.progress import announce
+        from accord.outputs import restore_earlier_run
+
+        try:
+            if self.set_aside and restore_earlier_run(self.out_dir):
+                announce(f"the run ended before its first good step: the earlier run in {self.out_dir} is back as it was")
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+
+class _ChecksThenHold:
+    """The checks still running in their child, followed (in the launcher's verdict thread)
+    by taking the hold on output.dir once they found nothing: the workers' gate opens on both."""
+
+    def __init__(self, checks, hold: _OutputHold) -> None:
+        self.checks, self.hold = checks, hold
+
+    def result(self) -> list[str]:
+        return self.checks.result() or self.hold.enter()
+
+    def cancel(self) -> None:
+        self.checks.cancel()
+
+
+def _resume_hint(out_dir: Path) -> str:
+    from accord.checkpoint import resume_hint  # the checkpoint format's imports: only when needed
+
+    return resume_hint(out_dir)
+
+
+def _preflight(recipe: Recipe, world_size: int, writer: bool) -> list[str]:
+    """preflight, imported where it runs: in the forked child, its imports (the checkpoint
+    format's among them) stay out of the launcher, which starts the workers meanwhile."""
+    from accord.preflight import preflight
+
+    return preflight(recipe, world_size, writer=writer)
 
 
 def plan(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import traceback
 from typing import Any, Callable
@@ -18,8 +19,60 @@ def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs) in a forked child: its return value, or its exception re-raised
     here. Runs in this process where fork does not exist. Only for a process that has
     started no threads of its own (fork copies the calling thread only)."""
+    return start_in_fork(fn, *args, **kwargs).result()
+
+
+class Forked:
+    """A call running in a forked child; `result()` waits for it (from any thread)."""
+
+    def __init__(self, pid: int, read_end: int) -> None:
+        self._pid, self._read_end, self._reaped = pid, read_end, False
+
+    def result(self) -> Any:
+        with os.fdopen(self._read_end, "rb") as pipe:
+            payload = pipe.read()
+        _, status = os.waitpid(self._pid, 0)
+        self._reaped = True
+        if not payload:
+            raise RunStopped(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
+        outcome, value = pickle.loads(payload)
+        if outcome == "raised":
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        """Stop the child (its result() then raises RunStopped)."""
+        if not self._reaped:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Done:
+    """The same interface where there is no fork: the call already ran here."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            self._outcome = ("returned", fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - re-raised by result(), as the child's would be
+            self._outcome = ("raised", e)
+
+    def result(self) -> Any:
+        outcome, value = self._outcome
+        if outcome == "raised":
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        pass
+
+
+def start_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Forked | _Done:
+    """Start fn(*args, **kwargs) in a forked child and return at once; the same conditions
+    as call_in_fork (fork before this process starts any thread)."""
     if not hasattr(os, "fork"):
-        return fn(*args, **kwargs)
+        return _Done(fn, args, kwargs)
     sys.stdout.flush()
     sys.stderr.flush()
     read_end, write_end = os.pipe()
@@ -28,15 +81,7 @@ def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         os.close(read_end)
         _child(write_end, fn, args, kwargs)  # never returns
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        payload = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if not payload:
-        raise RunStopped(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
-    outcome, value = pickle.loads(payload)
-    if outcome == "raised":
-        raise value
-    return value
+    return Forked(pid, read_end)
 
 
 def _child(write_end: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

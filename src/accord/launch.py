@@ -6,14 +6,24 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from accord import dist
 from accord.cluster import Topology, interface_towards, is_local_address
-from accord.errors import AccordError, RunStopped
+from accord.errors import AccordError, RunStopped, UserInputError
 from accord.recipe import EngineConfig, Recipe
 from accord.stopping import PREEMPTED_EXIT_CODE
+
+
+class PendingChecks(Protocol):
+    """The launcher's checks still running (a forked child): `result()` waits for their
+    problems, one line each (none: the run may start), or re-raises what they raised."""
+
+    def result(self) -> list[str]: ...
+
+    def cancel(self) -> None: ...
 
 
 class WorkerFailed(RunStopped):
@@ -52,10 +62,14 @@ def starts_workers(cfg: EngineConfig, topology: Topology = Topology()) -> bool:
     return local_world_size(cfg) > 1 or topology.multi_node
 
 
-def run(recipe: Recipe, topology: Topology = Topology()) -> str:
+def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks | None = None) -> str:
     """Train `recipe` here (outer launcher, or one process) or on freshly started local
     workers (joining the other nodes' when multi-node); returns how the run ended:
-    completed | preempted | stopped."""
+    completed | preempted | stopped.
+
+    `checks`: the recipe's checks, still running; the workers start now and train only if
+    they pass (else the checks' problems are raised as a UserInputError). Only where this
+    process starts the workers."""
     data = recipe.model_dump(mode="json")
     nproc = local_world_size(recipe.engine)
     if dist.outer_launcher() is None:
@@ -68,10 +82,10 @@ def run(recipe: Recipe, topology: Topology = Topology()) -> str:
         from accord.observe.progress import announce
 
         announce(f"starting {nproc} worker{'s' if nproc != 1 else ''}…" + (f" (this node's of {topology.nnodes})" if topology.multi_node else ""))
-    return _launch_watched(recipe, json.dumps(data), nproc, topology)
+    return _launch_watched(recipe, json.dumps(data), nproc, topology, checks)
 
 
-def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topology) -> str:
+def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topology, checks: PendingChecks | None) -> str:
     """The workers under the hang watchdog (accord.watchdog): a hang that used up the restarts
     ends the run with its own message rather than "worker rank N failed"."""
     from accord.engine.device import wants_cuda
@@ -80,7 +94,7 @@ def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topo
     cfg = recipe.engine
     with watch_for_hangs(cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)) as watchdog:
         try:
-            return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology)
+            return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology, checks)
         except WorkerFailed:
             if watchdog is None or watchdog.restart not in watchdog.verdicts:
                 raise
@@ -145,10 +159,10 @@ def _rendezvous(topology: Topology) -> dict[str, Any]:
     )
 
 
-def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: Topology) -> str:
-    """Workers are separate `python -m accord.worker` programs (not functions run through
-    multiprocessing): a worker that finished after a stop signal can then simply exit,
-    where a function worker would wait for the agent to collect its return value."""
+def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None) -> str:
+    """Workers are separate `python -m accord.worker_start` programs (not functions run
+    through multiprocessing): a worker that finished after a stop signal can then simply
+    exit, where a function worker would wait for the agent to collect its return value."""
     from torch.distributed.launcher.api import LaunchConfig
 
     config = LaunchConfig(
@@ -165,13 +179,58 @@ def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: T
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     _quiet_agent()
-    with tempfile.NamedTemporaryFile("w", prefix="accord-recipe-", suffix=".json") as recipe_file:
-        recipe_file.write(recipe_json)
-        recipe_file.flush()
-        return _run_agent(config, recipe_file.name)
+    from accord.worker_start import GO, open_gate
+
+    with tempfile.TemporaryDirectory(prefix="accord-run-") as folder:
+        recipe_path, gate = os.path.join(folder, "recipe.json"), os.path.join(folder, "gate")
+        with open(recipe_path, "w", encoding="utf-8") as f:
+            f.write(recipe_json)
+        if checks is None:
+            open_gate(gate, GO)
+            return _run_agent(config, recipe_path, gate)
+        verdict = _Verdict(checks, gate)
+        try:
+            status = _run_agent(config, recipe_path, gate)
+        except BaseException:
+            # Workers that never got the go (a signal, a crash at import): the checks'
+            # reason first if they have one, else the agent's; checks still running are stopped.
+            verdict.raise_if_failed(cancel=True)
+            raise
+        verdict.raise_if_failed()
+        return status
 
 
-def _run_agent(config, recipe_path: str) -> str:
+class _Verdict:
+    """Opens the workers' gate once the checks are done: `go` when they found nothing,
+    else `abort` (the workers leave quietly and the checks' reason is raised here)."""
+
+    def __init__(self, checks: PendingChecks, gate: str) -> None:
+        self._checks, self._failure = checks, None
+        self._thread = threading.Thread(target=self._wait, args=(checks, gate), name="accord-checks", daemon=True)
+        self._thread.start()
+
+    def _wait(self, checks: PendingChecks, gate: str) -> None:
+        from accord.worker_start import ABORT, GO, open_gate
+
+        try:
+            problems = checks.result()
+            if problems:
+                self._failure = UserInputError("\n".join(problems))
+        except BaseException as e:  # noqa: BLE001 - whatever stopped the checks stops the run
+            self._failure = e
+        open_gate(gate, ABORT if self._failure is not None else GO)
+
+    def raise_if_failed(self, cancel: bool = False) -> None:
+        if cancel and self._thread.is_alive():
+            self._checks.cancel()
+            self._thread.join()
+            return
+        self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+
+
+def _run_agent(config, recipe_path: str, gate: str) -> str:
     import sys
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -181,7 +240,7 @@ def _run_agent(config, recipe_path: str) -> str:
     from accord.stopping import EXIT_CODES
 
     try:
-        elastic_launch(config, sys.executable)("-m", "accord.worker", recipe_path)
+        elastic_launch(config, sys.executable)("-m", "accord.worker_start", gate, recipe_path)
     except ChildFailedError as e:
         # The first failure is the cause; the agent then stops the other workers.
         rank, failure = e.get_first_failure()
