@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -143,14 +144,30 @@ def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, t
 # ------------------------------------------------------------------ one run per folder
 
 
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of a process (T: stopped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 @pytest.mark.distributed
 def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(tiny_recipe, tmp_path):
     out = tmp_path / "out"
     # resume: auto in the recipe with nothing to resume starts fresh (only the --resume flag refuses).
-    first = start_accord("train", tiny_recipe, *SHORT, "resume=auto", f"output.dir={out}")
+    # The first run stops itself (SIGSTOP) in step 1 until the second has been refused: on an
+    # idle machine a 2-step run would otherwise be over before the second one looks.
+    first = start_accord(
+        "train", tiny_recipe, *SHORT, "resume=auto", "engine.hang_timeout_s=null", f"output.dir={out}",
+        env_extra={"ACCORD_FAULTS": "stop_rank=0,stop_at_step=1"},
+    )
     wait_for(lambda: (out / ".accord.lock").exists() or first.poll() is not None, timeout=180)
     holder = json.loads((out / ".accord.lock").read_text())
     second = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", timeout=120)
+    # One process: the launcher is the worker that stops itself; continue it once it has.
+    wait_for(lambda: _process_state(holder["pid"]) in ("T", None) or first.poll() is not None, timeout=180)
+    os.kill(holder["pid"], signal.SIGCONT)
     assert_one_line(second, f"output.dir: {out} is in use by another run (host {holder['host']}, pid {holder['pid']}, started 20")
     first_out, _ = finish(first, timeout=300)
     assert first.returncode == 0, first_out[-4000:]
