@@ -145,8 +145,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     - export: the state at rest and the tensor being gathered; the writing rank's current
       safetensors shard (its tensors, and their bytes as they are written) is host memory.
     Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
-    - resume: the build, then the optimizer state, created by a zero step (gradients), and
-      the checkpoint read into it one tensor at a time.
+    - resume: the build, then the optimizer state, created by a zero step (with gradients,
+      but for DDP's already in its buckets), and the checkpoint read into it one tensor at a time.
     """
     compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
     params = list(model.parameters())
@@ -169,7 +169,7 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     if strategy == "ddp" or (strategy == "zero1" and _torch_zero1(recipe, world)):
         build = P + G  # DDP's buckets: the gradients live in them from then on
         train = P + G + O + max(activations, update)
-        resume = build + O + G + largest
+        resume = build + O + largest  # measured: the zero step adds nothing beside DDP's buckets
     elif sharded:
         build = P + module_buffer
         train = P + G + O + M + max(activations + gathered, update)
