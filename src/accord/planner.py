@@ -144,9 +144,9 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
       being serialised; checkpoint.async first copies this rank's state to host memory.
     - export: the state at rest and the tensor being gathered; the writing rank's current
       safetensors shard (its tensors, and their bytes as they are written) is host memory.
-    Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
       but for DDP's already in its buckets), and the checkpoint read into it one tensor at a time.
+    Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
     """
     compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
     params = list(model.parameters())
@@ -166,10 +166,11 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         root = sum(p.numel() for p in params if id(p) not in in_layers)
         gathered = compute * (root + 2 * unit) + 4 * unit
     update = largest if cpu else 0.0
-    if strategy == "ddp" or (strategy == "zero1" and _torch_zero1(recipe, world)):
-        build = P + G  # DDP's buckets: the gradients live in them from then on
+    if strategy == "ddp" or (strategy == "zero1" and _torch_zero1(recipe)):
+        buckets = G if world > 1 else 0.0  # DDP's: the gradients live in them from then on (one process: no DDP)
+        build = P + buckets
         train = P + G + O + max(activations, update)
-        resume = build + O + largest  # measured: the zero step adds nothing beside DDP's buckets
+        resume = build + O + (G - buckets) + largest  # measured: the zero step adds nothing beside DDP's buckets
     elif sharded:
         build = P + module_buffer
         train = P + G + O + M + max(activations + gathered, update)
@@ -185,10 +186,11 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     return {"build": build, "train": train, "checkpoint": checkpoint, "export": export, "resume": resume}
 
 
-def _torch_zero1(recipe: Recipe, world: int) -> bool:
+def _torch_zero1(recipe: Recipe) -> bool:
+    """zero1 runs as torch's ZeroRedundancyOptimizer over DDP (accord.engine.zero1)."""
     from accord.engine import deepspeed_available
 
-    return world > 1 and recipe.engine.offload == "none" and (
+    return recipe.engine.offload == "none" and (
         recipe.engine.zero1_implementation == "torch" or (recipe.engine.zero1_implementation == "auto" and not deepspeed_available())
     )
 
