@@ -7,8 +7,12 @@ Prints a table of:
      2048-token rows, with engine.compile off and on (target: MFU >= 45%);
   2. one short run each of zero2, zero3 and fsdp on one GPU (they start, step and export);
   3. `accord plan`'s predicted peak memory next to torch.cuda.max_memory_allocated, when
-     `accord plan` is available.
+     `accord plan` is available;
+  4. per phase (build, train steps, checkpoint, export, then a resume for one more step) of
+     the zero3 and fsdp runs: the run's own `memory` records (max_memory_allocated up to the
+     end of the phase) next to `accord plan`'s per-phase peak (its highest up to that phase).
 Everything runs through `accord train` itself; figures come from each run's metrics.jsonl.
+`--dry-run` needs no GPU: it writes the recipes and prints the plan's figures only.
 """
 
 from __future__ import annotations
@@ -58,9 +62,12 @@ def recipe(folder: Path, name: str, strategy: str, steps: int, compile_: bool, b
     return path
 
 
-def train(path: Path, timeout: int) -> tuple[float, dict]:
+PHASES = ("build", "train", "checkpoint", "export", "resume")
+
+
+def train(path: Path, timeout: int, *overrides: str) -> tuple[float, dict]:
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "accord", "train", str(path)], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "accord", "train", str(path), *overrides], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return time.time() - start, {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]}
     out = Path(yaml.safe_load(path.read_text())["output"]["dir"])
@@ -76,23 +83,59 @@ def train(path: Path, timeout: int) -> tuple[float, dict]:
     return time.time() - start, summary
 
 
-def planned_peak(path: Path) -> float | None:
+def planned_row(path: Path) -> dict | None:
     proc = subprocess.run([sys.executable, "-m", "accord", "plan", str(path), "--gpus", "1", "--json"], capture_output=True, text=True)
     if proc.returncode != 0:
         return None
     data = json.loads(proc.stdout)
     strategy = yaml.safe_load(path.read_text())["engine"]["strategy"]
-    return next((row["total_gib"] for row in data["strategies"] if row["strategy"] == strategy), None)
+    return next((row for row in data["strategies"] if row["strategy"] == strategy), None)
+
+
+def planned_peak(path: Path) -> float | None:
+    row = planned_row(path)
+    return row["total_gib"] if row else None
+
+
+def planned_phases(path: Path) -> dict[str, float]:
+    """The plan's peak of each phase as a record reports it: the highest up to that phase
+    (the resume is a new process: its own)."""
+    row = planned_row(path)
+    phases = (row or {}).get("phases_gib", {})
+    out, so_far = {}, 0.0
+    for phase in PHASES:
+        if phase in phases:
+            so_far = phases[phase] if phase == "resume" else max(so_far, phases[phase])
+            out[phase] = so_far
+    return out
+
+
+def measured_phases(path: Path) -> dict[str, float]:
+    """The largest rank's peak at the end of each phase; the resumed run's build is `resume`."""
+    out_dir = Path(yaml.safe_load(path.read_text())["output"]["dir"])
+    found: dict[str, float] = {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "memory":
+            phase = "resume" if record["phase"] == "build" and "build" in found else record["phase"]
+            found.setdefault(phase, record["peak_gib_max"])
+    return found
+
+
+def print_phases(label: str, measured: dict[str, float], planned: dict[str, float]) -> None:
+    cell = lambda d, p: f"{d[p]:.2f}" if p in d else "-"  # noqa: E731
+    print(f"{label:24} " + " ".join(f"{cell(measured, p) + ' / ' + cell(planned, p):>13}" for p in PHASES))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the results as JSON")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU needed: write the recipes and print the plan's per-phase figures")
     args = parser.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device visible")
+    if not torch.cuda.is_available() and not args.dry_run:
+        sys.exit("gpu_check: no CUDA device visible (--dry-run prints the plan only)")
     folder = Path(tempfile.mkdtemp(prefix="accord-gpu-check-"))
     write_corpus(folder)
     runs = [
@@ -102,6 +145,13 @@ def main() -> None:
         ("zero3 (1 GPU)", "zero3", 4, False, 4),
         ("fsdp (1 GPU)", "fsdp", 4, False, 4),
     ]
+    if args.dry_run:
+        print(f"planned peak per phase on 1 GPU (GiB): {' '.join(PHASES)}")
+        for label, strategy, steps, compile_, batch in runs:
+            path = recipe(folder, label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}", strategy, steps, compile_, batch)
+            planned = planned_phases(path)
+            print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
+        return
     results = []
     print(f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens")
     header = f"{'run':24} {'wall s':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'planned GiB':>11} {'loss':>7}"
@@ -120,6 +170,16 @@ def main() -> None:
             f"{label:24} {seconds:>7.0f} {summary['tokens_per_s']:>10,.0f} {100 * summary['mfu']:>5.1f}% "
             f"{summary['peak_memory_gib']:>9.1f} {planned:>11} {summary['final_loss']:>7.3f}"
         )
+    print(f"\nper phase, measured / planned peak GiB (max_memory_allocated; the plan's highest up to the phase):")
+    print(f"{'run':24} " + " ".join(f"{p:>13}" for p in PHASES))
+    for (label, strategy, steps, compile_, batch), summary in zip(runs, results):
+        if strategy not in ("zero3", "fsdp") or "error" in summary:
+            continue
+        path = recipe(folder, label.split()[0] + f"-{strategy}", strategy, steps, compile_, batch)
+        _, resumed = train(path, 240, f"train.max_steps={steps + 1}", "output.overwrite=false", "--resume")
+        summary["phases_gib"] = measured_phases(path) | ({"resume_error": resumed["error"]} if "error" in resumed else {})
+        summary["planned_phases_gib"] = planned_phases(path)
+        print_phases(label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -263,7 +263,8 @@ def plan(
     gpu_memory: float | str | None = None,
 ) -> PlanResult:
     """What each strategy holds per GPU for `recipe` on nodes × gpus GPUs, from the model
-    built on the meta device (nothing is loaded), and the cheapest strategy that fits.
+    built on the meta device (nothing is loaded), and the cheapest strategy that fits; each
+    row's `phases` gives the peak per rank of build, train, checkpoint, export and resume.
 
     gpus: GPUs per node (default: this machine's; on a machine without GPUs, the recipe's
     engine.processes CPU processes, each with an equal share of the RAM as its memory).
@@ -292,7 +293,7 @@ def plan(
     else:
         ram = _ram_gib()
         memory, source = ram / gpus, f"{ram:.1f} GiB RAM / {gpus} processes"
-    rows, world = plan_strategies(recipe, gpus, nodes)
+    rows, world = plan_strategies(recipe, gpus, nodes, cpu=device != "GPU")
     advice = recommend(rows, recipe, world, memory, device) if memory else "give the memory per GPU (--gpu-memory) to see what fits"
     return PlanResult(rows, world, memory, advice, device, nodes, source)
 

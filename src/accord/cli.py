@@ -221,7 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from accord import api
-    from accord.planner import format_table
+    from accord.planner import format_phases, format_table
 
     result = api.plan(args.recipe, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory)
     if args.json:
@@ -232,6 +232,8 @@ def _plan(args: argparse.Namespace) -> int:
     devices = f"{result.per_node} {result.device}" + ("" if result.per_node == 1 else "es" if result.device.endswith("s") else "s")
     print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {devices}{memory}{source}, per {result.device} (GiB):")
     print(format_table(result.rows, result.gpu_memory_gib))
+    print(f"peak per {result.device} in each phase of a run (GiB above an empty process's):")
+    print(format_phases(result.rows))
     print(f"accord: {result.advice}")
     return 0
 

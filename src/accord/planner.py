@@ -10,15 +10,17 @@ groups). Activations are an estimate per layer from the config, micro batch and 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from accord.batching import BatchPlan, divisors
+from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
 from accord.tasks.chunked_loss import chunking_blocker
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+PHASES = ("build", "train", "checkpoint", "export", "resume")
 GIB = 2**30
 
 
@@ -32,13 +34,15 @@ class StrategyPlan:
     activations: float
     micro_batch_size: int
     grad_accum: int
+    # Each phase's own peak per rank, bytes above an empty process's (see phase_peaks).
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.master + self.activations
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"total_gib": self.total / GIB}
+        return asdict(self) | {"total_gib": self.total / GIB, "phases_gib": {k: v / GIB for k, v in self.phases.items()}}
 
 
 def meta_model(recipe: Recipe):
@@ -127,7 +131,78 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     return kept + logits
 
 
-def plan(recipe: Recipe, gpus: int, nodes: int = 1) -> tuple[list[StrategyPlan], int]:
+def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activations: float, recipe: Recipe, cpu: bool) -> dict[str, float]:
+    """Bytes rank 0 holds at the peak of each phase, above an empty process's, under
+    `strategy`: live tensors on the rank's device (host memory when `cpu`, else the GPU's).
+
+    Every phase keeps the model state it starts from; on top of it:
+    - build: a sharded strategy (fsdp, zero3) builds on the meta device and initialises or
+      loads one module at a time, whole (accord.weights); DDP allocates its gradient
+      buckets (gradients are views into them) when it wraps the model; DeepSpeed ZeRO-1/2
+      copies the parameters into flat fp32 groups and its master partition.
+    - train: gradients, AdamW's moments (created at step 1), the micro-batch's activations
+      and what a sharded strategy gathers: the root's parameters (kept from forward to
+      backward) and two layers' (the one running and the one prefetched), plus the running
+      layer's whole gradient before its reduce-scatter. AdamW on the CPU updates one tensor
+      at a time (one tensor's temporary); on a GPU its fused kernel needs none.
+    - checkpoint: the state at rest (gradients are freed after each step) and one tensor
+      being serialised; checkpoint.async first copies this rank's state to host memory.
+    - export: the state at rest and the tensor being gathered; the writing rank's current
+      safetensors shard (its tensors, and their bytes as they are written) is host memory.
+    - resume: the build, then the optimizer state, created by a zero step (with gradients,
+      but for DDP's already in its buckets), and the checkpoint read into it one tensor at a time.
+    Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
+    """
+    compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
+    params = list(model.parameters())
+    whole = 4 * sum(p.numel() for p in params)
+    largest = 4 * max((p.numel() for p in params), default=0)
+    module_buffer = 4 * max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    P, G, O, M = state["params"], state["grads"], state["optimizer"], state["master"]  # noqa: N806
+    at_rest = P + O + M
+    sharded = strategy in ("fsdp", "zero3")
+    gathered = 0.0
+    if sharded:
+        from accord.engine.wrapping import layer_modules
+
+        layers = layer_modules(model, recipe.engine.fsdp_layer_class)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        unit = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+        root = sum(p.numel() for p in params if id(p) not in in_layers)
+        gathered = compute * (root + 2 * unit) + 4 * unit
+    update = largest if cpu else 0.0
+    if strategy == "ddp" or (strategy == "zero1" and _torch_zero1(recipe)):
+        buckets = G if world > 1 else 0.0  # DDP's: the gradients live in them from then on (one process: no DDP)
+        build = P + buckets
+        train = P + G + O + max(activations, update)
+        resume = build + O + (G - buckets) + largest  # measured: the zero step adds nothing beside DDP's buckets
+    elif sharded:
+        build = P + module_buffer
+        train = P + G + O + M + max(activations + gathered, update)
+        resume = build + O + M + G + largest
+    else:  # DeepSpeed ZeRO-1/2: flat fp32 groups beside the module's parameters
+        build = P + M + (P if compute == 4 else 0.0)
+        train = P + G + O + M + max(activations, update)
+        resume = build + O + G + largest
+    staged = at_rest if recipe.checkpoint.async_ and cpu else 0.0
+    checkpoint = max(train, at_rest + largest + staged)
+    # The shard's tensors, and part of their bytes while safetensors writes them (1.36x the shard measured, on the CPU).
+    export = at_rest + largest + (1.5 * min(SHARD_BYTES, whole) if cpu else 0.0)
+    return {"build": build, "train": train, "checkpoint": checkpoint, "export": export, "resume": resume}
+
+
+def _torch_zero1(recipe: Recipe) -> bool:
+    """zero1 runs as torch's ZeroRedundancyOptimizer over DDP (accord.engine.zero1)."""
+    from accord.engine import deepspeed_available
+
+    return recipe.engine.offload == "none" and (
+        recipe.engine.zero1_implementation == "torch" or (recipe.engine.zero1_implementation == "auto" and not deepspeed_available())
+    )
+
+
+def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[list[StrategyPlan], int]:
+    """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
+    phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
     batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world)
     model = meta_model(recipe)
@@ -140,7 +215,8 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1) -> tuple[list[StrategyPlan],
             offload = "optimizer"
         state = model_state(model, strategy, world, recipe.engine.precision, offload)
         act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, recipe.engine.activation_checkpointing, loss_chunk)
-        rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum))
+        phases = phase_peaks(model, strategy, world, state, act, recipe, cpu)
+        rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum, phases=phases))
     return rows, world
 
 
@@ -178,4 +254,13 @@ def format_table(rows: list[StrategyPlan], memory_gib: float | None) -> str:
         if memory_gib:
             line += "  yes" if r.total <= memory_gib * GIB else "  no"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def format_phases(rows: list[StrategyPlan]) -> str:
+    """Each phase's peak per rank (GiB above an empty process's), one row per strategy."""
+    header = f"{'strategy':9} " + " ".join(f"{p:>10}" for p in PHASES)
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.strategy:9} " + " ".join(f"{r.phases.get(p, 0.0) / GIB:>10.3f}" for p in PHASES))
     return "\n".join(lines)

@@ -68,7 +68,9 @@ class FSDPEngine(TorchUpdateEngine):
         return True
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        # Without sync FSDP2 keeps accumulating unsharded gradients locally and
-        # reduce-scatters their sum on the last micro-step: the same result as one big batch.
-        self._wrapped.set_requires_gradient_sync(last_micro_step)
+        # Every micro-step reduce-scatters its gradients and adds them to the sharded ones:
+        # the same sum as one big batch. Skipping the sync until the last micro-step would
+        # save communication, but FSDP2 then keeps the whole model's unsharded gradients on
+        # every rank in between (+4 bytes per parameter: measured +0.15 GiB per rank on a
+        # 38M model at world 2, i.e. more than the rank's shard of the weights and moments).
         return contextlib.nullcontext()
