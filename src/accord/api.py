@@ -124,6 +124,9 @@ def train(
         lines.append(f"engine.devices={json.dumps(list(devices))}")
     recipe = load(recipe, lines)
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    from accord import dist
+
+    dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
     world_size = planned_world_size(recipe.engine, topology)
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
     if recipe.engine.deepspeed_config:

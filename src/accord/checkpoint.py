@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from accord import __version__, dist, faults
+from accord import __version__, dist, faults, nodefolders
 from accord.errors import RunStopped
 from accord.recipe import Recipe, recipe_to_yaml
 
@@ -69,7 +69,7 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
     final = root / step_name(state.step)
     tmp = root / f".tmp-{final.name}"
     error = None
-    if info.is_main:
+    if nodefolders.writes_folder(info):  # rank 0, and with a folder per node each node's leader
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
@@ -80,7 +80,7 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
     write = None
     try:
         write = engine.save_state(tmp, writer=info.is_main, asynchronous=asynchronous)
-        torch.save(_rng_state(), tmp / "rng" / f"rank-{info.rank:05d}.pt")
+        _save_rng(tmp, info)
     except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
     _agree_or_raise(error, state.step, tmp, info)
@@ -109,7 +109,7 @@ class PendingCheckpoint:
             if self._write is not None:
                 self._write.result()  # this rank's files; on rank 0 also the index, written after every rank's
             faults.pause_before_sealing_checkpoint(self.state.step)
-            if self.info.is_main:
+            if nodefolders.writes_folder(self.info):  # every rank's files are written by now (DCP's last collective)
                 _seal(self.state, self.recipe, self.root, self.final, self.tmp)
         except (Exception, CheckpointException) as e:
             self._error = e
@@ -129,6 +129,7 @@ def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Pa
     point `latest` at it, and only then prune older checkpoints."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
     (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
+    nodefolders.record(tmp)
     _fsync_tree(tmp)
     _write_durably(tmp / COMPLETE, "")
     if final.exists():  # the same step written again by a resumed run
@@ -144,7 +145,7 @@ def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dis
     (failed,) = dist.any_rank(error is not None)
     if not failed:
         return
-    if info.is_main:
+    if nodefolders.writes_folder(info):
         shutil.rmtree(tmp, ignore_errors=True)
     reason = _reason(error) if error is not None else "it failed on another rank"
     raise CheckpointError(
@@ -174,6 +175,13 @@ def prune(root: Path, keep_last: int) -> None:
     """Remove the oldest complete checkpoints beyond `keep_last` (called after a new one is sealed)."""
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_rng(tmp: Path, info: dist.DistInfo) -> None:
+    """This rank's RNG state, into its own node's folder (which it creates if need be)."""
+    path = tmp / "rng" / f"rank-{info.rank:05d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), path)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -357,7 +365,7 @@ def check_resume(recipe: Recipe) -> list[str]:
         return []
     from accord.engine.state import state_problems
 
-    damaged = state_problems(source)
+    damaged = [] if nodefolders.checked_when_nodes_meet(source) else state_problems(source)
     if damaged:
         return damaged
     changes = identity_changes(read_checkpoint_recipe(source), recipe)

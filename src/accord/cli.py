@@ -267,7 +267,9 @@ def _config(args: argparse.Namespace) -> int:
 def _fail(message: str, code: int = 2) -> int:
     from accord import dist
 
-    if dist.is_main():
+    # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
+    # node's log says why it stopped, not only the launcher's ChildFailedError.
+    if dist.is_main() or dist.env_info().local_rank == 0:
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
     return code
