@@ -74,3 +74,44 @@ def test_deepspeed_launcher_on_cpu_equals_accord_train(tiny_reference, tmp_path)
     assert_ok(proc)
     assert proc.stderr.count("accord: batch 2 processes × 8 sequences × 2 accumulation steps") == 1
     assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
+
+
+def _outer_launcher_env(monkeypatch, master: str, world: int, local_world: int) -> None:
+    """A worker's environment as torchrun sets it (node 0 of world // local_world nodes)."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
+                        "TORCHELASTIC_RUN_ID": "t", "MASTER_ADDR": master, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_outer_launcher_multi_node_with_a_loopback_master_stops_with_one_line(monkeypatch):
+    from accord import dist
+    from accord.cluster import ClusterError
+
+    _outer_launcher_env(monkeypatch, "localhost", world=4, local_world=2)
+    with pytest.raises(ClusterError, match=r"MASTER_ADDR=localhost is a loopback address, which the other nodes of this 2-node job cannot reach"):
+        dist.choose_gloo_interface()
+
+
+def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
+    """Under torchrun & co. gloo gets the interface whose address routes to MASTER_ADDR
+    (else it binds the host name's, often 127.0.0.1); on one node a loopback master needs
+    nothing, and GLOO_SOCKET_IFNAME set by the user is kept."""
+    from accord import dist
+    from accord.cluster import _ipv4_of
+
+    outward = [(name, _ipv4_of(name)) for _, name in socket.if_nameindex() if name != "lo" and _ipv4_of(name)]
+    if not outward:
+        pytest.skip("no network interface with an IPv4 address besides loopback")
+    name, address = outward[0]
+    _outer_launcher_env(monkeypatch, address, world=4, local_world=2)
+    dist.choose_gloo_interface()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == name
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
+    dist.choose_gloo_interface()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine0"
+
+    _outer_launcher_env(monkeypatch, "127.0.0.1", world=2, local_world=2)
+    dist.choose_gloo_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
