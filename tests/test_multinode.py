@@ -107,8 +107,8 @@ def _launcher(kind: str, rank: int, port: int, nproc: int, config_dir) -> list[s
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
 
 
-def _start_outer(namespace: str, launcher: list[str], args: list[str]) -> subprocess.Popen:
-    env = accord_env()
+def _start_outer(namespace: str, launcher: list[str], args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = accord_env() | (env_extra or {})
     env.pop("GLOO_SOCKET_IFNAME", None)  # accord must find the interface itself
     command = ["ip", "netns", "exec", namespace, *launcher, "-m", "accord", *args]
     return start_process(command, merge_output=True, env=env)
@@ -161,22 +161,22 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
     it was on in its folder (or the shared one); resuming with --resume on both nodes ends
     with one node's weights."""
     import signal
-    import time
 
     from accord.checkpoint import complete_checkpoints, read_state
 
     recipe, reference = single
     outs = [tmp_path / "out0", tmp_path / ("out1" if folders == "node-local" else "out0")]
     args = lambda rank, *more: ["train", str(recipe), "engine.processes=1", "checkpoint.every_steps=2", f"output.dir={outs[rank]}", *more]  # noqa: E731
-    nodes = [_start_outer(ns, _launcher(kind, rank, 29631, 1, tmp_path), args(rank)) for rank, ns in enumerate(namespaces)]
-    wait_for(lambda: (outs[0] / "checkpoints" / "latest").exists() or any(n.poll() is not None for n in nodes), timeout=240)
-    time.sleep(1)
+    # The checkpoint of step 2 is held open for 5 s on every rank: the signal comes mid-run however fast the machine is.
+    pause = {"ACCORD_FAULTS": "checkpoint_pause_at_step=2,checkpoint_pause_s=5"}
+    nodes = [_start_outer(ns, _launcher(kind, rank, 29631, 1, tmp_path), args(rank), pause) for rank, ns in enumerate(namespaces)]
+    wait_for(lambda: (outs[0] / "checkpoints" / ".tmp-step-000002").is_dir() or any(n.poll() is not None for n in nodes), timeout=240)
     for node in nodes:
         os.kill(node.pid, signal.SIGTERM)  # a scheduler's preemption reaches every node
     outputs = [finish(node, timeout=240)[0] for node in nodes]
     assert "stop requested (SIGTERM)" in outputs[0], outputs[0][-3000:]
     stopped_at = read_state(complete_checkpoints(outs[0] / "checkpoints")[-1]).step
-    assert 2 <= stopped_at < 10 and (outs[1] / "checkpoints" / f"step-{stopped_at:06d}" / "COMPLETE").is_file()
+    assert 2 < stopped_at < 10 and (outs[1] / "checkpoints" / f"step-{stopped_at:06d}" / "COMPLETE").is_file()
     if folders == "node-local":
         # node 0 alone cannot resume: it lacks node 1's shard, and says which and where it is
         alone = run_accord("train", recipe, f"output.dir={outs[0]}", "--resume", timeout=240)
@@ -189,14 +189,28 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
     assert max_param_diff(final_params(reference), final_params(outs[0])) <= 1e-5
 
 
-def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe):
-    """A global batch that does not divide over 2 nodes × 2 processes: both nodes' logs say
-    why, not only node 0's (node 1's showed only the launcher's ChildFailedError)."""
+REFUSALS = {
+    # every rank sees it (node 1 printed nothing before: only global rank 0 printed errors)
+    "batch": (2, ["batch.global_batch_size=6"], "batch.global_batch_size=6 cannot be split over 4 processes"),
+    # only rank 0 sees it (node 1 died in the process-group set-up with a network traceback)
+    "output.dir": (1, [], "already holds a run (metrics.jsonl); pass --resume"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param("batch", marks=pytest.mark.slow), "output.dir"])
+def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, case):
+    """A run refused on rank 0 under torchrun on 2 nodes: both nodes' logs say why in
+    accord's one line, not only the launcher's ChildFailedError."""
+    nproc, overrides, reason = REFUSALS[case]
+    if case == "output.dir":  # node 0's folder holds an earlier run; node 1's is new
+        (tmp_path / "o0").mkdir()
+        (tmp_path / "o0" / "metrics.jsonl").write_text("{}\n")
     codes, outputs = _run_two_nodes(
-        namespaces, "torchrun", 29641, lambda rank: ["train", str(tiny_recipe), "batch.global_batch_size=6", f"output.dir={tmp_path / f'o{rank}'}"],
-        tmp_path, nproc=2, timeout=120,
+        namespaces, "torchrun", 29641, lambda rank: ["train", str(tiny_recipe), *overrides, f"output.dir={tmp_path / f'o{rank}'}"],
+        tmp_path, nproc=nproc, timeout=150,
     )
     for code, output in zip(codes, outputs):
         assert code != 0
-        assert output.count("accord: error: batch.global_batch_size=6 cannot be split over 4 processes") == 1, output[-3000:]
+        lines = [line for line in output.splitlines() if line.startswith("accord: error:")]
+        assert len(lines) == 1 and reason in lines[0], output[-3000:]
         assert "Traceback" not in output.split("accord: error:")[0]

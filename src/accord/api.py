@@ -127,6 +127,9 @@ def train(
     from accord import dist
 
     dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
+    from accord import refusals
+
+    refusals.watch()  # another node than rank 0's: print rank 0's refusal if it comes
     world_size = planned_world_size(recipe.engine, topology)
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
     if recipe.engine.deepspeed_config:

@@ -265,13 +265,15 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _fail(message: str, code: int = 2) -> int:
-    from accord import dist
+    from accord import dist, refusals
 
     # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
     # node's log says why it stopped, not only the launcher's ChildFailedError.
-    if dist.is_main() or dist.env_info().local_rank == 0:
+    if (dist.is_main() or dist.env_info().local_rank == 0) and refusals.claim():
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
+    if not dist.left_a_group() and not dist.in_group():
+        refusals.publish(message)  # rank 0 refused before the nodes met: tell the other nodes
     return code
 
 

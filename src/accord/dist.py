@@ -146,6 +146,11 @@ def exit_after_shutdown(code: int) -> NoReturn:
     os._exit(code)
 
 
+def in_group() -> bool:
+    """Whether this process is in a process group now."""
+    return dist.is_initialized()
+
+
 def left_a_group() -> bool:
     """Whether this process joined and left a process group (see exit_after_shutdown)."""
     return _left_group

@@ -54,6 +54,9 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     dist.init(device)
+    from accord import refusals
+
+    refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
     clean = False
     try:
         result = _run(recipe, info, device, stop)
