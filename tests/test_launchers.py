@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import accord_env, assert_ok, final_params, max_param_diff, run_process
+from conftest import accord_env, assert_ok, final_params, finish, max_param_diff, run_process, start_process
 
 
 def _free_port() -> int:
@@ -115,3 +115,28 @@ def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
     _outer_launcher_env(monkeypatch, "127.0.0.1", world=2, local_world=2)
     dist.choose_gloo_interface()
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
+    """Rank 0 refusing a multi-node run under torchrun leaves its line in the agent's store;
+    node 1's local rank 0 (here a separate process watching the same store) prints that
+    line and ends its node's workers with exit 2, instead of dying in the group set-up."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from accord import refusals
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)  # the agent's
+    env = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    watching = "import time; from accord import refusals; refusals.watch(); print('watching', flush=True); time.sleep(60)"
+    node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
+    assert node1.stdout.readline().strip() == "watching"
+    for name, value in (env | {"RANK": "0"}).items():
+        monkeypatch.setenv(name, value)
+    refusals.publish("output.dir: out0 already holds a run")  # returns once node 1 has read it
+    out, err = finish(node1, timeout=30)
+    assert node1.returncode == 2
+    assert err.strip() == "accord: error: output.dir: out0 already holds a run"
+    assert store.add(refusals.SEEN, 0) == 1
