@@ -215,3 +215,20 @@ def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, c
         lines = [line for line in output.splitlines() if line.startswith("accord: error:")]
         assert len(lines) == 1 and reason in lines[0], output[-3000:]
         assert "Traceback" not in output.split("accord: error:")[0]
+
+
+@pytest.mark.slow  # ~2 min on 2 loaded cores: the probe, then the 2-step runs
+def test_doctor_across_two_nodes_compares_them_and_passes(namespaces, tmp_path, tiny_recipe):
+    """`accord doctor` on both nodes: each node's view (versions, data, disk, the veth
+    towards the master), the all-reduce between the two nodes and the 2-step equivalence."""
+    nodes = [
+        _start_node(ns, ["doctor", str(tiny_recipe), "engine.processes=1", f"output.dir={tmp_path / f'd{rank}'}", "--nnodes", "2",
+                         "--node-rank", str(rank), "--master-addr", ADDRESSES[0], "--master-port", "29651"])
+        for rank, ns in enumerate(namespaces)
+    ]
+    outputs = [finish(node, timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    table = outputs[0].splitlines()
+    assert any(line.startswith("ok") and "network" in line and "towards the master 10.123.0.1; the nodes met" in line and "node 1" in line for line in table)
+    assert any(line.startswith("ok") and "all-reduce bandwidth" in line and "nodes 0 and 1" in line for line in table)
+    assert any(line.startswith("ok") and "2 processes on 2 nodes vs 1 process" in line for line in table)

@@ -253,7 +253,12 @@ def run(recipe: Recipe, topology: Topology, with_self_test: bool = True) -> int:
     with tempfile.TemporaryDirectory(prefix="accord-doctor-") as tmp:
         folder = Path(tmp)
         (folder / "view.json").write_text(json.dumps(view))
+        net = view["network"]
         try:
+            if topology.multi_node and (net["loopback"] or net["interface"] is None):
+                # the nodes could not meet: say so now instead of waiting for the rendezvous to time out
+                raise AccordError(f"no interface reaches the master {net['master']} from here (a loopback address or "
+                                  f"unroutable); give node 0's network address")
             run_module("accord.doctor", [str(folder / "view.json"), str(folder / "picture.json")], recipe.engine, topology)
             lines = lines_from(json.loads((folder / "picture.json").read_text()), recipe)
         except AccordError as e:
