@@ -183,7 +183,7 @@ def complete_from_peers(folder: Path, info: dist.DistInfo) -> list[str]:
     folder holds all the checkpoint needs. Returns the problems (one line each, the same
     on every rank): files no node of this run holds, named with the rank that wrote them."""
     layout = current(info)
-    (recorded,) = dist.any_rank(read_layout(folder) is not None and read_layout(folder)["layout"] == NODE_LOCAL)
+    (recorded,) = dist.any_rank(checked_when_nodes_meet(folder))  # also when resuming on fewer nodes
     if layout.kind != NODE_LOCAL and not recorded:
         return []
     if layout.kind == NODE_LOCAL:
