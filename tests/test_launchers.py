@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import accord_env, assert_ok, final_params, max_param_diff, run_process
+from conftest import accord_env, assert_ok, final_params, finish, max_param_diff, run_process, start_process
 
 
 def _free_port() -> int:
@@ -74,3 +74,69 @@ def test_deepspeed_launcher_on_cpu_equals_accord_train(tiny_reference, tmp_path)
     assert_ok(proc)
     assert proc.stderr.count("accord: batch 2 processes × 8 sequences × 2 accumulation steps") == 1
     assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
+
+
+def _outer_launcher_env(monkeypatch, master: str, world: int, local_world: int) -> None:
+    """A worker's environment as torchrun sets it (node 0 of world // local_world nodes)."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
+                        "TORCHELASTIC_RUN_ID": "t", "MASTER_ADDR": master, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_outer_launcher_multi_node_with_a_loopback_master_stops_with_one_line(monkeypatch):
+    from accord import dist
+    from accord.cluster import ClusterError
+
+    _outer_launcher_env(monkeypatch, "localhost", world=4, local_world=2)
+    with pytest.raises(ClusterError, match=r"MASTER_ADDR=localhost is a loopback address, which the other nodes of this 2-node job cannot reach"):
+        dist.choose_gloo_interface()
+
+
+def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
+    """Under torchrun & co. gloo gets the interface whose address routes to MASTER_ADDR
+    (else it binds the host name's, often 127.0.0.1); on one node a loopback master needs
+    nothing, and GLOO_SOCKET_IFNAME set by the user is kept."""
+    from accord import dist
+    from accord.cluster import _ipv4_of
+
+    outward = [(name, _ipv4_of(name)) for _, name in socket.if_nameindex() if name != "lo" and _ipv4_of(name)]
+    if not outward:
+        pytest.skip("no network interface with an IPv4 address besides loopback")
+    name, address = outward[0]
+    _outer_launcher_env(monkeypatch, address, world=4, local_world=2)
+    dist.choose_gloo_interface()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == name
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
+    dist.choose_gloo_interface()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine0"
+
+    _outer_launcher_env(monkeypatch, "127.0.0.1", world=2, local_world=2)
+    dist.choose_gloo_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
+    """Rank 0 refusing a multi-node run under torchrun leaves its line in the agent's store;
+    node 1's local rank 0 (here a separate process watching the same store) prints that
+    line and ends its node's workers with exit 2, instead of dying in the group set-up."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from accord import refusals
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)  # the agent's
+    env = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    watching = "import time; from accord import refusals; refusals.watch(); print('watching', flush=True); time.sleep(60)"
+    node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
+    assert node1.stdout.readline().strip() == "watching"
+    for name, value in (env | {"RANK": "0"}).items():
+        monkeypatch.setenv(name, value)
+    refusals.publish("output.dir: out0 already holds a run")  # returns once node 1 has read it
+    out, err = finish(node1, timeout=30)
+    assert node1.returncode == 2
+    assert err.strip() == "accord: error: output.dir: out0 already holds a run"
+    assert store.add(refusals.SEEN, 0) == 1

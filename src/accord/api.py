@@ -130,6 +130,10 @@ def train(
     if resume:
         _check_something_to_resume(recipe)
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
+    from accord import refusals
+
+    refusals.watch()  # another node than rank 0's: print rank 0's refusal if it comes
     run_id = topology.run_id or dist.launcher_run_id() or new_run_id()
     # One lock per node: taken by the launcher, or under an outer launcher by each node's local rank 0.
     locks_here = dist.outer_launcher() is None or dist.env_info().local_rank == 0

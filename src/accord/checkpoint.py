@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from accord import __version__, dist, faults
+from accord import __version__, dist, faults, nodefolders
 from accord.checkpoint_verify import file_entries, unlisted_entries, verify, write_manifest
 from accord.errors import RunStopped
 from accord.recipe import Recipe, recipe_to_yaml
@@ -75,7 +75,7 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
     final = root / step_name(state.step)
     tmp = root / f".tmp-{final.name}"
     error = None
-    if info.is_main:
+    if nodefolders.writes_folder(info):  # rank 0, and with a folder per node each node's leader
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
@@ -86,7 +86,7 @@ def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path,
     write = None
     try:
         write = engine.save_state(tmp, writer=info.is_main, asynchronous=asynchronous)
-        torch.save(_rng_state(), tmp / "rng" / _rng_name(info.rank))
+        _save_rng(tmp, info)
     except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
     _agree_or_raise(error, state.step, tmp, info)
@@ -126,9 +126,15 @@ class PendingCheckpoint:
             if failed and self._error is None:
                 raise OSError(failed[0])
             faults.pause_before_sealing_checkpoint(self.state.step)
-            if self.info.is_main:
-                manifest = {name: entry for rank_entries in gathered for name, entry in rank_entries.items()}
-                _seal(self.state, self.recipe, self.root, self.final, self.tmp, manifest)
+            if nodefolders.writes_folder(self.info):  # every rank's files are written by now (DCP's last collective)
+                # Each folder's manifest lists the files its own ranks wrote into it (one folder: every rank's).
+                manifest = {
+                    name: entry
+                    for rank_entries in gathered
+                    for name, entry in rank_entries.items()
+                    if nodefolders.writes_into_my_folder(int(entry["rank"]), self.info)
+                }
+                _seal(self.state, self.recipe, self.root, self.final, self.tmp, manifest, self.info.rank)
         except (Exception, CheckpointException) as e:
             self._error = self._error or e
 
@@ -148,13 +154,14 @@ class PendingCheckpoint:
         return self.final
 
 
-def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any]) -> None:
-    """Rank 0, once every rank's files are in `tmp` and `manifest` holds their entries: record
-    them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
+def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any], leader: int = 0) -> None:
+    """The folder's leader (rank 0 where one folder is shared), once every rank's files are in
+    `tmp` and `manifest` holds their entries: record them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
     older checkpoints."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
     (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
-    write_manifest(tmp, manifest | unlisted_entries(tmp, manifest))
+    nodefolders.record(tmp)  # layout.json first: the manifest covers it
+    write_manifest(tmp, manifest | unlisted_entries(tmp, manifest, rank=leader))
     _fsync_tree(tmp)
     _write_durably(tmp / COMPLETE, "")
     if final.exists():
@@ -172,7 +179,7 @@ def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dis
     (failed,) = dist.any_rank(error is not None)
     if not failed:
         return
-    if info.is_main:
+    if nodefolders.writes_folder(info):
         shutil.rmtree(tmp, ignore_errors=True)
     reason = _reason(error) if error is not None else "it failed on another rank"
     raise CheckpointError(
@@ -210,6 +217,13 @@ def prune(root: Path, keep_last: int, sealed: Path | None = None) -> None:
 
 def _rng_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+def _save_rng(tmp: Path, info: dist.DistInfo) -> None:
+    """This rank's RNG state, into its own node's folder (which it creates if need be)."""
+    path = tmp / "rng" / _rng_name(info.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), path)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -344,11 +358,13 @@ def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool 
     (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
     skipped: list[tuple[Path, list[str]]] = []
     for folder in candidates:
-        problems = _unique(p for rank_problems in dist.all_gather_objects(verify(folder, info.rank, info.world_size)) for p in rank_problems)
+        # Each rank checks the copy in its own output.dir (a node may have its own folder).
+        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if folder.parent.name == CHECKPOINTS else folder
+        problems = _unique(p for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size)) for p in rank_problems)
         if not problems:
             for bad, reasons in skipped:
                 dist.print0(f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}")
-            return folder
+            return mine
         skipped.append((folder, problems))
     if skipped:
         raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))

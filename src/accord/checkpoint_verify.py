@@ -50,11 +50,11 @@ def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dic
     return {name: {"bytes": (folder / name).stat().st_size, HASH: hash_file(folder / name), "rank": rank} for name in names}
 
 
-def unlisted_entries(folder: Path, listed: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Rank 0's entries for the files in `folder` that no rank listed: the small ones it wrote
-    itself (the DCP index, the schedule, the run's state and recipe)."""
+def unlisted_entries(folder: Path, listed: dict[str, Any], rank: int = 0) -> dict[str, dict[str, Any]]:
+    """The sealing rank's entries for the files in `folder` that no rank listed: the small ones
+    it wrote itself (the DCP index, the schedule, the run's state and recipe, the layout)."""
     names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
-    return file_entries(folder, [name for name in names if name not in listed and name != MANIFEST], rank=0)
+    return file_entries(folder, [name for name in names if name not in listed and name != MANIFEST], rank=rank)
 
 
 def write_manifest(folder: Path, entries: dict[str, dict[str, Any]]) -> None:

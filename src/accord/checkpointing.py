@@ -67,6 +67,11 @@ def restore_run(run, folder: Path) -> int:
             dist.print0(f"accord: converting {folder} from the single-file checkpoint format to the sharded one")
             convert_legacy(folder)
         dist.barrier()
+    from accord.nodefolders import complete_from_peers
+
+    missing = complete_from_peers(folder, run.info)  # a folder per node: the files other nodes wrote
+    if missing:
+        raise TrainingStopped("\n".join(missing))
     run.engine.load_state(folder)
     position = run.order.position(state.step)
     if (position.epoch, position.index) != (state.epoch, state.index):

@@ -87,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
 
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this machine or cluster before a long run: versions, paths, GPUs, disk, network, bandwidth, equivalence",
+        description="Run on every node like accord train. Prints one line per check with a verdict (ok, warn, FAIL): "
+        "every node's accord/torch/transformers/DeepSpeed versions and view of the recipe's model and data, GPUs and "
+        "CUDA_VISIBLE_DEVICES, free disk for the checkpoints, the interface towards the master, an all-reduce bandwidth "
+        "per pair of nodes, and a 2-step run on all processes against 1 process (equal to 1e-5). Exit 1 if a line failed.",
+    )
+    _recipe_arguments(doctor)
+    doctor.add_argument("--no-self-test", action="store_true", help="skip the 2-step equivalence run")
+    doctor_nodes = doctor.add_argument_group("several nodes (as for accord train)")
+    doctor_nodes.add_argument("--nnodes", type=int, metavar="N")
+    doctor_nodes.add_argument("--node-rank", type=int, metavar="R")
+    doctor_nodes.add_argument("--master-addr", metavar="HOST")
+    doctor_nodes.add_argument("--master-port", type=int, metavar="PORT")
+    doctor_nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT")
+    doctor.set_defaults(func=_doctor)
+
     report = commands.add_parser("report", help="render a run's metrics as PNG plots and an HTML page")
     report.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's output.dir")
     report.set_defaults(func=_report)
@@ -158,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     # after an option as unknown arguments.
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command not in ("train", "slurm", "config", "plan")):
+    if unknown or (extra and args.command not in ("train", "slurm", "config", "plan", "doctor")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command in ("train", "slurm", "config", "plan"):
+    if args.command in ("train", "slurm", "config", "plan", "doctor"):
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
@@ -238,6 +256,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from accord import api, doctor
+    from accord.cluster import resolve_topology
+
+    recipe = api.load(args.recipe, args.overrides)
+    topology = resolve_topology(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
+    return doctor.run(recipe, topology, with_self_test=not args.no_self_test)
+
+
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -269,11 +296,15 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _fail(message: str, code: int = 2) -> int:
-    from accord import dist
+    from accord import dist, refusals
 
-    if dist.is_main():
+    # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
+    # node's log says why it stopped, not only the launcher's ChildFailedError.
+    if (dist.is_main() or dist.env_info().local_rank == 0) and refusals.claim():
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
+    if not dist.left_a_group() and not dist.in_group():
+        refusals.publish(message)  # rank 0 refused before the nodes met: tell the other nodes
     return code
 
 

@@ -191,3 +191,15 @@ def is_local_address(host: str) -> bool:
     if target.startswith("127."):
         return True
     return any(_ipv4_of(name) == target for _, name in socket.if_nameindex())
+
+
+def is_loopback(host: str) -> bool:
+    """Does `host` resolve to a loopback address (localhost, or a host name that /etc/hosts
+    maps to 127.0.1.1 as many distributions do)? Other machines cannot reach it."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    import ipaddress
+
+    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)

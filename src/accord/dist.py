@@ -32,6 +32,15 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def node(self) -> int:
+        """This process's node: launchers number ranks node by node (torchrun, accord)."""
+        return self.rank // max(self.local_world_size, 1)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.world_size > self.local_world_size
+
 
 def outer_launcher() -> str | None:
     """Name of the launcher that started this process as one worker of many, if any.
@@ -64,6 +73,7 @@ def init(device: torch.device, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
     """Join the process group (gloo on CPU, NCCL on GPU); a no-op for a single process."""
     global _control_group
     info = env_info()
+    choose_gloo_interface()
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -75,6 +85,31 @@ def init(device: torch.device, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
         # asking "did any rank get a signal?" never waits for the GPU stream.
         _control_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     return info
+
+
+def choose_gloo_interface() -> None:
+    """Under an outer launcher (torchrun, accelerate launch, srun, deepspeed) bind gloo to
+    the interface that reaches MASTER_ADDR, as accord's own launcher does for its workers:
+    else gloo takes the address of the host name, often 127.0.0.1, and the other nodes'
+    connections are refused. GLOO_SOCKET_IFNAME set by the user wins. A multi-node job whose
+    MASTER_ADDR is a loopback address cannot meet: one line, before the group is created."""
+    info = env_info()
+    master = os.environ.get("MASTER_ADDR")
+    if outer_launcher() is None or info.world_size <= 1 or not master or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    from accord.cluster import ClusterError, interface_towards, is_loopback
+
+    if is_loopback(master):
+        if info.multi_node:
+            raise ClusterError(
+                f"MASTER_ADDR={master} is a loopback address, which the other nodes of this "
+                f"{info.world_size // info.local_world_size}-node job cannot reach; give node 0's network address "
+                f"(torchrun --master_addr, accelerate's main_process_ip)"
+            )
+        return  # every process is on this machine: any interface reaches the others
+    interface, _ = interface_towards(master)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def restart_count() -> int:
@@ -111,6 +146,11 @@ def exit_after_shutdown(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def in_group() -> bool:
+    """Whether this process is in a process group now."""
+    return dist.is_initialized()
 
 
 def left_a_group() -> bool:
@@ -166,6 +206,24 @@ def all_gather_value(value: float, device: torch.device) -> list[float]:
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     return [t.item() for t in gathered]
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's (picklable) `value`, in rank order, over the CPU control path."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=_control_group)
+    return out
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank `src`'s (picklable) `value` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=_control_group)
+    return box[0]
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import threading
 import uuid
@@ -251,6 +252,24 @@ def _run_agent(config, recipe_path: str, gate: str) -> str:
     except SignalException as e:
         raise Interrupted(f"stopped by {e.sigval.name}") from None
     return "completed"
+
+
+def run_module(module: str, args: list[str], cfg: EngineConfig, topology: Topology = Topology()) -> None:
+    """`python -m MODULE ARGS` as this node's workers, meeting the other nodes' as training's
+    workers do (accord doctor's probe); WorkerFailed when one fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = local_world_size(cfg)
+    _set_worker_environment(cfg, nproc, topology)
+    config = LaunchConfig(min_nodes=topology.nnodes, max_nodes=topology.nnodes, nproc_per_node=nproc, max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn", **_rendezvous(topology))
+    _quiet_agent()
+    try:
+        elastic_launch(config, sys.executable)("-m", module, *args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(f"{module} rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
 
 
 def _quiet_agent() -> None:

@@ -15,7 +15,7 @@ import traceback
 from typing import Any
 
 from accord import dist, heartbeat
-from accord.checkpoint import CHECKPOINTS, disk_space_warning, incomplete_checkpoints, verified_resume_source
+from accord.checkpoint import CHECKPOINTS, CheckpointError, disk_space_warning, incomplete_checkpoints, verified_resume_source
 from accord.engine.device import select_device
 from accord.outputs import discard_earlier_run, prepare_output_dir
 from accord.recipe import Recipe
@@ -57,6 +57,9 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda" and heartbeat.DUMP_DIR_ENV not in os.environ:  # the watchdog's are set
         heartbeat.enable_flight_recorder(recipe.output.dir, pipe=False)  # dumped on torch's timeout
     dist.init(device)
+    from accord import refusals
+
+    refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
     clean = False
     try:
         result = _run(recipe, info, device, stop)
@@ -66,7 +69,8 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
         # Every rank raises this together (the cause is agreed collectively), so the
         # shutdown can still be orderly.
         clean = True
-        dist.print0(f"accord: error: {e}", file=sys.stderr)
+        if info.local_rank == 0:  # on every node, so each node's log says why it stopped
+            print(f"accord: error: {e}", file=sys.stderr, flush=True)
         return RunResult(e.status, -1, message=str(e)).__dict__
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
@@ -85,6 +89,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     if restarted:
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
+    source = _node_folders(recipe, info, source, restarted)
     dist.print0("accord: loading model…")
     try:
         run = build_run(recipe, info, device)
@@ -119,6 +124,29 @@ def _discard_earlier_run(out_dir) -> None:
     """The run has proven it trains: the earlier run that --overwrite set aside can go."""
     if discard_earlier_run(out_dir):
         dist.print0(f"accord: first step done: removed the earlier run that --overwrite had set aside in {out_dir}")
+
+
+def _node_folders(recipe: Recipe, info: dist.DistInfo, source, restarted: bool):
+    """Multi-node: find whether the nodes share output.dir (collective); with a folder per
+    node, each node's leader prepares its own, and every node resumes from the checkpoint
+    rank 0 chose, in its own folder. The checkpoint source, agreed."""
+    from pathlib import Path
+
+    from accord import nodefolders
+
+    out_dir = Path(recipe.output.dir)
+    layout = nodefolders.detect(out_dir, info)
+    line = nodefolders.describe(layout)
+    if line:
+        dist.print0(f"accord: {line}")
+    if layout.leader and not info.is_main:
+        prepare_output_dir(recipe)
+        for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        return nodefolders.agreed_source(source, out_dir, info)
+    except CheckpointError as e:
+        raise TrainingStopped(str(e)) from None
 
 
 def _quiet_libraries(info: dist.DistInfo) -> None:
