@@ -78,7 +78,11 @@ def test_deepspeed_launcher_on_cpu_equals_accord_train(tiny_reference, tmp_path)
 
 def _outer_launcher_env(monkeypatch, master: str, world: int, local_world: int) -> None:
     """A worker's environment as torchrun sets it (node 0 of world // local_world nodes)."""
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # Set, then removed: monkeypatch then remembers the original (absent) value and puts it
+    # back, also over what choose_gloo_interface writes into os.environ (else later tests'
+    # workers inherit this machine's interface, which a network namespace lacks).
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
                         "TORCHELASTIC_RUN_ID": "t", "MASTER_ADDR": master, "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)

@@ -358,8 +358,8 @@ def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool 
     (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
     skipped: list[tuple[Path, list[str]]] = []
     for folder in candidates:
-        # Each rank checks the copy in its own output.dir (a node may have its own folder).
-        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if folder.parent.name == CHECKPOINTS else folder
+        # resume=auto: each rank checks the copy in its own output.dir (a node may have its own folder).
+        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if restarted or recipe.resume == "auto" else folder
         problems = _unique(p for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size)) for p in rank_problems)
         if not problems:
             for bad, reasons in skipped:

@@ -208,15 +208,6 @@ def all_gather_value(value: float, device: torch.device) -> list[float]:
     return [t.item() for t in gathered]
 
 
-def all_gather_objects(value: Any) -> list[Any]:
-    """Every rank's (picklable) `value`, in rank order, over the CPU control path."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value, group=_control_group)
-    return out
-
-
 def broadcast_object(value: Any, src: int = 0) -> Any:
     """Rank `src`'s (picklable) `value` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -116,8 +116,8 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
     tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
     logits and their log-softmax for every token, or with the chunked loss (`loss_chunk`
-    tokens at a time) about four fp32 chunk × vocabulary tensors (the recomputed logits,
-    their softmax and gradients) whatever the length."""
+    tokens at a time, once the targets exceed one chunk) about four fp32 chunk × vocabulary
+    tensors (the recomputed logits, their softmax and gradients) whatever the length."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
@@ -127,7 +127,9 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     tokens = micro * length
     per_layer = (8 * h + 4 * f) * element * tokens
     kept = layers * h * element * tokens + per_layer if checkpointing else layers * per_layer
-    logits = 4 * 4 * min(loss_chunk, tokens) * vocab if loss_chunk else 2 * 4 * tokens * vocab
+    whole = 2 * 4 * tokens * vocab
+    # Rows whose targets fit one chunk are computed whole (nothing to gain from recomputing).
+    logits = min(whole, 4 * 4 * loss_chunk * vocab) if loss_chunk else whole
     return kept + logits
 
 

@@ -131,14 +131,17 @@ def row_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: tor
         # No target (a padding row): still a graph through the output layer, so every
         # strategy's gradient hooks fire for it, as with the plain loss.
         return _chunk_logprobs(hidden[:, :1].reshape(-1, width), torch.zeros(rows, dtype=torch.long, device=hidden.device), weight, bias) * 0
+    if len(positions) <= chunk or not torch.is_grad_enabled():
+        # One chunk holds them all: recomputing it in backward would save nothing over
+        # keeping it (and cost a second pass through the output layer).
+        token_logprobs = _chunk_logprobs(picked, picked_targets, weight, bias)
+        out = torch.zeros(rows, dtype=token_logprobs.dtype, device=hidden.device)
+        return out.index_add(0, positions // length, token_logprobs)
     pieces = []
     for start in range(0, len(positions), chunk):
         args = (picked[start : start + chunk], picked_targets[start : start + chunk], weight, bias)
-        if torch.is_grad_enabled():
-            # Recomputed in backward: only this chunk's logits live at any time (no randomness to replay).
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
+        # Recomputed in backward: only this chunk's logits live at any time (no randomness to replay).
+        pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False))
     token_logprobs = torch.cat(pieces)
     out = torch.zeros(rows, dtype=token_logprobs.dtype, device=hidden.device)
     return out.index_add(0, positions // length, token_logprobs)

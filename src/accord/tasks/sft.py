@@ -59,7 +59,7 @@ class SFTTask(CausalLMTask):
         self.empty_completions = state.get("empty_completions", {})
 
     def describe(self) -> list[str]:
-        return [
+        return super().describe() + [
             f"warning: {count} {'training' if split == 'train' else 'eval'} example(s) have an empty completion, so only "
             f"the EOS token is a target (first: {first}); fill them in or remove them if that is not intended"
             for split, (count, first) in self.empty_completions.items()
