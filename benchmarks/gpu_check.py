@@ -112,14 +112,9 @@ def planned_phases(path: Path) -> dict[str, float]:
 
 def measured_phases(path: Path) -> dict[str, float]:
     """The largest rank's peak at the end of each phase; the resumed run's build is `resume`."""
-    out_dir = Path(yaml.safe_load(path.read_text())["output"]["dir"])
-    found: dict[str, float] = {}
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] == "memory":
-            phase = "resume" if record["phase"] == "build" and "build" in found else record["phase"]
-            found.setdefault(phase, record["peak_gib_max"])
-    return found
+    from accord.observe.memory import phase_peaks
+
+    return phase_peaks(Path(yaml.safe_load(path.read_text())["output"]["dir"]) / "metrics.jsonl")
 
 
 def print_phases(label: str, measured: dict[str, float], planned: dict[str, float]) -> None:

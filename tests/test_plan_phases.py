@@ -16,12 +16,12 @@ the runs here set it and RSS then measures live memory (README: memory on the CP
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from accord import api
+from accord.observe.memory import phase_peaks
 from accord.planner import GIB, PHASES
 from conftest import assert_ok, run_accord, write_recipe
 
@@ -51,13 +51,7 @@ def _recipe(folder: Path, name: str, hidden: int, layers: int, **engine) -> Path
 
 def _peaks(out: Path) -> dict[str, float]:
     """The largest rank's recorded peak (GiB) at the end of each phase; a resumed run's build is `resume`."""
-    found: dict[str, float] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] == "memory":
-            phase = "resume" if record["phase"] == "build" and "build" in found else record["phase"]
-            found.setdefault(phase, record["peak_gib_max"])
-    return found
+    return phase_peaks(out / "metrics.jsonl")
 
 
 @pytest.fixture(autouse=True)

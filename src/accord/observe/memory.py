@@ -9,6 +9,9 @@ its share.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from accord import dist
@@ -19,3 +22,15 @@ def memory_record(step: int, phase: str, device: torch.device) -> dict:
     """Collective: a `memory` record for metrics.jsonl."""
     peaks = dist.all_gather_value(peak_memory_gib(device), device)
     return {"kind": "memory", "step": step, "phase": phase, "peak_gib_per_rank": peaks, "peak_gib_max": max(peaks), "peak_gib_total": sum(peaks)}
+
+
+def phase_peaks(metrics: Path) -> dict[str, float]:
+    """The largest rank's recorded peak (GiB) at the end of each phase of the run(s) logged
+    in `metrics` (a metrics.jsonl); a resumed run's build is reported as `resume`."""
+    found: dict[str, float] = {}
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "memory":
+            phase = "resume" if record["phase"] == "build" and "build" in found else record["phase"]
+            found.setdefault(phase, record["peak_gib_max"])
+    return found
