@@ -181,6 +181,7 @@ def test_deepspeed_stops_on_a_nonfinite_step_like_ddp(tmp_path, nan_at_step_7):
 
 @needs_deepspeed
 @pytest.mark.distributed
+@pytest.mark.slow  # default-suite budget: DDP's skip is in the default tier (test_faults)
 def test_deepspeed_skips_a_nonfinite_update_like_ddp(tmp_path, nan_at_step_7):
     runs = {strategy: _nan_run(tmp_path, strategy, "skip") for strategy in ("ddp", "zero2")}
     for strategy, (proc, out) in runs.items():

@@ -42,7 +42,8 @@ def recipe(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "before, step, position, after",
-    [(2, 5, "epoch 1, example 0", 1), (1, 6, "epoch 1, example 32", 2)],  # an epoch boundary; mid-epoch
+    # an epoch boundary; mid-epoch (slow: default-suite budget; test_strategies resumes 2 -> 1 mid-run too)
+    [(2, 5, "epoch 1, example 0", 1), pytest.param(1, 6, "epoch 1, example 32", 2, marks=pytest.mark.slow)],
     ids=["2-to-1", "1-to-2"],
 )
 def test_resume_on_another_world_size_continues_same_data(tiny_reference, one_process_reference, recipe, tmp_path, before, step, position, after):
@@ -110,6 +111,7 @@ def test_killed_worker_restarts_the_group_and_ends_as_uninterrupted(uninterrupte
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
 
 
+@pytest.mark.slow  # default-suite budget: the asynchronous variant below runs the same seal protocol by default
 def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, recipe, tmp_path):
     out = tmp_path / "crashed"
     proc = start_accord("train", recipe, *LONG, f"output.dir={out}", env_extra={"ACCORD_FAULTS": "checkpoint_pause_at_step=20"})
@@ -195,7 +197,9 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tiny_reference
     assert verify(out / "checkpoints" / "step-000010") == []  # written again by the resumed run
 
 
-@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "missing index", "corrupt bytes"])
+@pytest.mark.parametrize(
+    "damage", ["missing shard", pytest.param("truncated shard", marks=pytest.mark.slow), pytest.param("missing index", marks=pytest.mark.slow), "corrupt bytes"]
+)
 def test_with_every_checkpoint_damaged_resume_is_refused_naming_the_files(tiny_reference, recipe, tmp_path, damage):
     """Every checkpoint damaged: one line naming each one's damaged file, exit 2, no traceback,
     and not a byte of the run's folder changed. Missing and cut-short files are found before
