@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from accord.procstat import process_stat
 from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, start_accord, start_process, wait_for, write_jsonl
 from test_cli_errors import assert_clean_error
 
@@ -144,14 +145,6 @@ def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, t
 # ------------------------------------------------------------------ one run per folder
 
 
-def _process_state(pid: int) -> str | None:
-    """The one-letter state of a process (T: stopped), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
 @pytest.mark.distributed
 def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(tiny_recipe, tmp_path):
     out = tmp_path / "out"
@@ -166,7 +159,7 @@ def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(ti
     holder = json.loads((out / ".accord.lock").read_text())
     second = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", timeout=120)
     # One process: the launcher is the worker that stops itself; continue it once it has.
-    wait_for(lambda: _process_state(holder["pid"]) in ("T", None) or first.poll() is not None, timeout=180)
+    wait_for(lambda: process_stat(holder["pid"])[0] in ("T", "") or first.poll() is not None, timeout=180)
     os.kill(holder["pid"], signal.SIGCONT)
     assert_one_line(second, f"output.dir: {out} is in use by another run (host {holder['host']}, pid {holder['pid']}, started 20")
     first_out, _ = finish(first, timeout=300)

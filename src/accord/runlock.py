@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accord.errors import UserInputError
+from accord.procstat import process_stat
 
 LOCK_FILE = ".accord.lock"
 HEARTBEAT_S = 30.0
@@ -136,7 +137,7 @@ def stale_reason(holder: LockInfo, path: Path) -> str | None:
             return f"process {holder.pid} no longer exists"
         except PermissionError:
             pass  # alive, another user's
-        state, started = _process_stat(holder.pid)
+        state, started = process_stat(holder.pid)
         if state == "Z":
             return f"process {holder.pid} has exited"  # killed, its parent has not collected it yet
         if holder.pid_start and started and started != holder.pid_start:
@@ -224,14 +225,4 @@ def _read(path: Path) -> LockInfo | None:
 
 
 def _process_start(pid: int) -> str:
-    return _process_stat(pid)[1]
-
-
-def _process_stat(pid: int) -> tuple[str, str]:
-    """A process's state letter and start time in clock ticks since boot (/proc/PID/stat
-    fields 3 and 22); empty strings where /proc is not there."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return "", ""
-    return fields[0], fields[19]
+    return process_stat(pid)[1]

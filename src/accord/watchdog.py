@@ -31,10 +31,10 @@ from pathlib import Path
 
 from accord import heartbeat
 from accord.errors import RunStopped
+from accord.procstat import STOPPED, process_stat
 
 POLL_S = 0.25
 LAUNCHER_PAUSE_S = 5.0  # a poll this late means the launcher itself was not running
-STOPPED = ("T", "t")  # /proc states: stopped by a signal, stopped by a tracer
 DUMP_WAIT_S = 5.0  # for each rank's faulthandler output (and NCCL's trace) to be written
 
 
@@ -100,15 +100,6 @@ def describe(culprits: list[dict], why: str, records: list[dict], stalled_s: flo
     return f"hang: no rank progressed for {stalled_s:.0f} s; stuck: {named}, {why}; {where}; stacks in {folder}/"
 
 
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of `pid` (T: stopped, see STOPPED), or X when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "X"
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 class Watchdog(threading.Thread):
     def __init__(self, timeout_s: float, nproc: int, max_restarts: int, out_dir: Path, dump_dir: Path):
         super().__init__(name="accord-watchdog", daemon=True)
@@ -134,7 +125,7 @@ class Watchdog(threading.Thread):
         if self.restart in self.verdicts:
             return  # this group was stopped; wait for the next one
         records = self._records(self.restart)
-        stopped = {rank for rank, r in records.items() if process_state(r["pid"]) in STOPPED}
+        stopped = {rank for rank, r in records.items() if process_stat(r["pid"])[0] in STOPPED}
         now = time.monotonic()
         self.clock.update(records, stopped, now)
         if self.clock.stalled(now):
