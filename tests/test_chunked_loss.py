@@ -169,3 +169,14 @@ def test_plan_counts_one_chunk_of_logits_instead_of_whole_ones(tmp_path):
     raw["task"] = "classify"  # not a chunked task: the estimate keeps whole logits
     rows, _ = plan(validate_recipe(raw), gpus=2)
     assert rows[0].activations == activations[0]
+
+
+def test_chunked_pretrain_loss_equals_transformers_own_loss():
+    """Against code accord did not write: the model's own `labels=` loss (transformers' shift and
+    mean over targets) on the same batch, from a model accord never touched."""
+    (plain, plain_model), (chunked, chunked_model) = _tasks_and_models("pretrain", data={"packing": False})
+    batch = _batch(plain, {"text": ["the cat sat on the mat", "a dog ran under the big red sun today"]})
+    out = chunked.loss(chunked_model, batch)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    theirs = plain_model(**inputs, labels=batch["labels"]).loss
+    torch.testing.assert_close(out.loss_sum / out.num_targets, theirs, rtol=1e-6, atol=1e-6)
