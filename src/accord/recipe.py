@@ -134,6 +134,7 @@ class DataConfig(Section):
         "first, never adds nothing. auto makes the trained tokens those that final/'s tokenizer gives at inference.",
     )
     cache_dir: str = Field("~/.cache/accord/data", description="Where tokenized data is cached, keyed by a fingerprint of data, tokenizer and settings.")
+    prepare_workers: int | None = Field(None, gt=0, description="Processes that tokenize the data. Default: every local core.")
     prepare_timeout_s: float = Field(1800.0, gt=0, description="How long other processes wait for the first one to prepare the data.")
 
     @field_validator("train", "eval", mode="before")

@@ -1,32 +1,66 @@
 """Rows of the global order: single examples, or whole examples packed into max_length rows.
 
-Packing is best-fit decreasing over the whole training set (never per rank), so the rows
-— and therefore every global batch — are the same for any number of processes.
+Packing is best-fit decreasing inside fixed windows of PACK_WINDOW consecutive examples of
+the prepared data (never per rank), so the rows — and therefore every global batch — are
+the same for any number of processes, and packing a corpus of any size holds one window's
+lists at a time. The rows are kept as flat arrays (CSR: row r is
+member_ids[starts[r]:starts[r+1]]), not a Python list per row.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+PACK_WINDOW = 4096  # examples packed together; best fit inside a window is within ~1% of global
+
+
+class Members(Sequence):
+    """`members[r]`: the example ids of row r, as a list; the identity when unpacked."""
+
+    def __init__(self, starts: np.ndarray | None, ids: np.ndarray | None, count: int):
+        self._starts, self._ids, self._count = starts, ids, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, r):  # type: ignore[override]
+        r = int(r)
+        if not -self._count <= r < self._count:
+            raise IndexError(r)
+        r %= self._count
+        if self._ids is None:
+            return [r]
+        assert self._starts is not None
+        return self._ids[self._starts[r] : self._starts[r + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[r] for r in range(self._count))
 
 
 @dataclass(frozen=True)
 class Rows:
     """Which examples make each row, with per-row target and token counts."""
 
-    members: list[list[int]]
+    members: Members
     targets: np.ndarray
     lengths: np.ndarray
 
     @classmethod
     def build(cls, lengths: np.ndarray, targets: np.ndarray, capacity: int | None) -> Rows:
-        members = best_fit_decreasing(lengths, capacity) if capacity else [[i] for i in range(len(lengths))]
+        lengths, targets = np.asarray(lengths), np.asarray(targets)
+        if not capacity:
+            return cls(Members(None, None, len(lengths)), targets, lengths)
+        ids, sizes = windowed_best_fit(lengths, capacity)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        row_of = np.repeat(np.arange(len(sizes)), sizes)
         return cls(
-            members,
-            np.array([targets[m].sum() for m in members], dtype=np.int64),
-            np.array([lengths[m].sum() for m in members], dtype=np.int64),
+            Members(starts, ids, len(sizes)),
+            np.bincount(row_of, weights=targets[ids], minlength=len(sizes)).astype(np.int64),
+            np.bincount(row_of, weights=lengths[ids], minlength=len(sizes)).astype(np.int64),
         )
 
     def __len__(self) -> int:
@@ -36,8 +70,21 @@ class Rows:
 def training_rows(train, capacity: int | None) -> Rows:
     """The rows of the global order for an encoded training set: examples packed into
     `capacity`-token rows, or one example per row when `capacity` is None."""
-    lengths = np.asarray(train["length"], dtype=np.int64)
-    return Rows.build(lengths, np.asarray(train["num_targets"], dtype=np.int64), capacity)
+    return Rows.build(np.asarray(train["length"]), np.asarray(train["num_targets"]), capacity)
+
+
+def windowed_best_fit(lengths: np.ndarray, capacity: int, window: int = PACK_WINDOW) -> tuple[np.ndarray, np.ndarray]:
+    """(member ids of all rows back to back, members per row): best fit decreasing over each
+    window of consecutive examples in turn."""
+    ids: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    for start in range(0, len(lengths), window):
+        rows = best_fit_decreasing(lengths[start : start + window], capacity)
+        ids.append(np.fromiter((start + i for row in rows for i in row), dtype=np.int64))
+        sizes.append(np.fromiter((len(row) for row in rows), dtype=np.int64))
+    if not ids:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(ids), np.concatenate(sizes)
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:

@@ -1,10 +1,13 @@
 """Raw rows -> token columns, once: cached on disk under a fingerprint of (data files,
-tokenizer, task settings), prepared by one process while the others wait for it.
+tokenizer, task settings), prepared by one process (with its own pool of tokenizing
+workers) while the others wait for it.
 
-The launcher prepares before any worker starts, so bad data stops the run early with
-one line; under an outer launcher local rank 0 prepares and the other ranks wait (with
-data.prepare_timeout_s, not a silent collective timeout), then everyone memory-maps the
-same Arrow files.
+The launcher (or `accord prepare`) prepares before any worker starts, so bad data stops
+the run early with one line; under an outer launcher local rank 0 prepares and the other
+ranks wait (with data.prepare_timeout_s, not a silent collective timeout), then everyone
+memory-maps the same files: token shards (shards.py) for the causal-LM tasks' training
+data, Arrow otherwise. A preparation that is killed keeps its finished chunks in
+`<cache>.partial` and the next one continues from them (chunks.py).
 """
 
 from __future__ import annotations
@@ -13,22 +16,27 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accord.data.chunks import default_workers, write_shards
+from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
-FORMAT_VERSION = 3  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows data.add_bos)
+# Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
+# data.add_bos; 4: causal-LM training data as token shards, pre-training blocks cut from one stream).
+FORMAT_VERSION = 4
 _DONE = "done.json"
 
 
 @dataclass
 class PreparedData:
-    train: Any  # datasets.Dataset of encoded examples
+    train: Any  # TokenShards (causal-LM tasks) or datasets.Dataset of encoded examples
     eval: Any | None
     report: dict[str, Any]  # counts (examples, truncated, dropped) and the task's learned state
 
@@ -41,7 +49,9 @@ def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool) -> PreparedDat
             _prepare_into(folder, recipe, tokenizer, task)
         else:
             _wait_for(folder, recipe.data.prepare_timeout_s)
-    return _load(folder, task)
+    elif preparer:
+        print(f"accord: reusing the prepared data in {folder}", file=sys.stderr, flush=True)
+    return _load(folder, task, tokenizer)
 
 
 def cache_folder(recipe: Recipe, tokenizer, task) -> Path:
@@ -53,7 +63,7 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
     """Changes whenever the encoded data could: source files (path, size, mtime), data
     settings, seed (splits and mixing), tokenizer (vocabulary, specials, chat template)
     and the task's own settings."""
-    data = recipe.data.model_dump(mode="json", exclude={"cache_dir", "prepare_timeout_s", "shuffle", "group_by_length"})
+    data = recipe.data.model_dump(mode="json", exclude={"cache_dir", "prepare_timeout_s", "prepare_workers", "shuffle", "group_by_length"})
     data.pop("packing")  # applied after the cache; a task whose encoding depends on it says so in settings()
     h = hashlib.sha256()
     h.update(json.dumps({"v": FORMAT_VERSION, "task": f"{type(task).__module__}:{type(task).__qualname__}", "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
@@ -90,16 +100,21 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
     datasets.disable_progress_bars()
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    work = folder.with_name(folder.name + ".partial")  # finished chunks, kept if this is killed
     shutil.rmtree(tmp, ignore_errors=True)
     _failed(folder).unlink(missing_ok=True)
     try:
         train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
         train, eval_ds = task.fit(train, eval_ds)
-        train, train_report = _encode(train, task, recipe, "train")
+        tmp.mkdir()
+        if task.token_shards:
+            workers = recipe.data.prepare_workers or default_workers()
+            train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers)
+        else:
+            train, train_report = _encode(train, task, recipe, "train")
+            train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None:
             eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
-        tmp.mkdir()
-        train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None:
             eval_ds.save_to_disk(str(tmp / "eval"))
         report = train_report | {"eval_examples": len(eval_ds) if eval_ds is not None else 0, "task_state": task.state()}
@@ -109,8 +124,10 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
         else:
             shutil.rmtree(folder, ignore_errors=True)  # an unfinished attempt
             os.rename(tmp, folder)
+        shutil.rmtree(work, ignore_errors=True)
     except DataError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # the data must change: its chunks are of no use
         _failed(folder).write_text(str(e))  # waiting ranks stop with the same message
         raise
     except BaseException:
@@ -179,11 +196,14 @@ def _wait_for(folder: Path, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _load(folder: Path, task) -> PreparedData:
+def _load(folder: Path, task, tokenizer) -> PreparedData:
     import datasets
 
     report = json.loads((folder / _DONE).read_text())
     task.load_state(report["task_state"])
-    train = datasets.load_from_disk(str(folder / "train"))
+    if (folder / "train" / META).exists():
+        train = TokenShards(folder / "train", _tokenizer_identity(tokenizer))
+    else:
+        train = datasets.load_from_disk(str(folder / "train"))
     eval_ds = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
     return PreparedData(train, eval_ds, report)

@@ -38,6 +38,24 @@ def item_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
     )
 
 
+def byte_bar(total: int | None, desc: str) -> tqdm:
+    """A bar over bytes of input (MB/s and, when the total is known, an ETA), shown once the
+    work takes longer than ~3 s."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        file=sys.stderr,
+        delay=3.0,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+        disable=not _leads(),
+        leave=False,
+    )
+
+
 class Progress:
     def __init__(self, total_steps: int, initial_step: int, enabled: bool):
         self._bar = (

@@ -38,6 +38,9 @@ class Task:
     text_fields: tuple[str, ...] = ()  # string columns every row must have
     model_kind = "causal_lm"  # or "sequence_classification"
     packable = False  # may several examples share one row (sft)?
+    # Training data prepared as token shards (ids + target bits, data/shards.py) instead of
+    # Arrow columns: for tasks whose examples are just `input_ids` and `labels`.
+    token_shards = False
 
     # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
     eval_hidden: tuple[str, ...] = ()

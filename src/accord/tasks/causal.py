@@ -14,6 +14,7 @@ from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_lo
 
 class CausalLMTask(Task):
     packable = True
+    token_shards = True
     eval_hidden = ("perplexity", "generated")
 
     def __init__(self, tokenizer, recipe):

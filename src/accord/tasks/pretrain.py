@@ -21,6 +21,7 @@ class PretrainTask(CausalLMTask):
     name = "pretrain"
     text_fields = ("text",)
     packable = False  # blocks are already full rows; nothing is packed after them
+    streams_text = True  # prepared from pieces of text, never a whole document at once (data/chunks.py)
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -1,0 +1,293 @@
+"""Tokenise a split into token shards with every local core, resumably.
+
+The split is cut into work units in a fixed order: about UNIT_CHARS of text for
+pre-training (a document longer than that is cut into pieces at whitespace, so no process
+ever tokenises a whole huge document), UNIT_ROWS rows otherwise. Each unit is tokenised by a
+worker process into its own chunk file, written under a temporary name and renamed when
+complete: a killed preparation keeps its finished chunks and the next one tokenises only
+the rest. A single process then joins the chunks, in unit order, into the shard files
+(shards.py), applying the truncation policy; the result does not depend on the number of
+workers. No process group exists here: nothing can time out while the data is prepared.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accord.data.shards import ShardWriter, id_dtype
+from accord.data.sources import DataError, row_origin
+
+UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
+UNIT_ROWS = 1000  # rows per unit for the other tasks
+_SPACE = re.compile(r"\s")
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    load: Callable[[], Any]  # text units: [(text, starts_doc, ends_doc)]; row units: a column dict
+    chars: int  # text characters, for the progress bar's MB/s (0: counted once loaded)
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int) -> dict[str, int]:
+    """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then); returns counts."""
+    work.mkdir(parents=True, exist_ok=True)
+    streams = getattr(task, "streams_text", False)
+    units = _text_units(ds) if streams else _row_units(ds)
+    _tokenise_missing(units, task, work, workers, total=_text_bytes(ds), desc=f"tokenize {split}")
+    writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
+    counts = _join_documents(work, writer, task) if streams else _join_examples(work, writer, task, recipe, ds, split)
+    if writer.examples == 0:
+        raise DataError(f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})")
+    writer.close(tokenizer_id, {"split": split})
+    return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
+
+
+# ---------------------------------------------------------------- units (main process, in order)
+
+
+def _text_units(ds) -> Iterator[Unit]:
+    """Documents grouped (or cut) into pieces of about UNIT_CHARS, in file order."""
+    pieces: list[tuple[str, bool, bool]] = []
+    chars, index = 0, 0
+    for text in _texts(ds):
+        for start, end in _cuts(text):
+            if chars and chars + (end - start) > UNIT_CHARS:
+                yield _text_unit(index, pieces, chars)
+                pieces, chars, index = [], 0, index + 1
+            pieces.append((text[start:end], start == 0, end == len(text)))
+            chars += end - start
+    if pieces:
+        yield _text_unit(index, pieces, chars)
+
+
+def _text_unit(index: int, pieces: list, chars: int) -> Unit:
+    return Unit(index, lambda: pieces, chars)
+
+
+def _texts(ds) -> Iterator[str]:
+    for batch in ds.select_columns(["text"]).iter(batch_size=64):
+        yield from batch["text"]
+
+
+def _cuts(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) pieces of at most ~UNIT_CHARS, each cut just before a whitespace
+    character, where byte-level BPE pre-tokenisers split anyway: tokenising the pieces
+    gives the tokens of the whole (tokenizers that add a prefix space to every text may
+    differ at a cut)."""
+    start = 0
+    while len(text) - start > UNIT_CHARS:
+        found = _SPACE.search(text, start + UNIT_CHARS, start + 2 * UNIT_CHARS)
+        end = found.start() if found else start + UNIT_CHARS
+        yield start, end
+        start = end
+    yield start, len(text)
+
+
+def _row_units(ds) -> Iterator[Unit]:
+    for index, start in enumerate(range(0, len(ds), UNIT_ROWS)):
+        yield Unit(index, partial(_rows, ds, start), 0)
+
+
+def _rows(ds, start: int) -> dict[str, list]:
+    return ds[start : start + UNIT_ROWS]
+
+
+def _text_bytes(ds) -> int | None:
+    """Bytes of text in the split, for the bar's ETA (None where the rows are a selection)."""
+    if getattr(ds, "_indices", None) is not None:
+        return None
+    return int(ds.data.nbytes)
+
+
+# ---------------------------------------------------------------- tokenising (workers)
+
+_TASK = None  # the task, inherited by forked workers
+
+
+def _chunk_path(work: Path, index: int) -> Path:
+    return work / f"chunk-{index:07d}.npz"
+
+
+def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, total: int | None, desc: str) -> None:
+    """Every unit without a chunk file gets one, `workers` at a time, at most 2 per worker
+    in flight (units are read as they are needed, never all at once)."""
+    global _TASK
+    from accord.observe.progress import byte_bar
+
+    _TASK = task
+    kept = 0
+    with byte_bar(total, desc) as bar:
+        pending: deque = deque()
+        pool = _pool(workers) if workers > 1 else None
+        try:
+            for unit in units:
+                path = _chunk_path(work, unit.index)
+                if path.exists():
+                    kept += 1
+                    bar.update(unit.chars)
+                    continue
+                payload = unit.load()
+                size = unit.chars or _chars(payload)
+                if pool is None:
+                    _encode_unit(payload, path)
+                    bar.update(size)
+                    continue
+                pending.append((pool.submit(_encode_unit, payload, path), size))
+                while len(pending) >= 2 * workers:
+                    _finish(pending.popleft(), bar)
+            while pending:
+                _finish(pending.popleft(), bar)
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+    if kept:
+        print(f"accord: {desc}: {kept} chunk(s) kept from an interrupted preparation in {work}", file=sys.stderr, flush=True)
+
+
+def _pool(workers: int):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Forked workers inherit the task (and its tokenizer) instead of unpickling it; the
+    # tokenizer's own thread pool is off in them, the processes are the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
+
+def _finish(item, bar) -> None:
+    future, size = item
+    future.result()  # a worker's DataError surfaces here, for the earliest failing unit
+    bar.update(size)
+
+
+def _chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def _encode_unit(payload: Any, path: Path) -> None:
+    task = _TASK
+    assert task is not None
+    arrays = _encode_text(task, payload) if getattr(task, "streams_text", False) else _encode_rows(task, payload)
+    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)  # complete or absent: a kill never leaves half a chunk
+
+
+def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.ndarray]:
+    encoded = task.tokenizer([text for text, _, _ in pieces], add_special_tokens=False)["input_ids"]
+    parts, lengths = [], []
+    for ids, (_, starts, ends) in zip(encoded, pieces):
+        seq = (task.prefix if starts else []) + ids + ([task.eos_id] if ends else [])
+        parts.append(np.asarray(seq, dtype=np.int64))
+        lengths.append(len(seq))
+    flags = np.array([[s, e] for _, s, e in pieces], dtype=bool).reshape(-1, 2)
+    return {"tokens": np.concatenate(parts), "lengths": np.asarray(lengths, dtype=np.int64), "flags": flags}
+
+
+def _encode_rows(task, batch: dict[str, list]) -> dict[str, np.ndarray]:
+    from accord.tasks.base import IGNORE
+
+    out = task.encode_batch(batch)
+    ids = [np.asarray(x, dtype=np.int64) for x in out["input_ids"]]
+    labels = [np.asarray(x, dtype=np.int64) for x in out["labels"]]
+    empty = np.zeros(0, dtype=np.int64)
+    return {
+        "tokens": np.concatenate(ids) if ids else empty,
+        "mask": np.concatenate(labels) != IGNORE if labels else empty.astype(bool),
+        "lengths": np.asarray(out["length"], dtype=np.int64),
+        "num_targets": np.asarray(out["num_targets"], dtype=np.int64),
+        "over": np.asarray(out["over_length"], dtype=bool),
+    }
+
+
+# ---------------------------------------------------------------- joining (main process, in order)
+
+
+def _chunks(work: Path) -> Iterator[dict[str, np.ndarray]]:
+    index = 0
+    while (path := _chunk_path(work, index)).exists():
+        with np.load(path) as chunk:
+            yield {name: chunk[name] for name in chunk.files}
+        index += 1
+
+
+def _join_documents(work: Path, writer: ShardWriter, task) -> dict[str, int]:
+    """Pre-training: the documents' stream cut into blocks, or (no joining) each document
+    its own example truncated to max_length."""
+    if writer.block_length is not None:
+        for chunk in _chunks(work):
+            writer.add_stream(chunk["tokens"])
+        return {}
+    over = 0
+    doc: list[np.ndarray] = []
+    kept = 0  # tokens of the current document kept so far (max_length + 1 at most)
+    for chunk in _chunks(work):
+        at = 0
+        for length, (starts, ends) in zip(chunk["lengths"], chunk["flags"]):
+            piece = chunk["tokens"][at : at + length]
+            at += length
+            if starts:
+                doc, kept = [], 0
+            if kept <= task.max_length:
+                doc.append(piece[: task.max_length + 1 - kept])
+                kept += len(doc[-1])
+            if ends:
+                ids = np.concatenate(doc)
+                over += len(ids) > task.max_length
+                ids = ids[: task.max_length]
+                if len(ids) > 1:
+                    writer.add_examples(ids, np.ones(len(ids), dtype=bool), np.array([len(ids)]), np.array([len(ids) - 1]))
+    return {"train_over_length": over, "train_dropped": 0} if over else {}
+
+
+def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str) -> dict[str, int]:
+    """Examples in row order, with data.truncation applied: over-long ones dropped under
+    `drop`, refused under `error`; an example with no target left is dropped when truncation
+    took them, refused otherwise."""
+    policy = recipe.data.truncation
+    over_count, dropped, first_over = 0, 0, None
+    row = 0
+    for chunk in _chunks(work):
+        lengths, over, targets = chunk["lengths"], chunk["over"], chunk["num_targets"]
+        keep = np.ones(len(lengths), dtype=bool)
+        for k in np.flatnonzero(targets == 0):
+            if not over[k]:
+                raise DataError(f"{row_origin(ds[row + int(k)])}: this example has no target tokens (nothing to train on); fix or remove it")
+            keep[k] = False
+        if over.any() and first_over is None:
+            first_over = row + int(np.flatnonzero(over)[0])
+        over_count += int(over.sum())
+        if policy == "drop":
+            keep &= ~over
+        dropped += int((~keep).sum())
+        token_keep = np.repeat(keep, lengths)
+        writer.add_examples(chunk["tokens"][token_keep], chunk["mask"][token_keep], lengths[keep], targets[keep])
+        row += len(lengths)
+    if over_count and policy == "error":
+        raise DataError(
+            f"{row_origin(ds[first_over])}: {over_count} {split} example(s) are longer than data.max_length="
+            f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
+        )
+    return {f"{split}_over_length": over_count, f"{split}_dropped": dropped}
