@@ -51,7 +51,7 @@ def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_
     units = _text_units(ds) if streams else _row_units(ds)
     _tokenise_missing(units, task, work, workers, total=_text_bytes(ds), desc=f"tokenize {split}")
     writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
-    counts = _join_documents(work, writer, task) if streams else _join_examples(work, writer, task, recipe, ds, split)
+    counts = _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
     if writer.examples == 0:
         raise DataError(f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})")
     writer.close(tokenizer_id, {"split": split})
@@ -233,7 +233,7 @@ def _chunks(work: Path) -> Iterator[dict[str, np.ndarray]]:
         index += 1
 
 
-def _join_documents(work: Path, writer: ShardWriter, task) -> dict[str, int]:
+def _join_documents(work: Path, writer: ShardWriter, task, split: str) -> dict[str, int]:
     """Pre-training: the documents' stream cut into blocks, or (no joining) each document
     its own example truncated to max_length."""
     if writer.block_length is not None:
@@ -259,7 +259,7 @@ def _join_documents(work: Path, writer: ShardWriter, task) -> dict[str, int]:
                 ids = ids[: task.max_length]
                 if len(ids) > 1:
                     writer.add_examples(ids, np.ones(len(ids), dtype=bool), np.array([len(ids)]), np.array([len(ids) - 1]))
-    return {"train_over_length": over, "train_dropped": 0} if over else {}
+    return {f"{split}_over_length": over, f"{split}_dropped": 0} if over else {}
 
 
 def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str) -> dict[str, int]:

@@ -107,17 +107,20 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
         train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
         train, eval_ds = task.fit(train, eval_ds)
         tmp.mkdir()
+        workers = recipe.data.prepare_workers or default_workers()
         if task.token_shards:
-            workers = recipe.data.prepare_workers or default_workers()
             train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers)
         else:
             train, train_report = _encode(train, task, recipe, "train")
             train.save_to_disk(str(tmp / "train"))
-        if eval_ds is not None:
+        if eval_ds is not None and getattr(task, "streams_text", False):  # no raw columns needed: shards too
+            eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers)
+            eval_count = eval_report["eval_examples"]
+        elif eval_ds is not None:
             eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
-        if eval_ds is not None:
             eval_ds.save_to_disk(str(tmp / "eval"))
-        report = train_report | {"eval_examples": len(eval_ds) if eval_ds is not None else 0, "task_state": task.state()}
+            eval_count = len(eval_ds)
+        report = train_report | {"eval_examples": eval_count if eval_ds is not None else 0, "task_state": task.state()}
         (tmp / _DONE).write_text(json.dumps(report))
         if (folder / _DONE).exists():  # another node prepared the same data meanwhile: keep theirs
             shutil.rmtree(tmp)
@@ -205,5 +208,8 @@ def _load(folder: Path, task, tokenizer) -> PreparedData:
         train = TokenShards(folder / "train", _tokenizer_identity(tokenizer))
     else:
         train = datasets.load_from_disk(str(folder / "train"))
-    eval_ds = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
+    if (folder / "eval" / META).exists():
+        eval_ds = TokenShards(folder / "eval", _tokenizer_identity(tokenizer))
+    else:
+        eval_ds = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
     return PreparedData(train, eval_ds, report)

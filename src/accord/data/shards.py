@@ -130,6 +130,16 @@ class TokenShards:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def select(self, indices) -> TokenShards:
+        """The first n examples (what `train.eval_limit` keeps), as the same kind of view."""
+        n = len(indices)
+        if list(indices) != list(range(n)):
+            raise ValueError("token shards select a leading range of examples only")
+        view = object.__new__(TokenShards)
+        view.__dict__.update(self.__dict__)
+        view.offsets, view.num_targets = self.offsets[: n + 1], self.num_targets[:n]
+        return view
+
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets).astype(np.int32)
 
