@@ -161,3 +161,27 @@ def test_a_truncated_shard_or_another_tokenizers_shard_is_one_line_and_exit_2(tm
     assert main(["prepare", str(path)]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "reusing" not in line]
     assert len(err) == 1 and f"{tokens}: truncated" in err[0]
+
+
+@pytest.mark.slow  # two training runs; test_packed_shard_rows_give_every_world_size_the_same_global_batches is the default sibling
+@pytest.mark.distributed
+def test_a_packed_weighted_mixture_resumed_from_2_processes_on_1_ends_as_the_uninterrupted_run(tmp_path):
+    from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses
+
+    rows_ = [{"prompt": f"{i}+{i % 7}=", "completion": str(i + i % 7)} for i in range(300)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[:100]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[100:]))
+    recipe = json.loads(json.dumps(TINY_RECIPE))
+    recipe["data"] = {"train": [{"path": str(tmp_path / "a.jsonl"), "weight": 1.0}, {"path": str(tmp_path / "b.jsonl"), "weight": 3.0}],
+                      "max_length": 32, "cache_dir": str(tmp_path / "cache")}
+    recipe["train"] = {"max_steps": 8, "log_every": 1}
+    path = write_recipe(tmp_path / "mix.yaml", recipe)
+    reference = tmp_path / "reference"
+    assert_ok(run_accord("train", path, "engine.processes=2", "checkpoint.every_steps=4", f"output.dir={reference}"))
+    resumed = tmp_path / "resumed"
+    proc = run_accord("train", path, "engine.processes=1", f"resume={reference / 'checkpoints' / 'step-000004'}", f"output.dir={resumed}")
+    assert_ok(proc)
+    assert "packing fills" in proc.stdout + proc.stderr
+    assert max_param_diff(final_params(reference), final_params(resumed)) <= 1e-5
+    after, original = step_losses(resumed), step_losses(reference)
+    assert sorted(after) == [5, 6, 7, 8] and max(abs(after[s] - original[s]) for s in after) <= 1e-5

@@ -49,7 +49,10 @@ def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_
     work.mkdir(parents=True, exist_ok=True)
     streams = getattr(task, "streams_text", False)
     units = _text_units(ds) if streams else _row_units(ds)
-    _tokenise_missing(units, task, work, workers, total=_text_bytes(ds), desc=f"tokenize {split}")
+    total = _text_bytes(ds)
+    if (len(ds) <= UNIT_ROWS) if not streams else (total is not None and total <= 2 * UNIT_CHARS):
+        workers = 1  # a unit or two: starting a pool costs more than it saves
+    _tokenise_missing(units, task, work, workers, total=total, desc=f"tokenize {split}")
     writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
     counts = _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
     if writer.examples == 0:
