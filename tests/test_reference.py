@@ -75,8 +75,7 @@ def _global_batches(raw: dict, log: str) -> tuple[list[list[dict]], int]:
     rows = Rows.build(np.asarray(train["length"]), np.asarray(train["num_targets"]), recipe.data.max_length)
     assert f"in {len(rows)} packed rows" in log  # the rows the run trained on
     order = GlobalOrder(len(rows), recipe.batch.global_batch_size, recipe.seed)
-    examples = train.select_columns(["input_ids", "labels"])
-    return [[[examples[int(i)] for i in rows.members[r]] for r in order.batch(step)] for step in range(STEPS)], tokenizer.pad_token_id
+    return [[[train[int(i)] for i in rows.members[r]] for r in order.batch(step)] for step in range(STEPS)], tokenizer.pad_token_id
 
 
 def bare_loop(folder: Path, batches: list[list[list[dict]]], pad_id: int, optim: dict, normalisation: str):
