@@ -71,13 +71,39 @@ def test_data_without_a_rejected_answer_is_one_line_naming_the_file(tmp_path):
     from accord.data.sources import DataError
 
     task, tokenizer = _reward_task(tmp_path)
-    bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "2+2=", "chosen": "4", "worse": "5"}])
+    bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "2+2=", "chosen": "4", "worse": "5"}] * 8)
     task.recipe.data.train[0].path = str(bad)
     with pytest.raises(DataError) as caught:
         prepare_data(task.recipe, tokenizer, task, preparer=True)
     message = str(caught.value)
     assert "\n" not in message
-    assert f"{bad}: missing field 'rejected' (fields present: prompt, chosen, worse); rename with fields: {{rejected: <column>}}" == message
+    assert message == (
+        f"{bad}: reward data (prompt/chosen/rejected as text or chat messages): missing field 'rejected' "
+        f"(fields present: prompt, chosen, worse); rename with fields: {{rejected: <column>}}"
+    )
+
+
+def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_path):
+    """Conversational rows (a shared `prompt` conversation, or none) train on exactly the
+    tokens that scoring the rendered conversation with plain transformers gives."""
+    from accord.data.prepare import prepare_data
+
+    task, tokenizer = _reward_task(tmp_path)
+    user = [{"role": "user", "content": "2+2?"}]
+    rows = [
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]},
+        {"chosen": user + [{"role": "assistant", "content": "four"}], "rejected": user + [{"role": "assistant", "content": "fish"}]},
+    ]
+    task.recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
+    prepared = prepare_data(task.recipe, tokenizer, task, preparer=True)
+    render = lambda messages: tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]  # noqa: E731
+    examples = list(prepared.train) + list(prepared.eval)
+    by_answer = {tuple(e["chosen_input_ids"]): e for e in examples}
+    for row in rows:
+        prompt = row.get("prompt", [])
+        chosen, rejected = render(prompt + row["chosen"]), render(prompt + row["rejected"])
+        assert tuple(chosen) in by_answer and by_answer[tuple(chosen)]["rejected_input_ids"] == rejected
+    assert task.chat
 
 
 # ---------------------------------------------------------------- real runs
