@@ -34,6 +34,30 @@ def _reward_task(tmp_path):
     return build_task(validate_recipe(recipe_for("reward", tmp_path)), tokenizer), tokenizer
 
 
+def test_the_pair_loss_equals_a_bare_torch_loss_over_each_text_scored_alone(tmp_path):
+    """The padded pair batch gives the loss that transformers' own scores of each whole text,
+    unpadded, give: -log σ(r(prompt + chosen) − r(prompt + rejected)), summed; and the same
+    gradients."""
+    task, tokenizer = _reward_task(tmp_path)
+    rows = [("2+2=", "4", "5"), ("what is red? ", "a colour", "a small dog that sat"), ("hi", " there, friend", "!")]
+    encoded = task.encode_batch({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]})
+    model = _tiny_classifier(tokenizer)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)  # rewards far from zero: a loss worth comparing
+    ours = task.loss(model, task.collate([[{name: column[i] for name, column in encoded.items()}] for i in range(len(rows))]))
+    ours_grads = torch.autograd.grad(ours.loss_sum, model.score.weight)[0]
+
+    def reward(text):
+        return model(**tokenizer(text, return_tensors="pt")).logits[0, 0]
+
+    bare = sum(-torch.nn.functional.logsigmoid(reward(p + c) - reward(p + r)) for p, c, r in rows)
+    bare_grads = torch.autograd.grad(bare, model.score.weight)[0]
+    assert ours.num_targets.item() == len(rows) and bare.item() > 0.05
+    torch.testing.assert_close(ours.loss_sum, bare, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_grads, bare_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # importing TRL and building its trainer costs seconds; the bare-torch check above is the default tier's
 def test_the_pair_loss_equals_trl_reward_trainers_on_the_same_batch(tmp_path):
     """TRL's own collator lays out the same batch, and RewardTrainer.compute_loss (the mean
     over pairs) equals accord's summed pair loss divided by the pair count."""
