@@ -34,6 +34,31 @@ def _reward_task(tmp_path):
     return build_task(validate_recipe(recipe_for("reward", tmp_path)), tokenizer), tokenizer
 
 
+def _wordpiece_tokenizer(folder):
+    """A tiny BERT-style tokenizer ([CLS] text [SEP]) built from a vocabulary file."""
+    from transformers import BertTokenizerFast
+
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "is", "red", "a", "colour", "dog", "?"]) + "\n")
+    return BertTokenizerFast(vocab_file=str(vocab))
+
+
+@pytest.mark.parametrize("kind", ["byte", "wordpiece"])
+def test_a_pair_trains_on_the_tokens_that_tokenizer_gives_for_prompt_plus_answer(tmp_path, kind):
+    """What plain transformers scores, tokenizer(prompt + answer), is what training saw: the
+    BOS before (byte), an encoder's [CLS] before and [SEP] after (wordpiece)."""
+    from accord.models import build_byte_tokenizer
+    from accord.recipe import validate_recipe
+    from accord.tasks import build_task
+
+    tokenizer = build_byte_tokenizer() if kind == "byte" else _wordpiece_tokenizer(tmp_path)
+    task = build_task(validate_recipe(recipe_for("reward", tmp_path)), tokenizer)
+    prompt, chosen, rejected = "is red ", "a colour", "a dog ?"
+    encoded = task.encode_batch({"prompt": [prompt], "chosen": [chosen], "rejected": [rejected]})
+    assert encoded["chosen_input_ids"] == [tokenizer(prompt + chosen)["input_ids"]]
+    assert encoded["rejected_input_ids"] == [tokenizer(prompt + rejected)["input_ids"]]
+
+
 def test_the_pair_loss_equals_a_bare_torch_loss_over_each_text_scored_alone(tmp_path):
     """The padded pair batch gives the loss that transformers' own scores of each whole text,
     unpadded, give: -log σ(r(prompt + chosen) − r(prompt + rejected)), summed; and the same

@@ -8,9 +8,11 @@ transformers' own pooling (the last token that is not padding). A pair's loss is
 whole global batch, so the update does not depend on how pairs are split over ranks and
 micro-steps. TRL's RewardTrainer takes the mean of the same term over its batch.
 
-No EOS is appended to the answers: the saved model scores `tokenizer(prompt + answer)` (or,
-for chat, the conversation as `apply_chat_template` renders it) exactly as it was trained,
-with plain transformers and nothing from accord.
+A text is encoded as `tokenizer(prompt + answer)` encodes it: the prefix data.add_bos
+chooses, and after the answer only what the tokenizer itself puts there (an encoder's
+[SEP]; no EOS otherwise). So the saved model scores `tokenizer(prompt + answer)` (or, for
+chat, the conversation as `apply_chat_template` renders it) exactly as it was trained, with
+plain transformers and nothing from accord.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accord.data.sources import DataError, check_columns, row_origin
-from accord.tasks.base import LossOutput, Task, text_prefix
+from accord.tasks.base import LossOutput, Task, text_prefix, text_suffix
 from accord.tasks.pairs import collate_pairs, encode_pairs
 
 
@@ -34,10 +36,11 @@ class RewardTask(Task):
         super().__init__(tokenizer, recipe)
         self.add_bos = recipe.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(text)` puts first (data.add_bos)
+        self.suffix = text_suffix(tokenizer)  # what `tokenizer(text)` puts last (an encoder's [SEP])
         self.chat = False  # rows are conversations, rendered with the chat template in fit()
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix}
+        return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix, "suffix": self.suffix}
 
     def fit(self, train, eval_ds):
         self.chat = _holds_conversations(train, "chosen")
@@ -86,7 +89,9 @@ class RewardTask(Task):
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         # A rendered conversation starts as the template renders it (as sft's chat rows do).
-        return encode_pairs(self.tokenizer, batch, [] if self.chat else self.prefix, [], self.max_length, labels=False)
+        if self.chat:
+            return encode_pairs(self.tokenizer, batch, [], [], self.max_length, labels=False)
+        return encode_pairs(self.tokenizer, batch, self.prefix, self.suffix, self.max_length, labels=False)
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         return collate_pairs([row[0] for row in rows], self.pad_id)
@@ -108,3 +113,4 @@ def _holds_conversations(ds, column: str) -> bool:
 
 def _text_pairs(ds):
     return check_columns(ds, ("prompt", "chosen", "rejected"), "reward data (prompt/chosen/rejected as text or chat messages)")
+
