@@ -305,7 +305,7 @@ class EngineConfig(Section):
 
 
 # The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo"]
+TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward"]
 
 
 class TaskClassConfig(Section):
@@ -373,7 +373,7 @@ class Recipe(Section):
     task: TaskName | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected); or {class: package.module:Class} for a task written outside accord.",
+        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer); or {class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
