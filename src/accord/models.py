@@ -162,11 +162,13 @@ def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
     config.validate_rope()
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None) -> PreTrainedModel:
     """Wrap with peft adapters; only they (and a classification head) are trained. The
     adapters' initial values are seeded per name (accord.weights), so they are the same for
     any number of processes. On a meta-device model they stay meta until the engine
-    materialises the whole."""
+    materialises the whole. `base`: the recipe's model.path, which adapter/adapter_config.json
+    names as its base (peft would name the folder loaded, e.g. a GGUF file's converted copy
+    under ~/.cache that exists only on the machine that trained)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
@@ -180,6 +182,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) ->
         wrapped = get_peft_model(model, peft_config)
     if not meta:  # peft's own draws replaced by the per-name values
         fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
+    wrapped.peft_config["default"].base_model_name_or_path = base
     return wrapped
 
 

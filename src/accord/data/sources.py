@@ -52,7 +52,7 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     fmt = detect_format(path, source.format, candidates, source.glob is not None)
     files = _files(path, fmt, candidates, source.glob is not None)
     if source.document != "file" and fmt != "text":
-        raise DataError(f"{path}: document: {_document_name(source.document)} splits text files; this source is {fmt} (set format: text for plain text)")
+        raise DataError(f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)")
     _check_text_encoding(files, fmt, source.encoding)
     datasets.disable_progress_bars()
     if fmt == "arrow":
