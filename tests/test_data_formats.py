@@ -106,7 +106,8 @@ def test_relative_paths_are_read_beside_the_recipe_and_the_error_says_where_it_l
 
 
 def classify_fit(tmp_path, rows, labels=None):
-    r = recipe(tmp_path, "classify", train=str(write_jsonl(tmp_path / "labels.jsonl", rows)))
+    """(task after fit, the label ids it encodes the rows with); `rows`: a list, or a source path."""
+    r = recipe(tmp_path, "classify", train=rows if isinstance(rows, str) else str(write_jsonl(tmp_path / "labels.jsonl", rows)))
     if labels:
         r = validate_recipe(r.model_dump(mode="json") | {"classify": {"labels": labels}})
     task = build_task(r, build_byte_tokenizer())
@@ -125,6 +126,16 @@ def test_integer_labels_keep_their_ids_and_can_be_named(tmp_path):
         classify_fit(tmp_path, [{"text": "a", "label": 1}, {"text": "b", "label": 2}], labels=["different", "same"])
     task, ids = classify_fit(tmp_path, [{"text": "a", "label": "10"}, {"text": "b", "label": "9"}])
     assert task.labels == ["9", "10"] and ids == [1, 0]  # numbers written as text: numeric order
+
+
+def test_a_save_to_disk_folder_with_a_class_label_column_brings_its_names(tmp_path):
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
+    rows = datasets.Dataset.from_list([{"text": "bad", "label": 0}, {"text": "good", "label": 1}, {"text": "fine", "label": 1}], features=features)
+    datasets.DatasetDict({"train": rows}).save_to_disk(str(tmp_path / "saved"))
+    task, ids = classify_fit(tmp_path, str(tmp_path / "saved"))
+    assert task.model_kwargs()["id2label"] == {0: "neg", 1: "pos"} and ids == [0, 1, 1]
 
 
 def test_eval_fraction_over_documents_holds_out_that_share_of_the_text(tmp_path):

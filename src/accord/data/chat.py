@@ -34,9 +34,12 @@ def normalise_chat(ds):
 
 def _has_part_lists(feature) -> bool:
     """Whether some message's `content` is stored as a list (datasets' List of parts)."""
-    inner = getattr(feature, "feature", None)
+    def item(f):  # a list's item feature: datasets' List / Sequence, or an older [feature]
+        return f[0] if isinstance(f, list) and f else getattr(f, "feature", None)
+
+    inner = item(feature)
     content = inner.get("content") if isinstance(inner, dict) else None
-    return content is not None and hasattr(content, "feature")
+    return content is not None and item(content) is not None
 
 
 def _from_sharegpt(batch: dict[str, list]) -> dict[str, list]:
