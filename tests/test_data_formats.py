@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from accord.data.prepare import prepare_data
@@ -177,9 +178,16 @@ def test_accord_data_shows_the_loss_tokens_and_the_counts(tmp_path, capsys):
     assert out[1:5] == ["--- example 1", "<|bos|>0+1=[[1<|eos|>]]", "--- example 2", "<|bos|>1+1=[[2<|eos|>]]"]
     assert "examples: 7 training, 0 held out" in out
     # 6 × 7 tokens (BOS, 4 of prompt, answer, EOS) + 32 (the last, cut); 6 × 2 + 32 - 6 targets
-    assert "tokens: 74 training (38 targets, 51.4%), 0 held out" in out
+    assert "tokens: 74 training (38 target tokens, 51.4%), 0 held out" in out
     assert "truncations: 1 longer than data.max_length=32 (0 dropped, data.truncation=truncate)" in out
     assert "packing: 7 examples in 3 rows of 32 tokens, 77.1% filled" in out  # 32 | 4 × 7 | 2 × 7
+    # The one row the seeded split holds out (seed 7, as in TINY_RECIPE) is the long one: 28 of 64 tokens.
+    rows = [{"prompt": "a", "completion": "b"}] * 10
+    rows[np.random.default_rng([7, 0x5EED]).permutation(10)[0]] = {"prompt": "long " * 5, "completion": "x"}
+    skewed = write_jsonl(tmp_path / "skewed.jsonl", rows)
+    assert main(["data", str(path), f"data.train={skewed}", "data.eval_fraction=0.1", "--show", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("warning: the held-out split has 43.8% of the tokens, over twice data.eval_fraction=0.1")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "narrator", "value": "x"}]}])
     assert main(["data", str(path), f"data.train={bad}"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

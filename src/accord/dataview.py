@@ -37,7 +37,9 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     tokens, targets = sum(train["length"]), sum(train["num_targets"])
     lines.append("--- counts")
     lines.append(f"examples: {len(train)} training, {report.get('eval_examples', 0)} held out")
-    lines.append(f"tokens: {tokens} training ({targets} targets, {100 * targets / max(tokens, 1):.1f}%), {eval_tokens(data.eval)} held out")
+    # Targets are tokens for the causal tasks, examples (classify) or pairs (dpo) otherwise.
+    share = f"{targets} target tokens, {100 * targets / max(tokens, 1):.1f}%" if "labels" in train.column_names else f"{targets} targets, one per example"
+    lines.append(f"tokens: {tokens} training ({share}), {eval_tokens(data.eval)} held out")
     lines.append(
         f"truncations: {report.get('train_over_length', 0)} longer than data.max_length={recipe.data.max_length} "
         f"({report.get('train_dropped', 0)} dropped, data.truncation={recipe.data.truncation})"
