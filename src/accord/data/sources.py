@@ -107,11 +107,10 @@ def detect_format(path: Path, declared: str, candidates: list[Path] | None = Non
             return "arrow"
         files = candidates if candidates is not None else _candidates(path, None)
         # Files a glob chose on purpose are plain text when their suffix says nothing (.md, .rst).
-        chosen = globbed
-        formats = {_SUFFIXES.get(p.suffix, "text" if chosen else None) for p in files} - {None}
+        formats = {_SUFFIXES.get(p.suffix, "text" if globbed else None) for p in files} - {None}
         if len(formats) == 1:
             return formats.pop()
-        found = sorted({p.suffix for p in files if p.suffix in _SUFFIXES or chosen})
+        found = sorted({p.suffix for p in files if p.suffix in _SUFFIXES or globbed})
         raise DataError(f"{path}: cannot tell the format of this folder (found {found or 'no data files'}); set format: ...")
     fmt = _SUFFIXES.get(path.suffix)
     if fmt is None:

@@ -27,8 +27,7 @@ class ClassifyTask(Task):
         self.pair = False
 
     def settings(self) -> dict[str, Any]:
-        # label_ids: integer labels became their own ids (caches made before then are prepared again).
-        return super().settings() | {"labels": self.given, "label_ids": "values"}
+        return super().settings() | {"labels": self.given}
 
     def fit(self, train, eval_ds):
         for ds in (train, eval_ds):
