@@ -152,19 +152,29 @@ def test_eval_fraction_over_documents_holds_out_that_share_of_the_text(tmp_path)
     assert "held-out split has 15.0% of the tokens, over twice data.eval_fraction=0.05" in held_out_warning(0.05, 850, 150)
 
 
-def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path):
+def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, monkeypatch):
+    import os
+    import warnings
+
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from accord.models import apply_lora
+    from accord.models import adapter_saving, apply_lora
     from accord.recipe import LoraConfig
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     model = AutoModelForCausalLM.from_config(config)
     model.name_or_path = str(tmp_path / ".cache" / "converted-gguf")  # where transformers loaded it from
-    wrapped = apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0, base="pkg:some_models/tiny.gguf")
-    wrapped.save_pretrained(tmp_path / "adapter")
+    wrapped = apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0, base="models/tiny.gguf")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    requests = []
+    monkeypatch.setattr("peft.utils.other.file_exists", lambda *a, **k: requests.append(a) or True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*config file")  # nor a warning about the base
+        with adapter_saving():
+            wrapped.save_pretrained(tmp_path / "adapter")
+    assert requests == [] and "HF_HUB_OFFLINE" not in os.environ  # no hub lookup of the base, and the setting restored
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert saved["base_model_name_or_path"] == "pkg:some_models/tiny.gguf"
+    assert saved["base_model_name_or_path"] == "models/tiny.gguf"
 
 
 def test_accord_data_shows_the_loss_tokens_and_the_counts(tmp_path, capsys):
