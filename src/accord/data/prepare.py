@@ -22,7 +22,7 @@ from accord.data.sources import DataError, load_split, row_origin
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
-FORMAT_VERSION = 3  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows data.add_bos)
+FORMAT_VERSION = 4  # bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text)
 _DONE = "done.json"
 
 
