@@ -75,6 +75,11 @@ def test_heads_task_and_attention_are_checked_with_one_line_each():
     assert check_sequence_parallel(recipe(sequence_parallel=4), config) == []  # kv heads replicated
     [line] = check_sequence_parallel(recipe(sequence_parallel=8), config)
     assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads") and "use 2, 4 or 1" in line
+    # Before any worker starts, from the recipe's model config (no weights).
+    from accord.preflight import check_sequence_parallel as preflight_check
+
+    [line] = preflight_check(recipe(sequence_parallel=8))
+    assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads")
     dpo = validate_recipe({**TINY_RECIPE, "task": "dpo", "engine": {**TINY_RECIPE["engine"], "sequence_parallel": 2}})
     assert check_sequence_parallel(dpo, config) == ["engine.sequence_parallel=2 supports task sft and pretrain, not dpo; set engine.sequence_parallel=1"]
 
@@ -141,3 +146,31 @@ def test_sequence_parallel_2_pretrains_as_one_process(tmp_path):
     assert max_param_diff(final_params(outs["one"]), final_params(outs["sp2"])) <= TOLERANCE
     losses = step_losses(outs["one"])
     assert losses[max(losses)] < losses[1] - 0.1  # it trained
+
+
+def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_fits():
+    import copy
+
+    from accord.planner import GIB, plan, recommend
+
+    raw = copy.deepcopy(TINY_RECIPE)
+    raw["model"]["config"] |= {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "max_position_embeddings": 8192}
+    raw["data"]["max_length"] = 8192
+    raw["batch"] = {"global_batch_size": 8, "micro_batch_size": 1}
+    raw["engine"] |= {"processes": 4}
+    recipe = validate_recipe(raw)
+    rows, world = plan(recipe, gpus=4)
+    per_degree = rows[0].sequence_parallel
+    assert sorted(per_degree) == [1, 2, 4] and rows[0].activations == per_degree[1]
+    # Per rank: 1/N of the row's tokens (4 layers × (8h + 4f) fp32 values each), plus the row's L × L mask.
+    kept_per_token = 4 * (8 * 256 + 4 * 1024) * 4
+    assert per_degree[1] - per_degree[2] == kept_per_token * 4096 - 8192**2
+    assert per_degree[1] > per_degree[2] > per_degree[4]
+    base = min(r.total - r.activations for r in rows)
+    between = (base + (per_degree[2] + per_degree[1]) / 2) / GIB  # sp 2 fits, sp 1 does not
+    assert recommend(rows, recipe, world, between).startswith("recommended: engine.sequence_parallel=2 with engine.strategy=")
+    too_small = (base + per_degree[4] / 2) / GIB
+    assert "engine.sequence_parallel" in recommend(rows, recipe, world, too_small).split("use more")[1]
+    # Under sequence_parallel 2 the plan's micro-batch arithmetic counts data-parallel groups.
+    rows2, _ = plan(validate_recipe(raw | {"engine": raw["engine"] | {"sequence_parallel": 2}}), gpus=4)
+    assert rows2[0].activations == per_degree[2] and (rows2[0].micro_batch_size, rows2[0].grad_accum) == (1, 4)
