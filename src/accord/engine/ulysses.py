@@ -15,11 +15,8 @@ What is DeepSpeed's and what is accord's:
   (sdpa and eager attend across documents without it, FIELD-NOTES); here the attention is
   registered under its own name on this model's config, and the mask over the whole row
   is passed through to the core attention.
-- The batch sharding is accord's (accord.tasks.sequence_shards), not `UlyssesSPDataLoaderAdapter`: the adapter wraps a
-  DataLoader and runs its own collectives to share batches inside the group, while
-  accord's global plan already gives every rank of a group the same rows. Here each rank
-  shifts the labels over the whole row first (a shard's last token predicts the next
-  shard's first), then keeps its slice of tokens, positions and targets.
+- The batch sharding is accord's (accord.tasks.sequence_shards says why not DeepSpeed's
+  `UlyssesSPDataLoaderAdapter`).
 - Gradients: every rank holds the whole model (or its strategy's shard of it) and a
   slice of the group's tokens; its backward, through the all-to-all's backward, gives its
   share of the group's gradient. The strategy averages over the whole world as it always
