@@ -217,7 +217,10 @@ for g in grads.values():
 if rank == 0:
     reference = dict(alone.named_parameters())
     print(json.dumps({"loss": abs(loss.item() - loss_alone.item()), "grad": max((grads[n] - reference[n].grad).abs().max().item() for n in grads)}))
-dist.destroy_process_group()
+# As accord's workers leave (accord.dist.shutdown, exit_after_shutdown): no static-destructor abort at exit.
+from accord.dist import exit_after_shutdown, shutdown
+shutdown()
+exit_after_shutdown(0)
 """
 
 
