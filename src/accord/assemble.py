@@ -23,6 +23,7 @@ from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe import Recipe
 from accord.tasks import build_task
 from accord.tasks.base import Task
+from accord.tasks.sequence_shards import SequenceShards
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RunSetup:
     total_steps: int
     engine: Engine
     model: ModelFacts
+    sequence: SequenceShards  # this rank's slice of each row (engine.sequence_parallel)
 
     @property
     def out_dir(self) -> Path:
@@ -63,7 +65,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
-    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size)
+    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel)
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if recipe.data.group_by_length and not task.packing else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
@@ -90,7 +92,9 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
         eval_data = eval_data.select(range(recipe.train.eval_limit))
     train_data, eval_data = task.setup(engine, data.train, eval_data)
     report = data.report | {"eval_tokens": eval_tokens(data.eval)}  # the full held-out split, before eval_limit
-    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, report, rows, order, plan, total_steps, engine, facts)
+    n = recipe.engine.sequence_parallel
+    sequence = SequenceShards(n, info.rank % n, getattr(task, "attn_implementation", "sdpa"))
+    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, report, rows, order, plan, total_steps, engine, facts, sequence)
 
 
 def describe(run: RunSetup) -> list[str]:

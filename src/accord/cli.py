@@ -236,7 +236,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node)
+    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node, recipe.engine.sequence_parallel)
     job = JobRequest(
         Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
         args.partition, args.time, args.account, args.cpus_per_task, args.job_name,

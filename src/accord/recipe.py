@@ -282,6 +282,13 @@ class EngineConfig(Section):
         description="fsdp: class name of the modules sharded as one unit each, e.g. LlamaDecoderLayer "
         "(default: the model's _no_split_modules, else the blocks of its layer list).",
     )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism: each row's tokens are split over groups of this many ranks, attention "
+        "exchanges sequence shards for head shards (all-to-all); the world is data-parallel x this. Must divide the "
+        "number of processes and the model's attention heads (sft and pretrain).",
+    )
     zero1_implementation: Literal["auto", "deepspeed", "torch"] = Field(
         "auto",
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "

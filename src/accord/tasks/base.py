@@ -137,11 +137,16 @@ class Task:
         return {}
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of each position's logits against its target (shifted_targets:
+    the next token's label), in fp32, over the positions that have one."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
 def causal_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over labelled positions, in fp32, and their count."""
     targets = labels[:, 1:]
-    loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss_sum, (targets != IGNORE).sum()
+    return token_loss_sum(logits[:, :-1], targets), (targets != IGNORE).sum()
 
 
 def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

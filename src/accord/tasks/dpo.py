@@ -20,7 +20,7 @@ from torch import nn
 
 from accord.batches import fetch, to_device
 from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
-from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs
 
 
@@ -145,7 +145,7 @@ class DPOTask(Task):
 def _row_logprobs(model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
     if chunked is not None:
-        return chunked.row_logprobs(model, inputs, labels)
+        return chunked.row_logprobs(model, inputs, shifted_targets(labels))
     return sequence_logprobs(model(**inputs).logits, labels)
 
 
