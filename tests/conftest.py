@@ -308,6 +308,13 @@ def task_data(folder: Path, task: str) -> dict:
             a, b = rng.randint(0, 50), rng.randint(0, 50)
             rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))})
         return {"task": "dpo", "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.1, "max_length": 32}}
+    if task == "reward":
+        # The preferred answer ends politely: a cue a tiny scorer learns in a few steps.
+        rows = []
+        for _ in range(96):
+            prompt, answer = (" ".join(rng.choice(words) for _ in range(rng.randint(1, 4))) for _ in range(2))
+            rows.append({"prompt": f"{prompt}? ", "chosen": f"{answer} thanks", "rejected": f"{answer} go away"})
+        return {"task": "reward", "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.125, "max_length": 48}}
     if task == "chat":
         rows = []
         for _ in range(128):

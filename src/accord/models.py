@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -162,11 +163,13 @@ def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
     config.validate_rope()
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None) -> PreTrainedModel:
     """Wrap with peft adapters; only they (and a classification head) are trained. The
     adapters' initial values are seeded per name (accord.weights), so they are the same for
     any number of processes. On a meta-device model they stay meta until the engine
-    materialises the whole."""
+    materialises the whole. `base`: the recipe's model.path, which adapter/adapter_config.json
+    names as its base (peft would name the folder loaded, e.g. a GGUF file's converted copy
+    under ~/.cache that exists only on the machine that trained)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
@@ -180,7 +183,28 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) ->
         wrapped = get_peft_model(model, peft_config)
     if not meta:  # peft's own draws replaced by the per-name values
         fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
+    wrapped.peft_config["default"].base_model_name_or_path = base
     return wrapped
+
+
+@contextlib.contextmanager
+def adapter_saving() -> Iterator[None]:
+    """Around peft's save_pretrained of an adapter: peft looks a base that is no local folder
+    (a .gguf file, a `pkg:` path) up on the hub to see whether the vocabulary changed. accord
+    never changes it and reads nothing from a hub, so the lookup is off, and its warning too."""
+    import warnings
+
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read by peft at each save (peft.utils.other.check_file_exists_on_hf_hub)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Could not find a config file in")
+            yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -20,6 +20,8 @@ from accord.recipe import Recipe, recipe_to_yaml
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
 RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final")
+# Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
+RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes each (the exporting rank's buffer).
 SHARD_BYTES = 2**30
 SHARD_INDEX = "model.safetensors.index.json"
@@ -29,7 +31,9 @@ PREVIOUS_RUN = ".previous-run"
 
 
 def earlier_run(out_dir: Path) -> list[str]:
-    return [name for name in RUN_ARTEFACTS if (out_dir / name).exists()]
+    named = [name for name in RUN_ARTEFACTS if (out_dir / name).exists()]
+    stamped = sorted(p.name for pattern in RUN_ARTEFACT_PATTERNS for p in out_dir.glob(pattern))
+    return named + stamped
 
 
 def check_output_dir(recipe: Recipe) -> list[str]:

@@ -22,3 +22,17 @@ def resolve_path(text: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise PathError(f"{text}: Python package {package!r} is not installed (see README: examples)")
     return Path(list(spec.submodule_search_locations)[0]) / rest
+
+
+def locate(text: str, recipe_folder: Path) -> tuple[str, tuple[str, ...]]:
+    """A recipe's relative path: as given when it exists from the current folder (how accord
+    always read it), else the recipe file's folder's copy when that exists (returned as an
+    absolute path, so workers started elsewhere read the same file). Also returns the folders
+    looked in when it exists in neither, for the not-found error."""
+    if text.startswith("pkg:") or Path(text).expanduser().is_absolute() or Path(text).exists():
+        return text, ()
+    beside = recipe_folder / text
+    if beside.exists():
+        return str(beside.resolve()), ()
+    folders = dict.fromkeys([str(Path.cwd()), str(recipe_folder.resolve())])  # one entry when they are the same
+    return text, tuple(folders)

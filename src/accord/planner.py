@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from accord.batching import BatchPlan, divisors
+from accord.errors import UserInputError
 from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
 from accord.tasks.chunked_loss import chunking_blocker
@@ -36,6 +37,8 @@ class StrategyPlan:
     grad_accum: int
     # Each phase's own peak per rank, bytes above an empty process's (see phase_peaks).
     phases: dict[str, float] = field(default_factory=dict)
+    # Activations per rank under each engine.sequence_parallel the world and model allow.
+    sequence_parallel: dict[int, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -63,7 +66,7 @@ def meta_model(recipe: Recipe):
         else:
             model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs, meta=True)
         if recipe.lora is not None:
-            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
+            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed, recipe.model.path)
     return model
 
 
@@ -111,26 +114,29 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
     return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
 
 
-def activations(model, micro: int, length: int, precision: str, checkpointing: bool, loss_chunk: int = 0) -> float:
+def activations(model, micro: int, length: int, precision: str, checkpointing: bool, loss_chunk: int = 0, sequence_parallel: int = 1) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
     tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
     logits and their log-softmax for every token, or with the chunked loss (`loss_chunk`
     tokens at a time, once the targets exceed one chunk) about four fp32 chunk × vocabulary
-    tensors (the recomputed logits, their softmax and gradients) whatever the length."""
+    tensors (the recomputed logits, their softmax and gradients) whatever the length.
+    Under `sequence_parallel` N a rank holds the tokens of 1/N of each row, and (sdpa and
+    eager) the whole row's document mask, one byte per pair of tokens."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
     layers = getattr(config, "num_hidden_layers", 1)
     vocab = getattr(config, "vocab_size", 0)
     element = 2 if precision in ("bf16", "fp16") else 4
-    tokens = micro * length
+    tokens = micro * -(-length // sequence_parallel)
+    mask = micro * length * length if sequence_parallel > 1 and "flash" not in (getattr(config, "_attn_implementation", None) or "") else 0
     per_layer = (8 * h + 4 * f) * element * tokens
     kept = layers * h * element * tokens + per_layer if checkpointing else layers * per_layer
     whole = 2 * 4 * tokens * vocab
     # Rows whose targets fit one chunk are computed whole (nothing to gain from recomputing).
     logits = min(whole, 4 * 4 * loss_chunk * vocab) if loss_chunk else whole
-    return kept + logits
+    return kept + logits + mask
 
 
 def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activations: float, recipe: Recipe, cpu: bool) -> dict[str, float]:
@@ -206,20 +212,40 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
     phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
-    batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world)
+    batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel)
     model = meta_model(recipe)
     # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
     loss_chunk = recipe.train.loss_chunk_size if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None else 0
+    per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk)
+    act = per_degree[recipe.engine.sequence_parallel]
     rows = []
     for strategy in STRATEGIES:
         offload = recipe.engine.offload if strategy.startswith("zero") else "none"
         if offload == "optimizer+params" and strategy != "zero3":
             offload = "optimizer"
         state = model_state(model, strategy, world, recipe.engine.precision, offload)
-        act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, recipe.engine.activation_checkpointing, loss_chunk)
         phases = phase_peaks(model, strategy, world, state, act, recipe, cpu)
-        rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum, phases=phases))
+        rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum,
+                                 phases=phases, sequence_parallel=per_degree))
     return rows, world
+
+
+def _sequence_parallel_activations(model, recipe: Recipe, world: int, loss_chunk: int) -> dict[int, float]:
+    """Activations per rank for the recipe's engine.sequence_parallel and each other degree
+    the world, the batch, the task and the model's heads allow."""
+    from accord.engine.ulysses import check_sequence_parallel
+
+    out = {}
+    for n in divisors(world):
+        if n != recipe.engine.sequence_parallel and check_sequence_parallel(recipe.model_copy(update={"engine": recipe.engine.model_copy(update={"sequence_parallel": n})}), model.config):
+            continue
+        try:
+            batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, n)
+        except UserInputError:
+            continue
+        engine = recipe.engine
+        out[n] = activations(model, batch.micro_batch_size, recipe.data.max_length, engine.precision, engine.activation_checkpointing, loss_chunk, n)
+    return out
 
 
 def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: float, device: str = "GPU") -> str:
@@ -228,22 +254,45 @@ def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: 
     budget = memory_gib * GIB
     fitting = [r for r in rows if r.total <= budget]
     if not fitting:
-        best = min(rows, key=lambda r: r.total)
-        return (
-            f"nothing fits in {memory_gib:g} GiB per {device}: the smallest is {best.strategy} at {best.total / GIB:.1f} GiB; "
-            f"use more {device}s, engine.activation_checkpointing=true, a smaller batch.micro_batch_size or data.max_length, "
-            f"or engine.offload"
-        )
+        return _split_rows(rows, recipe, budget, memory_gib, device) or _nothing_fits(rows, memory_gib, device)
     choice = fitting[0]
-    per_rank = recipe.batch.global_batch_size // world
+    groups = world // recipe.engine.sequence_parallel  # data-parallel: a sequence-parallel group shares its rows
+    per_rank = recipe.batch.global_batch_size // groups
     base = choice.total - choice.activations
     per_sequence = choice.activations / choice.micro_batch_size
     fits = [m for m in divisors(per_rank) if base + per_sequence * m <= budget]
     micro = max(fits) if fits else choice.micro_batch_size
     return (
         f"recommended: engine.strategy={choice.strategy} with batch.micro_batch_size={micro} "
-        f"({world} × {micro} × {per_rank // micro} accumulation = {recipe.batch.global_batch_size}), "
+        f"({groups} × {micro} × {per_rank // micro} accumulation = {recipe.batch.global_batch_size}), "
         f"~{(base + per_sequence * micro) / GIB:.1f} of {memory_gib:.1f} GiB per {device}"
+    )
+
+
+def _split_rows(rows: list[StrategyPlan], recipe: Recipe, budget: float, memory_gib: float, device: str) -> str | None:
+    """The smallest engine.sequence_parallel above the recipe's that makes a strategy fit
+    (the cheapest such strategy), or None."""
+    current = recipe.engine.sequence_parallel
+    for n, act in sorted(rows[0].sequence_parallel.items()):
+        if n <= current:
+            continue
+        for r in rows:
+            total = r.total - r.activations + act
+            if total <= budget:
+                return (
+                    f"recommended: engine.sequence_parallel={n} with engine.strategy={r.strategy}: each row's {recipe.data.max_length} "
+                    f"tokens split over {n} {device}s (activations {r.activations / GIB:.1f} -> {act / GIB:.1f} GiB), "
+                    f"~{total / GIB:.1f} of {memory_gib:.1f} GiB per {device}"
+                )
+    return None
+
+
+def _nothing_fits(rows: list[StrategyPlan], memory_gib: float, device: str) -> str:
+    best = min(rows, key=lambda r: r.total)
+    return (
+        f"nothing fits in {memory_gib:g} GiB per {device}: the smallest is {best.strategy} at {best.total / GIB:.1f} GiB; "
+        f"use more {device}s, engine.activation_checkpointing=true, engine.sequence_parallel, a smaller batch.micro_batch_size "
+        f"or data.max_length, or engine.offload"
     )
 
 

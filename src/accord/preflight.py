@@ -20,10 +20,12 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]
     node) will hold global rank 0, the one that writes the outputs."""
     problems: list[str] = []
     try:
-        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size)
+        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
     except BatchPlanError as e:
         problems.append(str(e))
     problems += check_model_source(recipe.model)
+    if recipe.engine.sequence_parallel > 1 and not problems:
+        problems += check_sequence_parallel(recipe)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -112,24 +114,41 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
 
 def check_rope_scaling(cfg: ModelConfig) -> list[str]:
     """model.rope_scaling fits the model's config (read or built here, no weights)."""
-    from transformers import AutoConfig
-
     from accord.models import apply_rope_scaling
 
     if cfg.path is not None and resolve_path(cfg.path).suffix == ".gguf":
         return []  # its config exists only after conversion; the worker applies the same check
     try:
-        if cfg.path is not None:
-            config = AutoConfig.from_pretrained(resolve_path(cfg.path), trust_remote_code=cfg.trust_remote_code)
-        else:
-            settings = dict(cfg.config or {})
-            config = AutoConfig.for_model(str(settings.pop("architecture")), **settings)
+        config = _model_config(cfg)
         apply_rope_scaling(config, cfg.rope_scaling)
     except UserInputError as e:
         return [str(e)]
     except (KeyError, ValueError, TypeError) as e:  # transformers' own checks of the values
         return [f"model.rope_scaling: {' '.join(str(e).split())[:300]}"]
     return []
+
+
+def check_sequence_parallel(recipe: Recipe) -> list[str]:
+    """engine.sequence_parallel fits the task, the model's heads and attention, and DeepSpeed
+    (whose Ulysses attention it runs) is installed; the model's config is read, no weights."""
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine.ulysses import check_sequence_parallel as check
+
+    if not deepspeed_available():
+        return [f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is not installed: {INSTALL_DEEPSPEED}"]
+    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+        return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
+    return check(recipe, _model_config(recipe.model))
+
+
+def _model_config(cfg: ModelConfig):
+    """The model's transformers config, from its folder or the recipe's model.config."""
+    from transformers import AutoConfig
+
+    if cfg.path is not None:
+        return AutoConfig.from_pretrained(resolve_path(cfg.path), trust_remote_code=cfg.trust_remote_code)
+    settings = dict(cfg.config or {})
+    return AutoConfig.for_model(str(settings.pop("architecture")), **settings)
 
 
 def check_environment(recipe: Recipe) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from accord.errors import UserInputError
 from accord.recipe_errors import describe_error
@@ -83,6 +83,12 @@ class GeneratedData(Section):
 SOURCE_FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "arrow", "chatterbot", "contrastive")
 
 
+class DocumentSeparator(Section):
+    """Documents of a text file separated by a marker (e.g. `%` lines in fortune files)."""
+
+    separator: str = Field(..., min_length=1, description="The text between two documents (removed, with the line breaks around it).")
+
+
 class SourceConfig(Section):
     """One data source: a local file, a folder of files, or a `datasets.save_to_disk` folder."""
 
@@ -98,6 +104,18 @@ class SourceConfig(Section):
         default_factory=dict, description="Rename columns to the names the task reads, e.g. {text: tweet, label: sentiment}."
     )
     encoding: str = Field("utf-8", description="Text encoding of CSV/TSV/text files (e.g. latin-1).")
+    document: Literal["file", "line", "paragraph"] | DocumentSeparator = Field(
+        "file",
+        description="Text files: what one document (row) is: the whole file, each non-blank line, each paragraph "
+        "(text between blank lines), or {separator: \"%\"} (text between occurrences of the separator).",
+    )
+    glob: str | None = Field(
+        None,
+        description="Folders: which files to read, e.g. \"**/*.md\" (default: every file with the suffix of the "
+        "folder's format, in all subfolders).",
+    )
+    # Where a relative path was looked for (the current folder, then the recipe's), for the not-found error.
+    _looked_in: tuple[str, ...] = PrivateAttr(default=())
 
 
 def _as_sources(value: Any) -> Any:
@@ -265,6 +283,13 @@ class EngineConfig(Section):
         description="fsdp: class name of the modules sharded as one unit each, e.g. LlamaDecoderLayer "
         "(default: the model's _no_split_modules, else the blocks of its layer list).",
     )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism: each row's tokens are split over groups of this many ranks, attention "
+        "exchanges sequence shards for head shards (all-to-all); the world is data-parallel x this. Must divide the "
+        "number of processes and the model's attention heads (sft and pretrain).",
+    )
     zero1_implementation: Literal["auto", "deepspeed", "torch"] = Field(
         "auto",
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "
@@ -306,7 +331,7 @@ class EngineConfig(Section):
 
 
 # The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo"]
+TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward"]
 
 
 class TaskClassConfig(Section):
@@ -374,7 +399,7 @@ class Recipe(Section):
     task: TaskName | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected); or {class: package.module:Class} for a task written outside accord.",
+        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer); or {class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -412,7 +437,22 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise RecipeError(f"{path}: a recipe is a mapping of sections (seed, model, data, ...), got {type(raw).__name__}")
     for item in overrides:
         apply_override(raw, item)
-    return validate_recipe(raw, source=str(path))
+    recipe = validate_recipe(raw, source=str(path))
+    _anchor_paths(recipe, path.parent)
+    return recipe
+
+
+def _anchor_paths(recipe: Recipe, folder: Path) -> None:
+    """Relative data and model paths are read from the current folder when they exist there,
+    else from the recipe file's folder (see accord.paths.locate)."""
+    from accord.paths import locate
+
+    for source in (recipe.data.train or []) + (recipe.data.eval or []):
+        source.path, source._looked_in = locate(source.path, folder)
+    if recipe.model.path is not None:
+        recipe.model.path = locate(recipe.model.path, folder)[0]
+    if recipe.model.tokenizer not in (None, BYTE_TOKENIZER):
+        recipe.model.tokenizer = locate(recipe.model.tokenizer, folder)[0]
 
 
 def apply_override(raw: dict, item: str) -> None:

@@ -56,8 +56,9 @@ class Trainer:
         for micro_step in range(self.plan.grad_accum):
             last = micro_step == self.plan.grad_accum - 1
             heartbeat.phase("forward", self.step + 1)
-            row_ids = global_batch[self.plan.micro_slice(self.run.info.rank, micro_step)]
-            batch = to_device(self.task.collate(self._rows(row_ids)), self.engine.device)
+            # The ranks of a sequence-parallel group take the same rows, each a slice of their tokens.
+            row_ids = global_batch[self.plan.micro_slice(self.plan.data_rank(self.run.info.rank), micro_step)]
+            batch = to_device(self.run.sequence.shard(self.task.collate(self._rows(row_ids))), self.engine.device)
             with self.engine.sync_context(last_micro_step=last):
                 with self.engine.autocast():
                     out = self.task.loss(self.engine.train_model, batch)

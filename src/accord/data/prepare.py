@@ -29,8 +29,9 @@ from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
-# data.add_bos; 4: causal-LM training data as token shards, pre-training blocks cut from one stream).
-FORMAT_VERSION = 4
+# data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
+# 5: causal-LM training data as token shards, pre-training blocks cut from one stream).
+FORMAT_VERSION = 5
 _DONE = "done.json"
 
 

@@ -9,10 +9,9 @@ Nothing is ever fetched from a hub: a name that is not a local path is an error.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from accord.errors import UserInputError
 from accord.paths import PathError, resolve_path
@@ -41,17 +40,19 @@ def load_source(source: SourceConfig, required: tuple[str, ...], role: str = "da
 def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     import datasets
 
+    from accord.data.chat import normalise_chat
+
     try:
         path = resolve_path(source.path)
     except PathError as e:
         raise DataError(str(e)) from None
     if not path.exists():
-        raise DataError(
-            f"data source {source.path!r} not found: accord reads local files only (no hub downloads); "
-            f"save a hub dataset once with datasets' save_to_disk and point to that folder"
-        )
-    fmt = detect_format(path, source.format)
-    files = _files(path, fmt)
+        raise DataError(_not_found(source))
+    candidates = _candidates(path, source.glob)
+    fmt = detect_format(path, source.format, candidates, source.glob is not None)
+    files = _files(path, fmt, candidates, source.glob is not None)
+    if source.document != "file" and fmt != "text":
+        raise DataError(f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)")
     _check_text_encoding(files, fmt, source.encoding)
     datasets.disable_progress_bars()
     if fmt == "arrow":
@@ -60,39 +61,70 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     elif fmt == "chatterbot":
         ds = datasets.Dataset.from_list(_chatterbot_rows(files))
+    elif fmt == "text" and source.document != "file":
+        from accord.data.documents import split_documents
+
+        ds = split_documents(files, source.document, source.encoding)
     else:
         ds = _load_files(files, fmt, source)
     ds = _rename(ds, source, path)
     if fmt == "contrastive":
         ds = _split_common_prefix(ds, path)
     ds = ds.add_column(SOURCE, [f"{label}{path}"] * len(ds)).add_column(ROW, list(range(1, len(ds) + 1)))
+    ds = normalise_chat(ds)
     ds = check_columns(ds, required, str(path))
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
     return ds
 
 
-def detect_format(path: Path, declared: str) -> str:
+def _not_found(source: SourceConfig) -> str:
+    """Where a missing source was looked for; the hub is named only for what looks like a hub name."""
+    folders = source._looked_in or (str(Path.cwd()),)
+    where = f"looked in {' and '.join(folders)}" + ("; a relative path is read from the current folder, else from the recipe file's folder" if len(folders) > 1 else "")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", source.path) and not Path(source.path).suffix:
+        where += "; accord reads local files only (no hub downloads): save a hub dataset once with datasets' save_to_disk and point to that folder"
+    return f"data source {source.path!r} not found ({where})"
+
+
+def _candidates(path: Path, glob: str | None) -> list[Path]:
+    """The files of a folder source: those its glob matches, or every file in it (and below)."""
+    if path.is_file():
+        if glob is not None:
+            raise DataError(f"{path}: glob: {glob!r} selects files in a folder, and this source is a file; drop glob or give the folder")
+        return [path]
+    files = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
+    if glob is not None and not files:
+        raise DataError(f"{path}: glob: {glob!r} matches no files in this folder; check the pattern (e.g. \"**/*.md\" for every .md file below it)")
+    return files
+
+
+def detect_format(path: Path, declared: str, candidates: list[Path] | None = None, globbed: bool = False) -> str:
     if declared != "auto":
         return declared
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "arrow"
-        suffixes = {p.suffix for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES}
-        if len(suffixes) == 1:
-            return _SUFFIXES[suffixes.pop()]
-        raise DataError(f"{path}: cannot tell the format of this folder (found {sorted(suffixes) or 'no data files'}); set format: ...")
+        files = candidates if candidates is not None else _candidates(path, None)
+        # Files a glob chose on purpose are plain text when their suffix says nothing (.md, .rst).
+        formats = {_SUFFIXES.get(p.suffix, "text" if globbed else None) for p in files} - {None}
+        if len(formats) == 1:
+            return formats.pop()
+        found = sorted({p.suffix for p in files if p.suffix in _SUFFIXES or globbed})
+        raise DataError(f"{path}: cannot tell the format of this folder (found {found or 'no data files'}); set format: ...")
     fmt = _SUFFIXES.get(path.suffix)
     if fmt is None:
         raise DataError(f"{path}: unknown file type {path.suffix!r}; set format: jsonl | json | csv | tsv | parquet | text")
     return fmt
 
 
-def _files(path: Path, fmt: str) -> list[str]:
+def _files(path: Path, fmt: str, candidates: list[Path], globbed: bool) -> list[str]:
     if fmt == "arrow" or path.is_file():
         return [str(path)]
+    if globbed:
+        return [str(p) for p in candidates]
     suffixes = [s for s, f in _SUFFIXES.items() if f == fmt] or [".json", ".jsonl"]
-    files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
+    files = [str(p) for p in candidates if p.suffix in suffixes]
     if not files:
         raise DataError(f"{path}: no {fmt} files in this folder")
     return files
@@ -275,9 +307,11 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
     if cfg.eval is not None:
         return train, mix([load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed)
     if cfg.eval_fraction:
-        held_out = max(1, round(len(train) * cfg.eval_fraction))
-        order = np.random.default_rng([seed, 0x5EED]).permutation(len(train))
-        return train.select(sorted(order[held_out:])), train.select(sorted(order[:held_out]))
+        from accord.data.split import hold_out
+
+        # Pre-training text is documents, sized by characters; anything else is examples, held out by count.
+        documents = required == ("text",) and "label" not in train.column_names
+        return hold_out(train, cfg.eval_fraction, seed, documents)
     return train, None
 
 

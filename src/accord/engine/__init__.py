@@ -30,11 +30,16 @@ def deepspeed_available() -> bool:
 
 
 def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
-    """The recipe's strategy around `model`, compiled when engine.compile asks."""
+    """The recipe's strategy around `model` (with Ulysses attention under
+    engine.sequence_parallel), compiled when engine.compile asks."""
     if device.type == "cpu":
         # transformers imports DeepSpeed (when installed) to ask whether ZeRO-3 is active;
         # naming the accelerator spares every run DeepSpeed's "no GPU found" warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if recipe.engine.sequence_parallel > 1:
+        from accord.engine.ulysses import install_ulysses
+
+        install_ulysses(recipe, model, info, plan.micro_batch_size)
     factory: EngineFactory = load_object(STRATEGIES[recipe.engine.strategy], f"engine.strategy={recipe.engine.strategy}")
     engine = factory(recipe, model, info, device, plan, total_steps)
     if recipe.engine.compile:

@@ -57,7 +57,9 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, mode
         zero["stage3_param_persistence_threshold"] = 10 * width if width else 100_000
         zero["stage3_gather_16bit_weights_on_model_save"] = False  # accord gathers fp32 weights itself
     config: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_size,
+        # DeepSpeed checks micro × accumulation × ranks; the ranks of a sequence-parallel
+        # group each count the rows they share (its gradient averaging is over all ranks too).
+        "train_batch_size": plan.global_batch_size * plan.sequence_parallel,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": float(optim.max_grad_norm) if optim.max_grad_norm is not None else 0.0,

@@ -140,11 +140,16 @@ class Task:
         return {}
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of each position's logits against its target (shifted_targets:
+    the next token's label), in fp32, over the positions that have one."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
 def causal_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over labelled positions, in fp32, and their count."""
     targets = labels[:, 1:]
-    loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss_sum, (targets != IGNORE).sum()
+    return token_loss_sum(logits[:, :-1], targets), (targets != IGNORE).sum()
 
 
 def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -169,13 +174,25 @@ def text_prefix(tokenizer, policy: str = "auto") -> list[int]:
 
             raise DataError("data.add_bos=always but the tokenizer has no BOS token; use data.add_bos=auto or never")
         return [tokenizer.bos_token_id]
+    return _around_text(tokenizer)[0]
+
+
+def text_suffix(tokenizer) -> list[int]:
+    """The ids `tokenizer(text)` puts after a text's own tokens (an encoder's [SEP]; for most
+    decoders nothing)."""
+    return _around_text(tokenizer)[1]
+
+
+def _around_text(tokenizer) -> tuple[list[int], list[int]]:
+    """(before, after): the special ids `tokenizer(text)` adds around `tokenizer(text,
+    add_special_tokens=False)`."""
     probe = "0"
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
     full = tokenizer(probe)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
-            return list(full[:start])
-    return []
+            return list(full[:start]), list(full[start + len(plain) :])
+    return [], []
 
 
 def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:

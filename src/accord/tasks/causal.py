@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from accord.tasks.base import IGNORE, LossOutput, Task, causal_token_loss, pad_rows
+from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, token_loss_sum
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
 
@@ -58,13 +58,15 @@ class CausalLMTask(Task):
         return f"{line}, exact-match {100 * results['exact_match_accuracy']:.1f}% of {int(results['generated'])}"
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        # `shift_labels`: targets already shifted over the whole row (a sequence-parallel
+        # slice of it, accord.tasks.sequence_shards); else the next token's label.
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        targets = batch["shift_labels"] if "shift_labels" in batch else shifted_targets(batch["labels"])
         if self.logprobs is not None:
-            row_logprobs = self.logprobs.row_logprobs(model, inputs, batch["labels"])
-            return LossOutput(-row_logprobs.sum(), (shifted_targets(batch["labels"]) != IGNORE).sum())
+            row_logprobs = self.logprobs.row_logprobs(model, inputs, targets)
+            return LossOutput(-row_logprobs.sum(), (targets != IGNORE).sum())
         logits = model(**inputs).logits
-        loss_sum, targets = causal_token_loss(logits, batch["labels"])
-        return LossOutput(loss_sum, targets)
+        return LossOutput(token_loss_sum(logits, targets), (targets != IGNORE).sum())
 
 
 def packed_position_ids(doc_lengths: list[list[int]], width: int) -> torch.Tensor:

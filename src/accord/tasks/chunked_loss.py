@@ -94,11 +94,11 @@ class TargetLogprobs:
         self.served = row_target_logprobs(hidden, targets, self.head.weight, self.head.bias, self.chunk)
         return self.served
 
-    def row_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        """Per row, the summed log-probability of the labelled next tokens (fp32), from a
-        forward of `model` (the wrapped training model, or a frozen one) whose output
-        layer is this one."""
-        self.pending = shifted_targets(labels)
+    def row_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        """Per row, the summed log-probability of each position's target (shifted_targets of
+        the labels; fp32), from a forward of `model` (the wrapped training model, or a frozen
+        one) whose output layer is this one."""
+        self.pending = targets
         try:
             out = model(**inputs).logits
         finally:

@@ -3,6 +3,7 @@ or decoder model and a classification head (AutoModelForSequenceClassification).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -20,11 +21,13 @@ class ClassifyTask(Task):
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
-        self.labels: list[str] | None = list(recipe.classify.labels) if recipe.classify.labels else None
+        self.given: list[str] | None = list(recipe.classify.labels) if recipe.classify.labels else None
+        self.labels: list[str] | None = self.given  # names in id order
+        self.ids: dict[str, int] = {}  # a row's label (as text) -> its id
         self.pair = False
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"labels": self.labels}
+        return super().settings() | {"labels": self.given}
 
     def fit(self, train, eval_ds):
         for ds in (train, eval_ds):
@@ -32,24 +35,22 @@ class ClassifyTask(Task):
                 present = [c for c in ds.column_names if not c.startswith("__")]
                 raise DataError(f"classify data: missing field 'label' (fields present: {', '.join(present)}); rename with fields: {{label: <column>}}")
         self.pair = "text_pair" in train.column_names
-        if self.labels is None:
-            self.labels = sorted({str(v) for v in train["label"] if v is not None})
+        self.labels, self.ids = label_set(train, eval_ds, self.given)
         if len(self.labels) < 2:
             raise DataError(f"classify: found {len(self.labels)} distinct label(s) in the training data; need at least 2")
-        known = set(self.labels)
         for ds in (train, eval_ds):
             if ds is None:
                 continue
             for i, value in enumerate(ds["label"]):
-                if value is None or str(value) not in known:
-                    raise DataError(f"{row_origin(ds[i])}: label {value!r} is not in the label set {self.labels} (classify.labels)")
+                if value is None or str(value) not in self.ids:
+                    raise DataError(f"{row_origin(ds[i])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)")
         return train, eval_ds
 
     def state(self) -> dict[str, Any]:
-        return {"labels": self.labels, "pair": self.pair}
+        return {"labels": self.labels, "ids": self.ids, "pair": self.pair}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.labels, self.pair = state["labels"], state["pair"]
+        self.labels, self.ids, self.pair = state["labels"], state["ids"], state["pair"]
 
     def model_kwargs(self) -> dict[str, Any]:
         if self.labels is None:  # planning before the data is read: the model's default head
@@ -62,7 +63,7 @@ class ClassifyTask(Task):
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         assert self.labels is not None
-        index = {label: i for i, label in enumerate(self.labels)}
+        index = self.ids
         pairs = batch["text_pair"] if self.pair else None
         full = self.tokenizer(batch["text"], pairs, truncation=False)
         cut = self.tokenizer(batch["text"], pairs, truncation=True, max_length=self.max_length)
@@ -120,5 +121,40 @@ class ClassifyTask(Task):
         f1s = []
         for c in range(len(self.labels or [])):
             tp, fp, fn = sums[f"tp{c}"], sums[f"fp{c}"], sums[f"fn{c}"]
-            f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+            if tp + fp + fn:  # a class neither present nor predicted is left out (as scikit-learn does)
+                f1s.append(2 * tp / (2 * tp + fp + fn))
         return {"loss": sums["loss_sum"] / targets, "accuracy": sums["correct"] / targets, "macro_f1": sum(f1s) / max(len(f1s), 1)}
+
+
+def label_set(train, eval_ds, given: list[str] | None) -> tuple[list[str], dict[str, int]]:
+    """(names in id order, label value as text -> id). Integer labels keep their values as
+    ids (0-11 are ids 0-11, not ordered as strings), named by `given` when it is set, else
+    by the names of a datasets ClassLabel column, else by the numbers themselves.
+    Text labels get ids in `given`'s order, else sorted (numerically when all are numbers)."""
+    import datasets
+
+    feature = train.features["label"]
+    values = [v for ds in (train, eval_ds) if ds is not None for v in ds["label"] if v is not None]
+    if isinstance(feature, datasets.ClassLabel):
+        names = given or list(feature.names)
+        return names, {str(i): i for i in range(len(names))}
+    if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if given:
+            return given, {str(i): i for i in range(len(given))}
+        numbers = sorted(set(values))
+        if numbers[0] >= 0:  # the values are the ids; a number absent from the data is an unused class
+            return [str(i) for i in range(numbers[-1] + 1)], {str(i): i for i in range(numbers[-1] + 1)}
+        return [str(v) for v in numbers], {str(v): i for i, v in enumerate(numbers)}
+    if given:
+        return given, {name: i for i, name in enumerate(given)}
+    names = sorted({str(v) for v in train["label"] if v is not None})
+    if all(re.fullmatch(r"-?\d+", name) for name in names):
+        names.sort(key=int)
+    return names, {name: i for i, name in enumerate(names)}
+
+
+def _shown(labels: list[str], ids: dict[str, int]) -> str:
+    """The label set as a row's label must be written: names, or the ids they name."""
+    if list(ids) == labels:
+        return str(labels)
+    return "ids " + ", ".join(f"{value}={labels[i]}" for value, i in ids.items())

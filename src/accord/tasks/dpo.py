@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from accord.batches import fetch, to_device
-from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, sequence_logprobs, text_prefix
-from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note
+from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
+from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
+from accord.tasks.pairs import collate_pairs, encode_pairs
 
 
 class DPOTask(Task):
@@ -102,34 +103,11 @@ class DPOTask(Task):
         return lines + [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
-        tok = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-        out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "num_targets", "length", "over_length")}
-        for prompt, chosen, rejected in zip(tok(batch["prompt"]), tok(batch["chosen"]), tok(batch["rejected"])):
-            over = len(self.prefix) + max(len(prompt) + len(chosen), len(prompt) + len(rejected)) + 1 > self.max_length
-            # Keep the end of an over-long prompt (what the answer follows) after the BOS
-            # prefix, then cut answers.
-            keep = self.max_length // 2 - len(self.prefix)
-            prompt = self.prefix + (prompt[-keep:] if len(prompt) > keep and over else prompt)
-            for name, answer in (("chosen", chosen), ("rejected", rejected)):
-                answer = (answer + [self.eos_id])[: self.max_length - len(prompt)]
-                out[f"{name}_input_ids"].append(prompt + answer)
-                out[f"{name}_labels"].append([IGNORE] * len(prompt) + answer)
-            out["num_targets"].append(1)  # one pair
-            out["length"].append(max(len(out["chosen_input_ids"][-1]), len(out["rejected_input_ids"][-1])))
-            out["over_length"].append(over)
-        return out
+        return encode_pairs(self.tokenizer, batch, self.prefix, [self.eos_id], self.max_length, labels=True)
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         examples = [row[0] for row in rows]
-        sequences = [e["chosen_input_ids"] for e in examples] + [e["rejected_input_ids"] for e in examples]
-        labels = [e["chosen_labels"] for e in examples] + [e["rejected_labels"] for e in examples]
-        input_ids = pad_rows(sequences, self.pad_id)
-        lengths = torch.tensor([len(s) for s in sequences])
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long(),
-            "labels": pad_rows(labels, IGNORE),
-        }
+        batch = collate_pairs(examples, self.pad_id)
         if "ref_logp" in examples[0]:
             batch["ref_logps"] = torch.tensor([e["ref_logp"][0] for e in examples] + [e["ref_logp"][1] for e in examples], dtype=torch.float32)
         return batch
@@ -167,7 +145,7 @@ class DPOTask(Task):
 def _row_logprobs(model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
     if chunked is not None:
-        return chunked.row_logprobs(model, inputs, labels)
+        return chunked.row_logprobs(model, inputs, shifted_targets(labels))
     return sequence_logprobs(model(**inputs).logits, labels)
 
 
