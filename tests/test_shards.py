@@ -152,6 +152,7 @@ def test_a_truncated_shard_or_another_tokenizers_shard_is_one_line_and_exit_2(tm
     meta_path = tokens.with_name("shards.json")
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps(meta | {"tokenizer": "another"}))
+    monkeypatch.setattr(refusals, "_said", threading.Lock())  # a process prints one refusal: keep the real one unclaimed
     assert main(["prepare", str(path)]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "reusing" not in line]
     assert len(err) == 1 and "another tokenizer" in err[0] and str(tokens.parent) in err[0]
