@@ -9,7 +9,8 @@ hits all alike); the table gives the median and the range of the seconds from th
 start to the end of its first optimizer step. For accord it also gives the median time to
 each of its stage lines on stderr (first output, workers started, model loading), read as
 they are printed, and for everyone the time the command took to exit (training 2 steps and
-saving the model included). `--baseline-src` adds accord from another source tree (e.g. a checkout of
+saving the model included) and the CPU seconds all its processes used (less sensitive to
+the machine's load than wall time). `--baseline-src` adds accord from another source tree (e.g. a checkout of
 main) as "accord (baseline)", for a before/after in the same run. accord's data cache is
 warm after the first round (every contender reads the same files), as on a second run.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,6 +43,7 @@ def run_once(name: str, folder: Path, processes: int, src: str | None) -> dict:
         env["PYTHONPATH"] = src
     command = command_for("accord" if name.startswith("accord") else name, folder, STEPS, processes, log, out)
     seen: dict[str, float] = {}
+    cpu_before = _children_cpu()
     start = time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tail = []
@@ -53,7 +56,14 @@ def run_once(name: str, folder: Path, processes: int, src: str | None) -> dict:
         raise SystemExit(f"{name} failed: {' | '.join(tail)}")
     ended = time.time() - start
     times = _steps("accord" if name.startswith("accord") else name, log, out, processes)[0]
-    return {"first step": times[0] - start, "exit": ended, **seen}
+    return {"first step": times[0] - start, "exit": ended, "CPU s": _children_cpu() - cpu_before, **seen}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of the finished commands (their processes' included): what a
+    contender costs in all, which a busy machine does not inflate as it does wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -84,7 +94,7 @@ def measure_all(folder: Path, args: argparse.Namespace) -> None:
         for name, src in contenders.items():
             results[name].append(run_once(name, folder, args.processes, src))
             print(f"  round {round_ + 1}: {name} {results[name][-1]['first step']:.1f} s", file=sys.stderr, flush=True)
-    columns = ["first output", "workers started", "loading model", "first step", "exit"]
+    columns = ["first output", "workers started", "loading model", "first step", "exit", "CPU s"]
     header = f"{'contender':22} {'proc':>4} " + " ".join(f"{c:>15}" for c in columns) + f" {'first step range':>17}"
     print(f"seconds from the command's start, median of {args.repeat} (load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})")
     print(header)

@@ -100,10 +100,12 @@ def train(
     nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
     command's flags of the same names (default: the environment's NNODES & co., or SLURM's).
 
-    Every check runs before any worker starts and raises a UserInputError naming what to
-    fix. A worker that crashes raises WorkerFailed (a RunStopped); a stop signal to the
-    launcher raises Interrupted once its workers have stopped. A run stopped on request
-    after a checkpoint returns status "preempted", its message saying how to continue.
+    Every check runs before any worker trains or anything is written (on the CPU of one
+    machine in the first worker, which imports what they need to train anyway) and raises
+    a UserInputError naming what to fix. A worker that crashes raises WorkerFailed (a
+    RunStopped); a stop signal to the launcher raises Interrupted once its workers have
+    stopped. A run stopped on request after a checkpoint returns status "preempted", its
+    message saying how to continue.
     """
     from accord.observe.progress import announce
 
