@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_accord
 
 
@@ -26,29 +28,41 @@ def test_plan_without_flags_plans_for_this_machine(tiny_recipe):
 
 
 FIRST_LINE = """
+import os
 import sys
 import accord.observe.progress as progress
-seen = []
 announce = progress.announce
-progress.announce = lambda message: (seen.append(("torch" in sys.modules, message)), announce(message))
-sys.argv = ["accord", "train", sys.argv[1]]
+
+
+def first(message):
+    torch_imported = "torch" in sys.modules
+    announce(message)
+    print((torch_imported, message), flush=True)
+    os._exit(0)  # what the command does next is not this test's business
+
+
+progress.announce = first
+sys.argv = ["accord", *sys.argv[1:]]
 from accord.cli import entry
-try:
-    entry()
-except SystemExit:
-    pass
-print(seen[0])
+entry()
 """
 
 
-def test_the_first_line_comes_before_torch_is_imported(tmp_path):
-    """`accord train` says `checking recipe…` before importing torch (seconds), so something is
-    visible within a second; the command's entry point must not import torch up front either."""
+@pytest.mark.parametrize(
+    "command, first_line",
+    [("train", "checking recipe…"), ("plan", "planning (the model is built on the meta device: nothing is loaded)…"), ("report", "rendering the report of {}…")],
+)
+def test_the_first_line_comes_before_torch_is_imported(tmp_path, command, first_line):
+    """`accord train`, `plan` and `report` say what they do on stderr before importing torch or
+    matplotlib (seconds), so something is visible within a second; the command's entry point
+    must not import torch up front either."""
     import subprocess
     import sys
 
     from conftest import accord_env
 
-    proc = subprocess.run([sys.executable, "-c", FIRST_LINE, str(tmp_path / "missing.yaml")], capture_output=True, text=True, env=accord_env(), timeout=120)
-    assert proc.stdout.strip() == "(False, 'checking recipe…')", proc.stdout + proc.stderr
-    assert proc.stderr.startswith("accord: checking recipe…\n") and "accord: error:" in proc.stderr
+    missing = str(tmp_path / ("missing-run" if command == "report" else "missing.yaml"))  # never read: the test ends at the first line
+    first_line = first_line.format(missing)
+    proc = subprocess.run([sys.executable, "-c", FIRST_LINE, command, missing], capture_output=True, text=True, env=accord_env(), timeout=120)
+    assert proc.stdout.strip() == repr((False, first_line)), proc.stdout + proc.stderr
+    assert proc.stderr == f"accord: {first_line}\n"

@@ -1,6 +1,6 @@
-"""Start-up: the workers start (and import torch and transformers) while the launcher's checks
-run, and train only once the checks passed; when they fail, the workers leave quietly and the
-checks' one line is what the user sees."""
+"""Start-up: the workers start (and import torch and transformers) while the checks run, and
+train only once the checks passed; when they fail, the workers leave quietly and the checks'
+one line is what the user sees."""
 
 import sys
 
@@ -56,11 +56,11 @@ except UserInputError as e:
 """
 
 
-def _launch(tmp_path, *problems):
+def _launch(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"train": {"max_steps": 2}, "output": {"dir": str(tmp_path / "out")}})
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
-    return run_process([sys.executable, str(script), str(recipe), *problems], env=accord_env(), timeout=300)
+    return run_process([sys.executable, str(script), str(recipe)], env=accord_env(), timeout=300)
 
 
 @pytest.mark.distributed
@@ -72,11 +72,22 @@ def test_workers_start_before_the_checks_end_and_train_once_they_pass(tmp_path):
 
 
 @pytest.mark.distributed
-def test_failed_checks_stop_the_waiting_workers_quietly_and_write_nothing(tmp_path):
-    proc = _launch(tmp_path, "data.train: row 2 is bad")
-    assert "refused: data.train: row 2 is bad" in proc.stdout, proc.stderr[-3000:]
-    assert "checks: both workers are running" in proc.stderr
-    assert "Traceback" not in proc.stderr and "accord: loading model" not in proc.stderr, proc.stderr[-3000:]
+def test_the_first_worker_checks_the_data_and_a_refusal_stops_the_run_quietly_writing_nothing(tmp_path):
+    """The checks that need transformers and datasets run in local rank 0's worker, which
+    imports them to train anyway: the launcher (which watches the workers for the whole run)
+    never imports them, and bad data still ends the run with one line, exit 2, before the
+    other worker passes its gate and before anything is written."""
+    recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"output": {"dir": str(tmp_path / "out")}})
+    # -X importtime: the launcher's own imports only (the agent starts the workers without it).
+    command = [sys.executable, "-X", "importtime", "-m", "accord", "train", str(recipe), "data.generate.train_examples=8"]
+    proc = run_process(command, env=accord_env(), timeout=300)
+    launcher_imports = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in proc.stderr.splitlines() if line.startswith("accord: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert said[-1] == "accord: error: only 3 training rows (8 examples packed into rows of 32 tokens) but batch.global_batch_size=32; lower the global batch or add data"
+    assert said.index("accord: starting 2 workers…") < said.index("accord: preparing data…")  # checked in a worker
+    assert "Traceback" not in proc.stderr and "accord: loading model…" not in said, proc.stderr[-3000:]
+    assert "torch" in launcher_imports and not launcher_imports & {"transformers", "datasets", "torch.distributed.checkpoint"}
     assert not (tmp_path / "out").exists()
 
 

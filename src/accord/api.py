@@ -100,10 +100,12 @@ def train(
     nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
     command's flags of the same names (default: the environment's NNODES & co., or SLURM's).
 
-    Every check runs before any worker starts and raises a UserInputError naming what to
-    fix. A worker that crashes raises WorkerFailed (a RunStopped); a stop signal to the
-    launcher raises Interrupted once its workers have stopped. A run stopped on request
-    after a checkpoint returns status "preempted", its message saying how to continue.
+    Every check runs before any worker trains or anything is written (on the CPU of one
+    machine in the first worker, which imports what they need to train anyway) and raises
+    a UserInputError naming what to fix. A worker that crashes raises WorkerFailed (a
+    RunStopped); a stop signal to the launcher raises Interrupted once its workers have
+    stopped. A run stopped on request after a checkpoint returns status "preempted", its
+    message saying how to continue.
     """
     from accord.observe.progress import announce
 
@@ -112,9 +114,10 @@ def train(
     from accord.batching import BatchPlan
     from accord.cluster import resolve_topology
     from accord.engine.device import wants_cuda
-    from accord.forked import start_in_fork
+    from accord.forked import call_in_fork
     from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
     from accord.launch import Interrupted, planned_world_size, run, starts_workers
+    from accord.worker_start import WorkerChecks
 
     lines = override_lines(overrides)
     if overwrite:
@@ -153,17 +156,20 @@ def train(
         if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
             # The likeliest mistake, found in microseconds: refused before any worker starts.
             BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
-            # The launcher keeps running for the whole job: check in a child, so the
-            # libraries the checks load do not stay resident beside the workers. Not with
-            # GPUs: a forked child must not touch a CUDA runtime its parent initialised.
-            # The workers start meanwhile (importing torch and transformers takes seconds)
-            # and train only once the checks passed and the output folder is held.
-            checks = _ChecksThenHold(start_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero), hold)
-            if topology.multi_node:
+            if not topology.multi_node:
+                # The first worker checks, once it has imported transformers and datasets
+                # for training anyway (seconds each; on a machine with few cores a second
+                # importer only slows the workers down); the others wait at their gate, which
+                # opens once the checks passed and the output folder is held.
+                checks = WorkerChecks(then=hold.enter)
+            else:
                 # Not over several nodes: the other nodes' workers would be past their gate
-                # when this node's checks fail.
-                problems, checks = checks.result(), None
+                # when this node's checks fail. In a child: the libraries the checks load do
+                # not stay resident in the launcher, which watches the workers for the whole job.
+                problems = call_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero) or hold.enter()
         else:
+            # With GPUs here (a forked child must not touch a CUDA runtime its parent
+            # initialised, and the workers see only their own devices), or as the worker.
             problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero) or hold.enter()
         if problems:
             raise UserInputError("\n".join(problems))
@@ -229,20 +235,6 @@ class _OutputHold:
                 self.lock.release()
 
 
-class _ChecksThenHold:
-    """The checks still running in their child, followed (in the launcher's verdict thread)
-    by taking the hold on output.dir once they found nothing: the workers' gate opens on both."""
-
-    def __init__(self, checks, hold: _OutputHold) -> None:
-        self.checks, self.hold = checks, hold
-
-    def result(self) -> list[str]:
-        return self.checks.result() or self.hold.enter()
-
-    def cancel(self) -> None:
-        self.checks.cancel()
-
-
 def _resume_hint(out_dir: Path) -> str:
     from accord.checkpoint import resume_hint  # the checkpoint format's imports: only when needed
 
@@ -250,8 +242,8 @@ def _resume_hint(out_dir: Path) -> str:
 
 
 def _preflight(recipe: Recipe, world_size: int, writer: bool) -> list[str]:
-    """preflight, imported where it runs: in the forked child, its imports (the checkpoint
-    format's among them) stay out of the launcher, which starts the workers meanwhile."""
+    """preflight, imported where it runs: in a forked child its imports (transformers,
+    datasets, the checkpoint format's) stay out of the launcher."""
     from accord.preflight import preflight
 
     return preflight(recipe, world_size, writer=writer)

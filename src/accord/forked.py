@@ -35,10 +35,7 @@ class Forked:
         self._reaped = True
         if not payload:
             raise RunStopped(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
-        outcome, value = pickle.loads(payload)
-        if outcome == "raised":
-            raise value
-        return value
+        return unpack_outcome(payload)
 
     def cancel(self) -> None:
         """Stop the child (its result() then raises RunStopped)."""
@@ -87,15 +84,7 @@ def start_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Forked |
 def _child(write_end: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     code = 0
     try:
-        try:
-            payload = pickle.dumps(("returned", fn(*args, **kwargs)))
-        except BaseException as e:  # noqa: BLE001 - every outcome goes back to the parent
-            if hasattr(e, "add_note"):  # where it happened, for an unexpected error's traceback
-                e.add_note("raised in the forked child, at:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
-            try:
-                payload = pickle.dumps(("raised", e))
-            except Exception:  # an exception that does not pickle: keep its message
-                payload = pickle.dumps(("raised", RuntimeError(f"{type(e).__name__}: {e}")))
+        payload = packed_outcome(fn, *args, where="the forked child", **kwargs)
         with os.fdopen(write_end, "wb") as pipe:
             pipe.write(payload)
     except BaseException:  # noqa: BLE001
@@ -104,6 +93,28 @@ def _child(write_end: int, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects in the child
+
+
+def packed_outcome(fn: Callable[..., Any], *args: Any, where: str, **kwargs: Any) -> bytes:
+    """fn(*args, **kwargs)'s return value or exception as bytes for another process of the same
+    user (unpack_outcome there): a forked child's pipe, or a worker's report to its launcher."""
+    try:
+        return pickle.dumps(("returned", fn(*args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 - every outcome goes back to the caller
+        if hasattr(e, "add_note"):  # where it happened, for an unexpected error's traceback
+            e.add_note(f"raised in {where}, at:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+        try:
+            return pickle.dumps(("raised", e))
+        except Exception:  # an exception that does not pickle: keep its message
+            return pickle.dumps(("raised", RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+def unpack_outcome(payload: bytes) -> Any:
+    """The value packed_outcome packed, or its exception raised here."""
+    outcome, value = pickle.loads(payload)
+    if outcome == "raised":
+        raise value
+    return value
 
 
 def _describe(status: int) -> str:

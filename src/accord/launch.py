@@ -19,8 +19,9 @@ from accord.stopping import PREEMPTED_EXIT_CODE
 
 
 class PendingChecks(Protocol):
-    """The launcher's checks still running (a forked child): `result()` waits for their
-    problems, one line each (none: the run may start), or re-raises what they raised."""
+    """The checks still running (in local rank 0's worker: accord.worker_start.WorkerChecks):
+    `result()` waits for their problems, one line each (none: the run may start), or
+    re-raises what they raised."""
 
     def result(self) -> list[str]: ...
 
@@ -180,7 +181,7 @@ def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: T
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     _quiet_agent()
-    from accord.worker_start import GO, open_gate
+    from accord.worker_start import GO, WorkerChecks, open_gate
 
     with tempfile.TemporaryDirectory(prefix="accord-run-") as folder:
         recipe_path, gate = os.path.join(folder, "recipe.json"), os.path.join(folder, "gate")
@@ -188,10 +189,14 @@ def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: T
             f.write(recipe_json)
         if checks is None:
             open_gate(gate, GO)
-            return _run_agent(config, recipe_path, gate)
+            return _run_agent(config, [gate, recipe_path])
+        worker_args = [gate, recipe_path]
+        if isinstance(checks, WorkerChecks):  # the workers check: local rank 0 reports here
+            checks.report = os.path.join(folder, "checks")
+            worker_args.append(checks.report)
         verdict = _Verdict(checks, gate)
         try:
-            status = _run_agent(config, recipe_path, gate)
+            status = _run_agent(config, worker_args)
         except BaseException:
             # Workers that never got the go (a signal, a crash at import): the checks'
             # reason first if they have one, else the agent's; checks still running are stopped.
@@ -231,7 +236,15 @@ class _Verdict:
             raise self._failure
 
 
-def _run_agent(config, recipe_path: str, gate: str) -> str:
+_workers_ran = False
+
+
+def ran_workers() -> bool:
+    """Whether this process started training workers (and they have ended once it returned)."""
+    return _workers_ran
+
+
+def _run_agent(config, worker_args: list[str]) -> str:
     import sys
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -240,8 +253,10 @@ def _run_agent(config, recipe_path: str, gate: str) -> str:
 
     from accord.stopping import EXIT_CODES
 
+    global _workers_ran
+    _workers_ran = True
     try:
-        elastic_launch(config, sys.executable)("-m", "accord.worker_start", gate, recipe_path)
+        elastic_launch(config, sys.executable)("-m", "accord.worker_start", *worker_args)
     except ChildFailedError as e:
         # The first failure is the cause; the agent then stops the other workers.
         rank, failure = e.get_first_failure()

@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-from torch import nn
-
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
-from accord.engine.base import Engine
-from accord.recipe import Recipe
 from accord.registry import STRATEGIES, load_object
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from accord.batching import BatchPlan
+    from accord.dist import DistInfo
+    from accord.engine.base import Engine
+    from accord.recipe import Recipe
+
+    EngineFactory = Callable[[Recipe, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
 
 INSTALL_DEEPSPEED = "pip install deepspeed (or pip install 'accord[deepspeed]')"
 
-EngineFactory = Callable[[Recipe, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
+
+def __getattr__(name: str) -> Any:
+    # Engine on first use: its module imports torch.distributed.checkpoint (seconds on a
+    # busy machine), which the launcher asking accord.engine.device for the device never needs.
+    if name == "Engine":
+        from accord.engine.base import Engine
+
+        return Engine
+    raise AttributeError(f"module 'accord.engine' has no attribute {name!r}")
 
 
 def deepspeed_available() -> bool:
@@ -47,4 +59,4 @@ def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch
     return engine
 
 
-__all__ = ["Engine", "EngineFactory", "build_engine", "deepspeed_available"]
+__all__ = ["Engine", "build_engine", "deepspeed_available"]
