@@ -17,7 +17,7 @@ import torch
 from accord.batching import BatchPlan, divisors
 from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
-from accord.tasks.chunked_loss import chunking_blocker
+from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 PHASES = ("build", "train", "checkpoint", "export", "resume")
@@ -209,7 +209,10 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world)
     model = meta_model(recipe)
     # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
-    loss_chunk = recipe.train.loss_chunk_size if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None else 0
+    loss_chunk = 0
+    if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None:
+        positions = batch.micro_batch_size * recipe.data.max_length
+        loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
     rows = []
     for strategy in STRATEGIES:
         offload = recipe.engine.offload if strategy.startswith("zero") else "none"

@@ -18,8 +18,6 @@ from accord.recipe_errors import describe_error
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
-# train.loss_chunk_size default, measured with benchmarks/long_context.py (see the README).
-LOSS_CHUNK_SIZE = 1024
 
 
 class RecipeError(UserInputError):
@@ -200,12 +198,20 @@ class TrainConfig(Section):
     max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
     # In `train`, not `engine`: it changes how a task computes its loss (same value, less
     # memory) under every strategy, not how the model is distributed.
-    loss_chunk_size: int = Field(
-        LOSS_CHUNK_SIZE,
-        ge=0,
+    loss_chunk_size: int | Literal["auto"] = Field(
+        "auto",
         description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
-        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits).",
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits); "
+        "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
+        "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
     )
+
+    @field_validator("loss_chunk_size", mode="before")
+    @classmethod
+    def _chunk_size(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"train.loss_chunk_size={value!r} must be auto, 0 (the plain loss) or a number of tokens")
+        return value
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:

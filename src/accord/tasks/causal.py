@@ -58,7 +58,7 @@ class CausalLMTask(Task):
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        if self.logprobs is not None:
+        if self.logprobs is not None and self.logprobs.serves(batch["labels"]):
             row_logprobs = self.logprobs.row_logprobs(model, inputs, batch["labels"])
             return LossOutput(-row_logprobs.sum(), (shifted_targets(batch["labels"]) != IGNORE).sum())
         logits = model(**inputs).logits
