@@ -110,3 +110,25 @@ def test_bad_long_row_settings_are_one_line_errors(engine, data, expected):
         validate_recipe(raw)
     message = str(err.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_plan_leaves_offloaded_layer_inputs_and_all_but_one_mlp_tile_off_the_gpu():
+    from accord.planner import plan
+
+    raw = copy.deepcopy(TINY_RECIPE)
+    config = raw["model"]["config"] = raw["model"]["config"] | {"max_position_embeddings": 4096}
+    raw["data"]["max_length"] = 4096
+    tokens = 4096 * 8  # micro batch 8
+    activations = {}
+    for name, engine in {"checkpointing": {"activation_checkpointing": True}, "offload": {"activation_checkpointing": "offload"},
+                         "offload+tiles": {"activation_checkpointing": "offload", "tiled_mlp": 4}}.items():
+        raw["engine"] |= engine
+        rows, _ = plan(validate_recipe(raw), gpus=2)
+        activations[name] = rows[0].activations
+    h, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    assert activations["checkpointing"] - activations["offload"] == layers * h * 4 * tokens  # fp32 layer inputs
+    assert activations["offload"] - activations["offload+tiles"] == 4 * f * 4 * tokens * 3 / 4
+    raw["engine"] |= {"tiled_mlp": False}
+    cpu_rows, _ = plan(validate_recipe(raw), gpus=2, cpu=True)  # host memory is the device's on a CPU run
+    raw["engine"] |= {"activation_checkpointing": True}
+    assert cpu_rows[0].activations == plan(validate_recipe(raw), gpus=2, cpu=True)[0][0].activations

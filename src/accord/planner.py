@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from accord.batching import BatchPlan, divisors
+from accord.engine.long_rows import mlp_tiles
 from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
@@ -111,13 +112,15 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
     return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
 
 
-def activations(model, micro: int, length: int, precision: str, checkpointing: bool, loss_chunk: int = 0) -> float:
+def activations(model, micro: int, length: int, precision: str, checkpointing: bool | str, loss_chunk: int = 0, mlp_tiles: int = 1) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
     tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
     logits and their log-softmax for every token, or with the chunked loss (`loss_chunk`
     tokens at a time, once the targets exceed one chunk) about four fp32 chunk × vocabulary
-    tensors (the recomputed logits, their softmax and gradients) whatever the length."""
+    tensors (the recomputed logits, their softmax and gradients) whatever the length.
+    `checkpointing` "offload" keeps the layer inputs in host memory (not counted: off the
+    device); `mlp_tiles` divides the MLP's f-wide tensors (one tile's exist at a time)."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
@@ -125,8 +128,9 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     vocab = getattr(config, "vocab_size", 0)
     element = 2 if precision in ("bf16", "fp16") else 4
     tokens = micro * length
-    per_layer = (8 * h + 4 * f) * element * tokens
-    kept = layers * h * element * tokens + per_layer if checkpointing else layers * per_layer
+    per_layer = (8 * h + 4 * f / mlp_tiles) * element * tokens
+    inputs = 0 if checkpointing == "offload" else layers * h * element * tokens
+    kept = inputs + per_layer if checkpointing else layers * per_layer
     whole = 2 * 4 * tokens * vocab
     # Rows whose targets fit one chunk are computed whole (nothing to gain from recomputing).
     logits = min(whole, 4 * 4 * loss_chunk * vocab) if loss_chunk else whole
@@ -213,13 +217,16 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None:
         positions = batch.micro_batch_size * recipe.data.max_length
         loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
+    # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
+    checkpointing = True if cpu and recipe.engine.activation_checkpointing == "offload" else recipe.engine.activation_checkpointing
+    tiles = mlp_tiles(recipe.engine.tiled_mlp, recipe.data.max_length, model) if recipe.engine.tiled_mlp else 1
     rows = []
     for strategy in STRATEGIES:
         offload = recipe.engine.offload if strategy.startswith("zero") else "none"
         if offload == "optimizer+params" and strategy != "zero3":
             offload = "optimizer"
         state = model_state(model, strategy, world, recipe.engine.precision, offload)
-        act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, recipe.engine.activation_checkpointing, loss_chunk)
+        act = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, checkpointing, loss_chunk, tiles)
         phases = phase_peaks(model, strategy, world, state, act, recipe, cpu)
         rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum, phases=phases))
     return rows, world
