@@ -4,8 +4,9 @@ chunked loss's cost.
     python benchmarks/long_context.py longest [--cap-gib 1.5] [--contenders accord trainer trl]
     python benchmarks/long_context.py chunks [--lengths 1024 2048 4096 8192] [--chunks 0 1024] [--vocab 32000]
 
-`longest`: for each contender, a fresh process per row length (1024, 2048, 4096, ... doubling,
-then one bisection step between the last length that fit and the first that did not) runs
+`longest`: for each contender (the three side by side), a fresh process per row length (1024,
+2048, 4096, ... doubling, then one bisection step between the last length that fit and the
+first that did not) runs
 two optimizer steps (AdamW, fp32, batch 1, pretraining on one row of random tokens) on the
 same small Llama (hidden 128, 2 layers, vocabulary 32,000: the logits dominate). The cap is
 enforced from outside, the same for everyone: the parent reads the child's peak RSS
@@ -235,9 +236,14 @@ def main_longest(args) -> None:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {VOCAB}; fp32, batch 1, {args.threads} threads; "
         f"cap {args.cap_gib:g} GiB peak RSS per process")
-    results = {}
-    for name in args.contenders:
-        results[name] = longest(name, cap_mib, args.start, args.limit, args.accord_set if name == "accord" else [], args.threads, log)
+    # The contenders search side by side (each its own process at a time): peak memory does not
+    # depend on what else runs; step times do, so compare them within one run only.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(args.contenders)) as pool:
+        futures = {name: pool.submit(longest, name, cap_mib, args.start, args.limit, args.accord_set if name == "accord" else [],
+                                     args.threads, log) for name in args.contenders}
+        results = {name: future.result() for name, future in futures.items()}
     common = min(best for best, _ in results.values())
     print(f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB) | tokens/s at {common} tokens |")
     print("|---|---|---|---|")
@@ -246,6 +252,9 @@ def main_longest(args) -> None:
         at_common = probes.get(common)
         speed = f"{common / at_common['step_s']:.0f}" if at_common and at_common.get("fits") else "not measured"
         print(f"| {name} | {best or 'none'} | {there.get('peak_mib', 0):.0f} | {speed} |")
+    import shutil
+
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the chunked loss alone

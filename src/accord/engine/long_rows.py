@@ -29,7 +29,7 @@ def apply_memory_levers(model: nn.Module, engine_cfg, max_length: int, device: t
 
 class HostSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Tensors autograd saves for backward are copied to host memory (pinned on a GPU, so
-    the copies overlap compute) and brought back when backward needs them.
+    the copies back overlap compute) and brought back when backward needs them.
 
     Like torch.autograd.graph.save_on_cpu, except that parameters stay where they are: a
     layer's weight saved for its input gradient is already held by the model (and under
@@ -43,7 +43,7 @@ class HostSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             if tensor.device.type == "cpu" or isinstance(tensor, nn.Parameter):
                 return tensor
             host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin_memory)
-            host.copy_(tensor, non_blocking=pin_memory)
+            host.copy_(tensor)  # as torch's save_on_cpu: the copy out is synchronous, the copy back is not
             return (tensor.device, host)
 
         def unpack(packed):
