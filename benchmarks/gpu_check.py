@@ -11,7 +11,7 @@ Prints a table of:
   4. per phase (build, train steps, checkpoint, export, then a resume for one more step) of
      the zero3 and fsdp runs: the run's own `memory` records (max_memory_allocated up to the
      end of the phase) next to `accord plan`'s per-phase peak (its highest up to that phase).
-  5. long context: the longest row (16k, 32k, 64k, 128k tokens, doubling until a run fails)
+  5. long context: the longest row (16k, 32k, ... 512k tokens, doubling until a run fails)
      that a ~0.5B Llama with a 32k vocabulary trains on one GPU for two steps with the
      chunked loss (train.loss_chunk_size auto), offloaded activation checkpointing and the
      tiled MLP, with its tokens/s and peak memory (`--long-context` runs this phase alone).
@@ -70,7 +70,7 @@ LONG_MODEL = {  # ~0.5B parameters: a 32k vocabulary, so that the logits matter
     "architecture": "llama", "hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 20,
     "num_attention_heads": 10, "num_key_value_heads": 10, "vocab_size": 32000,
 }
-LONG_LENGTHS = (16384, 32768, 65536, 131072)
+LONG_LENGTHS = (16384, 32768, 65536, 131072, 262144, 524288)
 
 
 def long_recipe(folder: Path, length: int) -> Path:
@@ -96,7 +96,10 @@ def long_context(folder: Path, dry_run: bool) -> list[dict]:
         if dry_run:
             print(f"{length:>8} tokens: planned peak {planned_text} GiB")
             continue
-        seconds, summary = train(path, timeout=300)
+        try:
+            seconds, summary = train(path, timeout=300)
+        except subprocess.TimeoutExpired:
+            seconds, summary = 300.0, {"error": "past the 300 s limit of a run"}
         summary |= {"run": f"long context {length}", "length": length, "wall_s": seconds, "planned_gib": planned}
         results.append(summary)
         if "error" in summary:
