@@ -1,7 +1,7 @@
 """Long rows on one process: the longest row a training step fits under a memory cap, and the
 chunked loss's cost.
 
-    python benchmarks/long_context.py longest [--cap-gib 1.5] [--contenders accord trainer trl]
+    python benchmarks/long_context.py [longest] [--cap-gib 2] [--limit 16384] [--contenders accord trainer trl]
     python benchmarks/long_context.py chunks [--lengths 1024 2048 4096 8192] [--chunks 0 1024] [--vocab 32000]
 
 `longest`: for each contender (the three side by side), a fresh process per row length (1024,
@@ -326,11 +326,11 @@ def main_chunks(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", nargs="?", choices=["longest", "chunks"], default="longest")
-    parser.add_argument("--cap-gib", type=float, default=None, help="longest: the per-process peak RSS cap (default 1.5); "
+    parser.add_argument("--cap-gib", type=float, default=None, help="longest: the per-process peak RSS cap (default 2); "
                         "chunks: skip plain runs whose logits alone would pass it (default 4)")
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     parser.add_argument("--start", type=int, default=1024, help="longest: the first row length")
-    parser.add_argument("--limit", type=int, default=65536, help="longest: the longest row length tried")
+    parser.add_argument("--limit", type=int, default=16384, help="longest: the longest row length tried (16384 keeps it to minutes)")
     parser.add_argument("--accord-set", action="append", default=[], help="longest: a recipe override for accord (repeatable)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--chunks", nargs="+", default=["0", "1024"], help="chunks: train.loss_chunk_size values (0: plain loss)")
@@ -350,7 +350,7 @@ def main() -> None:
         args.chunks = [c if c == "auto" else int(c) for c in args.chunks]
         main_chunks(args)
     else:
-        args.cap_gib = 1.5 if args.cap_gib is None else args.cap_gib
+        args.cap_gib = 2.0 if args.cap_gib is None else args.cap_gib
         main_longest(args)
 
 
