@@ -11,6 +11,10 @@ Prints a table of:
   4. per phase (build, train steps, checkpoint, export, then a resume for one more step) of
      the zero3 and fsdp runs: the run's own `memory` records (max_memory_allocated up to the
      end of the phase) next to `accord plan`'s per-phase peak (its highest up to that phase).
+  5. long context: the longest row (16k, 32k, ... 512k tokens, doubling until a run fails)
+     that a ~0.5B Llama with a 32k vocabulary trains on one GPU for two steps with the
+     chunked loss (train.loss_chunk_size auto), offloaded activation checkpointing and the
+     tiled MLP, with its tokens/s and peak memory (`--long-context` runs this phase alone).
 Everything runs through `accord train` itself; figures come from each run's metrics.jsonl.
 `--dry-run` needs no GPU: it writes the recipes and prints the plan's figures only.
 """
@@ -60,6 +64,53 @@ def recipe(folder: Path, name: str, strategy: str, steps: int, compile_: bool, b
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+LONG_MODEL = {  # ~0.5B parameters: a 32k vocabulary, so that the logits matter
+    "architecture": "llama", "hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 20,
+    "num_attention_heads": 10, "num_key_value_heads": 10, "vocab_size": 32000,
+}
+LONG_LENGTHS = (16384, 32768, 65536, 131072, 262144, 524288)
+
+
+def long_recipe(folder: Path, length: int) -> Path:
+    """Two steps on one row of `length` tokens with every long-row lever on."""
+    path = recipe(folder, f"long-{length}", "fsdp", 2, False, 1)
+    data = yaml.safe_load(path.read_text())
+    data["model"]["config"] = LONG_MODEL | {"max_position_embeddings": length}
+    data["data"]["max_length"] = length
+    data["engine"] |= {"activation_checkpointing": "offload", "tiled_mlp": True}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def long_context(folder: Path, dry_run: bool) -> list[dict]:
+    """Phase 5: each length until one fails (out of memory, or past the time limit)."""
+    print(f"\nlong context: Llama {LONG_MODEL['hidden_size']}x{LONG_MODEL['num_hidden_layers']}, vocabulary "
+          f"{LONG_MODEL['vocab_size']}, bf16 fsdp on 1 GPU, checkpointing offloaded, tiled MLP, chunked loss")
+    results = []
+    for length in LONG_LENGTHS:
+        path = long_recipe(folder, length)
+        planned = planned_peak(path)
+        planned_text = f"{planned:.1f}" if planned is not None else "-"
+        if dry_run:
+            print(f"{length:>8} tokens: planned peak {planned_text} GiB")
+            continue
+        try:
+            seconds, summary = train(path, timeout=300)
+        except subprocess.TimeoutExpired:
+            seconds, summary = 300.0, {"error": "past the 300 s limit of a run"}
+        summary |= {"run": f"long context {length}", "length": length, "wall_s": seconds, "planned_gib": planned}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{length:>8} tokens: failed after {seconds:.0f} s: {summary['error']}")
+            break
+        print(f"{length:>8} tokens: {summary['tokens_per_s']:,.0f} tokens/s, peak {summary['peak_memory_gib']:.1f} GiB "
+              f"(planned {planned_text}), loss {summary['final_loss']:.3f}")
+    fitted = [r["length"] for r in results if "error" not in r]
+    if not dry_run:
+        print(f"longest row trained: {max(fitted) if fitted else 'none'} tokens")
+    return results
 
 
 PHASES = ("build", "train", "checkpoint", "export", "resume")
@@ -126,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the results as JSON")
     parser.add_argument("--dry-run", action="store_true", help="no GPU needed: write the recipes and print the plan's per-phase figures")
+    parser.add_argument("--long-context", action="store_true", help="run only phase 5 (the longest row)")
     args = parser.parse_args()
     import torch
 
@@ -140,12 +192,18 @@ def main() -> None:
         ("zero3 (1 GPU)", "zero3", 4, False, 4),
         ("fsdp (1 GPU)", "fsdp", 4, False, 4),
     ]
+    if args.long_context:
+        results = long_context(folder, args.dry_run)
+        if args.out and not args.dry_run:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return
     if args.dry_run:
         print(f"planned peak per phase on 1 GPU (GiB): {' '.join(PHASES)}")
         for label, strategy, steps, compile_, batch in runs:
             path = recipe(folder, label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}", strategy, steps, compile_, batch)
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
+        long_context(folder, dry_run=True)
         return
     results = []
     print(f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens")
@@ -175,6 +233,7 @@ def main() -> None:
         summary["phases_gib"] = measured_phases(path) | ({"resume_error": resumed["error"]} if "error" in resumed else {})
         summary["planned_phases_gib"] = planned_phases(path)
         print_phases(label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"])
+    results += long_context(folder, dry_run=False)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -1,18 +1,31 @@
-"""Long rows on one process: peak memory and speed of a training step, plain loss vs chunked.
+"""Long rows on one process: the longest row a training step fits under a memory cap, and the
+chunked loss's cost.
 
-    python benchmarks/long_context.py [--lengths 1024 2048 4096 8192] [--chunks 0 1024] [--vocab 32000]
+    python benchmarks/long_context.py [longest] [--cap-gib 2] [--limit 16384] [--contenders accord trainer trl]
+    python benchmarks/long_context.py chunks [--lengths 1024 2048 4096 8192] [--chunks 0 1024] [--vocab 32000]
 
-For each row length and train.loss_chunk_size (0: the plain loss over whole logits) a fresh
-process builds a small Llama (hidden 256, 4 layers) with a realistic vocabulary, so that the
-logits (length × vocabulary, fp32) dominate, and runs pretraining steps on one row of that
-length through accord's own task (the same `loss` the trainer calls) and AdamW. It reports
-the process's peak RSS (the high-water mark, model and optimizer state included), how much
-of it the steps added over the model built, and tokens per second over the timed steps, of
-wall-clock time and of the process's CPU time (the steadier of the two on a shared machine). A run whose
-plain logits alone would pass --cap-gib is not started (others share the machine).
+`longest`: for each contender (the three side by side), a fresh process per row length (1024,
+2048, 4096, ... doubling, then one bisection step between the last length that fit and the
+first that did not) runs
+two optimizer steps (AdamW, fp32, batch 1, pretraining on one row of random tokens) on the
+same small Llama (hidden 128, 2 layers, vocabulary 32,000: the logits dominate). The cap is
+enforced from outside, the same for everyone: the parent reads the child's peak RSS
+(VmHWM) every 50 ms and ends it as soon as it passes --cap-gib; a child that finishes
+reports its own peak (getrusage), which must also be under the cap. Contenders:
+  accord   accord's own task loss (train.loss_chunk_size auto: chunked for these logits) and
+           memory levers (engine.activation_checkpointing: offload, engine.tiled_mlp: true)
+           on the model accord builds; the step is the trainer's (loss_sum / targets, AdamW)
+           without the launcher, data pipeline and checkpoints. --accord-set adds recipe
+           overrides (e.g. engine.tiled_mlp=false).
+  trainer  transformers.Trainer, gradient_checkpointing=True (its model computes whole logits)
+  trl      TRL SFTTrainer with gradient_checkpointing=True and its fused, chunked LM head (TRL
+           1.16 always uses it; loss_type nll); activation_offloading=True where TRL can run
+           it (it needs an accelerator: not on a CPU-only machine)
+Tokens/s is the second step's, at the longest length every contender fit.
+Sequence parallelism (engine.sequence_parallel, two processes per row) is not a contender
+here yet: this harness runs one process per contender.
 
-The first part of issue 12's benchmark: sequence parallelism and the Trainer/TRL comparison
-come with sequence parallelism.
+`chunks`: peak RSS and speed of the loss alone, plain (0) against chunked sizes.
 """
 
 from __future__ import annotations
@@ -20,17 +33,235 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-HIDDEN, LAYERS, HEADS, FFN = 256, 4, 4, 688
+HIDDEN, LAYERS, HEADS, FFN, VOCAB = 128, 2, 2, 344, 32000
+SCRATCH = Path(os.environ.get("ACCORD_BENCH_SCRATCH", "/tmp/accord-long-context"))
 
 
-def one_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> dict:
+def llama_config(length: int, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS, ffn: int = FFN) -> dict:
+    return {"architecture": "llama", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "max_position_embeddings": length, "vocab_size": vocab}
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_row(length: int, vocab: int):
+    import torch
+
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+# ---------------------------------------------------------------- contenders (each in its own process)
+
+
+def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
+    import torch
+
+    from accord.engine.long_rows import apply_memory_levers
+    from accord.models import build_byte_tokenizer, build_model
+    from accord.recipe import apply_override, validate_recipe
+    from accord.tasks import build_task
+
+    raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
+           "data": {"train": "unused.txt", "max_length": length, "packing": False}, "batch": {"global_batch_size": 1},
+           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True}}
+    for item in overrides:
+        apply_override(raw, item)
+    recipe = validate_recipe(raw)
+    tokenizer = build_byte_tokenizer()
+    model = build_model(recipe.model, tokenizer, seed=0)
+    apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
+    task = build_task(recipe, tokenizer)
+    task.configure_model(model)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = random_row(length, VOCAB)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = task.loss(model, batch)
+        (out.loss_sum / out.num_targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return {"step_s": times[-1], "loss": float(out.loss_sum.detach() / out.num_targets)}
+
+
+class _StepTimer:
+    """A transformers TrainerCallback (built lazily: transformers is imported in the child only)."""
+
+    @staticmethod
+    def make(times: list[float]):
+        from transformers import TrainerCallback
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                times.append(time.perf_counter() - self.start)
+
+        return Timer()
+
+
+def _hf_model(length: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = {k: v for k, v in llama_config(length).items() if k != "architecture"}
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa", tie_word_embeddings=False))
+
+
+def _rows(length: int, steps: int):
+    from datasets import Dataset
+
+    ids = random_row(length, VOCAB)[0].tolist()
+    return Dataset.from_dict({"input_ids": [ids] * steps})
+
+
+def run_trainer(length: int, steps: int = 2) -> dict:
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    work = SCRATCH / f"trainer-{length}"
+    args = TrainingArguments(output_dir=str(work), per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
+                             gradient_checkpointing=True, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    data = _rows(length, steps).map(lambda row: {"labels": row["input_ids"]})
+    times: list[float] = []
+    trainer = Trainer(model=_hf_model(length), args=args, train_dataset=data, data_collator=default_data_collator,
+                      callbacks=[_StepTimer.make(times)])
+    result = trainer.train()
+    return {"step_s": times[-1], "loss": result.training_loss}
+
+
+def run_trl(length: int, steps: int = 2) -> dict:
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from accord.models import build_byte_tokenizer
+
+    work = SCRATCH / f"trl-{length}"
+    # TRL's activation offloading asks torch for the current accelerator: there is none on a CPU machine.
+    offload = getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is not None
+    args = SFTConfig(output_dir=str(work), per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
+                     gradient_checkpointing=True, activation_offloading=offload, use_cpu=True, bf16=False,
+                     max_length=length, packing=False, report_to=[], save_strategy="no", logging_strategy="no",
+                     dataloader_num_workers=0, disable_tqdm=True, dataset_num_proc=None)
+    times: list[float] = []
+    trainer = SFTTrainer(model=_hf_model(length), args=args, train_dataset=_rows(length, steps),
+                         processing_class=build_byte_tokenizer(), callbacks=[_StepTimer.make(times)])
+    result = trainer.train()
+    return {"step_s": times[-1], "loss": result.training_loss, "activation_offloading": offload}
+
+
+CONTENDERS = {"accord": run_accord, "trainer": run_trainer, "trl": run_trl}
+
+
+def child(name: str, length: int, overrides: list[str]) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    result = run_accord(length, overrides) if name == "accord" else CONTENDERS[name](length)
+    print(json.dumps(result | {"peak_mib": peak_mib()}))
+
+
+# ---------------------------------------------------------------- the parent: cap and search
+
+
+def _hwm_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def probe(name: str, length: int, cap_mib: float, overrides: list[str], threads: int) -> dict:
+    """One contender at one length, ended from outside once its peak RSS passes the cap."""
+    cmd = [sys.executable, __file__, "--child", name, str(length), *[f"--accord-set={o}" for o in overrides]]
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    seen = 0.0
+    while proc.poll() is None:
+        seen = max(seen, _hwm_mib(proc.pid))
+        if seen > cap_mib:
+            proc.kill()
+            proc.communicate()
+            return {"fits": False, "peak_mib": seen, "why": "over the cap"}
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return {"fits": False, "peak_mib": seen, "why": last[:200]}
+    result = json.loads(out.strip().splitlines()[-1])
+    return result | {"fits": result["peak_mib"] <= cap_mib, "why": "over the cap", "wall_s": time.perf_counter() - start}
+
+
+def longest(name: str, cap_mib: float, start: int, limit: int, overrides: list[str], threads: int, log) -> tuple[int, dict[int, dict]]:
+    """Doubling from `start`, then one bisection step: the longest length that fit, and every probe."""
+    probes: dict[int, dict] = {}
+
+    def run(length: int) -> bool:
+        probes[length] = probe(name, length, cap_mib, overrides, threads)
+        r = probes[length]
+        log(f"  {name:>8} {length:>7}: " + (f"fits, peak {r['peak_mib']:.0f} MiB, step {r['step_s']:.1f} s" if r["fits"] else
+                                             f"does not fit ({r['why']}; peak seen {r['peak_mib']:.0f} MiB)"))
+        return r["fits"]
+
+    length, best = start, 0
+    while length <= limit and run(length):
+        best, length = length, 2 * length
+    if best and length <= limit:
+        middle = (best + length) // 2
+        if run(middle):
+            best = middle
+    return best, probes
+
+
+def main_longest(args) -> None:
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    cap_mib = args.cap_gib * 1024
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {VOCAB}; fp32, batch 1, {args.threads} threads; "
+        f"cap {args.cap_gib:g} GiB peak RSS per process")
+    # The contenders search side by side (each its own process at a time): peak memory does not
+    # depend on what else runs; step times do, so compare them within one run only.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(args.contenders)) as pool:
+        futures = {name: pool.submit(longest, name, cap_mib, args.start, args.limit, args.accord_set if name == "accord" else [],
+                                     args.threads, log) for name in args.contenders}
+        results = {name: future.result() for name, future in futures.items()}
+    common = min(best for best, _ in results.values())
+    print(f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB) | tokens/s at {common} tokens |")
+    print("|---|---|---|---|")
+    for name, (best, probes) in results.items():
+        there = probes.get(best, {})
+        at_common = probes.get(common)
+        speed = f"{common / at_common['step_s']:.0f}" if at_common and at_common.get("fits") else "not measured"
+        print(f"| {name} | {best or 'none'} | {there.get('peak_mib', 0):.0f} | {speed} |")
+    import shutil
+
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the chunked loss alone
+
+
+def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> dict:
     """One configuration, in this process: returns peak RSS (MiB) and tokens/s."""
-    import resource
-
     import torch
 
     from accord.models import build_byte_tokenizer, build_model
@@ -38,10 +269,8 @@ def one_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> di
     from accord.tasks import build_task
 
     torch.set_num_threads(threads)
-    config = {"architecture": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
-              "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "max_position_embeddings": length, "vocab_size": vocab}
     recipe = validate_recipe({
-        "model": {"config": config, "tokenizer": "byte"}, "task": "pretrain",
+        "model": {"config": llama_config(length, vocab, 256, 4, 4, 688), "tokenizer": "byte"}, "task": "pretrain",
         "data": {"train": "unused.txt", "max_length": length, "packing": False},
         "batch": {"global_batch_size": 1}, "train": {"max_steps": steps, "loss_chunk_size": chunk},
     })
@@ -50,9 +279,10 @@ def one_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> di
     task = build_task(recipe, tokenizer)
     task.configure_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    ids = random_row(length, vocab)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    built = peak_mib()
+
     def cpu_seconds() -> float:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
@@ -66,26 +296,12 @@ def one_run(length: int, chunk: int, vocab: int, steps: int, threads: int) -> di
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         cpu.append(cpu_seconds() - start_cpu)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mib": peak, "built_mib": built, "tokens_per_s": length * steps / sum(times[1:]),
-            "tokens_per_cpu_s": length * steps / sum(cpu[1:]), "loss": float(out.loss_sum / out.num_targets)}
+    return {"peak_mib": peak_mib(), "built_mib": built, "tokens_per_s": length * steps / sum(times[1:]),
+            "tokens_per_cpu_s": length * steps / sum(cpu[1:]), "loss": float(out.loss_sum.detach() / out.num_targets)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="train.loss_chunk_size values (0: plain loss)")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after one untimed")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cap-gib", type=float, default=4.0, help="skip plain runs whose logits alone would pass this")
-    parser.add_argument("--one", nargs=2, type=int, metavar=("LENGTH", "CHUNK"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one_run(args.one[0], args.one[1], args.vocab, args.steps, args.threads)))
-        return
-
-    print(f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
+def main_chunks(args) -> None:
+    print(f"Llama hidden 256, 4 layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
           f"{args.threads} threads; peak RSS of the whole process (MiB), and what the steps added over the built model")
     header = f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} {'tokens/s':>9} {'tok/CPU-s':>9} {'loss':>8}"
     print(header)
@@ -96,14 +312,46 @@ def main() -> None:
             if chunk == 0 and 3 * 4 * length * args.vocab / 2**30 > args.cap_gib:
                 print(f"{length:>10} {chunk:>15} {'skipped: plain logits alone pass the cap':>30}")
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--one", str(length), str(chunk), "--vocab", str(args.vocab),
+            proc = subprocess.run([sys.executable, __file__, "--chunk-run", str(length), str(chunk), "--vocab", str(args.vocab),
                                    "--steps", str(args.steps), "--threads", str(args.threads)],
                                   capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
             if proc.returncode != 0:
                 print(f"{length:>10} {chunk:>15} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} {r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}", flush=True)
+            print(f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} "
+                  f"{r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", nargs="?", choices=["longest", "chunks"], default="longest")
+    parser.add_argument("--cap-gib", type=float, default=None, help="longest: the per-process peak RSS cap (default 2); "
+                        "chunks: skip plain runs whose logits alone would pass it (default 4)")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
+    parser.add_argument("--start", type=int, default=1024, help="longest: the first row length")
+    parser.add_argument("--limit", type=int, default=16384, help="longest: the longest row length tried (16384 keeps it to minutes)")
+    parser.add_argument("--accord-set", action="append", default=[], help="longest: a recipe override for accord (repeatable)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--chunks", nargs="+", default=["0", "1024"], help="chunks: train.loss_chunk_size values (0: plain loss)")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--steps", type=int, default=2, help="chunks: timed steps after one untimed")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", nargs=2, metavar=("CONTENDER", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-run", nargs=2, metavar=("LENGTH", "CHUNK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.accord_set)
+    elif args.chunk_run:
+        chunk = args.chunk_run[1] if args.chunk_run[1] == "auto" else int(args.chunk_run[1])
+        print(json.dumps(one_chunk_run(int(args.chunk_run[0]), chunk, args.vocab, args.steps, args.threads)))
+    elif args.mode == "chunks":
+        args.cap_gib = 4.0 if args.cap_gib is None else args.cap_gib
+        args.chunks = [c if c == "auto" else int(c) for c in args.chunks]
+        main_chunks(args)
+    else:
+        args.cap_gib = 2.0 if args.cap_gib is None else args.cap_gib
+        main_longest(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from accord.models import build_byte_tokenizer, build_model
 from accord.recipe import validate_recipe
 from accord.tasks import build_task
+from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
@@ -133,15 +134,17 @@ def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param(["train.loss_chunk_size=0"], id="ddp-plain"),
+        pytest.param(["train.loss_chunk_size=7"], id="ddp-chunk7"),
         pytest.param(["engine.strategy=fsdp", "train.loss_chunk_size=7"], marks=pytest.mark.slow, id="fsdp-chunk7"),
         pytest.param(["engine.strategy=zero3", "train.loss_chunk_size=7"], marks=[pytest.mark.slow, needs_deepspeed], id="zero3-chunk7"),
     ],
 )
 def test_two_process_chunked_run_equals_the_plain_run(tmp_path, tiny_reference, overrides):
-    """The session's reference run (2-process DDP) uses the default chunked loss."""
+    """The session's reference run (2-process DDP, train.loss_chunk_size auto) takes the plain
+    loss: its byte-level vocabulary's logits are far below the auto budget."""
     recipe, reference = tiny_reference
-    assert validate_recipe(TINY_RECIPE).train.loss_chunk_size > 0
+    assert validate_recipe(TINY_RECIPE).train.loss_chunk_size == "auto"
+    assert chunk_tokens("auto", 8 * TINY_RECIPE["data"]["max_length"], 262) == 0
     out = tmp_path / "run"
     assert_ok(run_accord("train", recipe, *overrides, f"output.dir={out}"))
     diff = max_param_diff(final_params(reference), final_params(out))
@@ -150,6 +153,30 @@ def test_two_process_chunked_run_equals_the_plain_run(tmp_path, tiny_reference, 
     print(f"{overrides}: max |Δparam| {diff:.2e}, max |Δloss| {loss_diff:.2e}")
     assert sorted(expected) == sorted(losses) == list(range(1, TINY_RECIPE["train"]["max_steps"] + 1))
     assert diff <= 1e-5 and loss_diff <= 1e-5
+
+
+def test_auto_chunk_size_chunks_only_micro_batches_whose_logits_pass_the_budget():
+    """auto: a byte-level vocabulary keeps the plain loss (same sums, same trajectory as
+    before the chunked loss existed); a 32k vocabulary chunks from about one chunk's worth."""
+    assert AUTO_CHUNK_TOKENS == 1024 and AUTO_WHOLE_LOGITS_BYTES == 128 * 2**20
+    assert chunk_tokens("auto", 8 * 256, 262) == 0  # the quickstart's micro batch
+    assert chunk_tokens("auto", 100_000, 262) == 0
+    assert chunk_tokens("auto", 1024, 32000) == 0 and chunk_tokens("auto", 1100, 32000) == 1024
+    assert chunk_tokens("auto", 2048, 151936) == 1024
+    assert chunk_tokens(0, 10**6, 32000) == 0 and chunk_tokens(7, 8, 262) == 7  # a number is always obeyed
+    # In a task: the tiny byte-vocabulary model under auto computes exactly the plain loss.
+    tokenizer = build_byte_tokenizer()
+    losses = []
+    for setting in ("auto", 0):
+        recipe = _recipe("pretrain", setting)
+        model = build_model(recipe.model, tokenizer, recipe.seed)
+        task = build_task(recipe, tokenizer)
+        task.configure_model(model)
+        ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        assert (task.logprobs is not None) == (setting == "auto") and (setting == 0 or not task.logprobs.serves(ids))
+        losses.append(task.loss(model, batch).loss_sum)
+    assert torch.equal(losses[0], losses[1])
 
 
 def test_plan_counts_one_chunk_of_logits_instead_of_whole_ones(tmp_path):

@@ -28,7 +28,7 @@ def assert_clean_error(proc, *needles):
         ("model.config.architecture=bert model.rope_scaling.rope_type=linear model.rope_scaling.factor=2",
          "model.rope_scaling: a bert model has no rotary position embeddings (RoPE)"),
         ("model.rope_scaling.rope_type=yarn model.rope_scaling.factor=0.5", "model.rope_scaling.factor: input should be greater than or equal to 1"),
-        ("train.loss_chunk_size=-1", "train.loss_chunk_size: input should be greater than or equal to 0"),
+        ("train.loss_chunk_size=-1", "train.loss_chunk_size=-1 must be auto, 0 (the plain loss) or a number of tokens"),
         ("engine.hang_timeout_s=0", "engine.hang_timeout_s="),
         ("data.generate.train_examples=8", "(8 examples packed into rows of 32 tokens) but batch.global_batch_size=32"),
         # Enough examples, but packed 3-4 to a row they fill fewer rows than one global batch.

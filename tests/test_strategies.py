@@ -35,8 +35,12 @@ RUNS = {
     "ddp-ac": ["engine.strategy=ddp", "engine.activation_checkpointing=true"],
     "fsdp-ac": ["engine.strategy=fsdp", "engine.activation_checkpointing=true"],
     "zero3-ac": ["engine.strategy=zero3", "engine.activation_checkpointing=true"],
+    # the long-row levers together: checkpoints kept in host memory and MLPs over 3 sequence tiles
+    "ddp-long": ["engine.strategy=ddp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
+    "fsdp-long": ["engine.strategy=fsdp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
+    "zero3-long": ["engine.strategy=zero3", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
 }
-DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac"}
+DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac", "zero3-long"}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +202,15 @@ def test_activation_checkpointing_gives_the_same_parameters(run, strategy):
     off, _ = run(strategy)
     on, _ = run(f"{strategy}-ac")
     _compare(off, on, f"{strategy} activation checkpointing on vs off")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", _strategy_params(["ddp", "fsdp", "zero3"]))
+def test_offloaded_checkpointing_with_tiled_mlp_gives_the_same_parameters(run, strategy):
+    off, _ = run(strategy)
+    on, _ = run(f"{strategy}-long")
+    _compare(off, on, f"{strategy} offloaded checkpointing + tiled MLP vs neither")
 
 
 SAVED_TENSORS = """

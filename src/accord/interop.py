@@ -194,7 +194,7 @@ def accelerate_config(
         config["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_activation_checkpointing": engine.activation_checkpointing,
+            "fsdp_activation_checkpointing": bool(engine.activation_checkpointing),
             "fsdp_offload_params": False,
             "fsdp_reshard_after_forward": True,
             "fsdp_state_dict_type": "FULL_STATE_DICT",

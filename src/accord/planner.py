@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from accord.batching import BatchPlan, divisors
+from accord.engine.long_rows import mlp_tiles
 from accord.errors import UserInputError
 from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
-from accord.tasks.chunked_loss import chunking_blocker
+from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 PHASES = ("build", "train", "checkpoint", "export", "resume")
@@ -114,7 +115,7 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
     return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
 
 
-def activations(model, micro: int, length: int, precision: str, checkpointing: bool, loss_chunk: int = 0, sequence_parallel: int = 1) -> float:
+def activations(model, micro: int, length: int, precision: str, checkpointing: bool | str, loss_chunk: int = 0, sequence_parallel: int = 1, mlp_tiles: int = 1) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
     tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
@@ -122,7 +123,9 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     tokens at a time, once the targets exceed one chunk) about four fp32 chunk × vocabulary
     tensors (the recomputed logits, their softmax and gradients) whatever the length.
     Under `sequence_parallel` N a rank holds the tokens of 1/N of each row, and (sdpa and
-    eager) the whole row's document mask, one byte per pair of tokens."""
+    eager) the whole row's document mask, one byte per pair of tokens. `checkpointing`
+    "offload" keeps the layer inputs in host memory (not counted: off the device);
+    `mlp_tiles` divides the MLP's f-wide tensors (one tile's exist at a time)."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
@@ -131,8 +134,9 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     element = 2 if precision in ("bf16", "fp16") else 4
     tokens = micro * -(-length // sequence_parallel)
     mask = micro * length * length if sequence_parallel > 1 and "flash" not in (getattr(config, "_attn_implementation", None) or "") else 0
-    per_layer = (8 * h + 4 * f) * element * tokens
-    kept = layers * h * element * tokens + per_layer if checkpointing else layers * per_layer
+    per_layer = (8 * h + 4 * f / mlp_tiles) * element * tokens
+    inputs = 0 if checkpointing == "offload" else layers * h * element * tokens
+    kept = inputs + per_layer if checkpointing else layers * per_layer
     whole = 2 * 4 * tokens * vocab
     # Rows whose targets fit one chunk are computed whole (nothing to gain from recomputing).
     logits = min(whole, 4 * 4 * loss_chunk * vocab) if loss_chunk else whole
@@ -215,8 +219,14 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel)
     model = meta_model(recipe)
     # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
-    loss_chunk = recipe.train.loss_chunk_size if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None else 0
-    per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk)
+    loss_chunk = 0
+    if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None:
+        positions = batch.micro_batch_size * recipe.data.max_length
+        loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
+    # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
+    checkpointing = True if cpu and recipe.engine.activation_checkpointing == "offload" else recipe.engine.activation_checkpointing
+    tiles = mlp_tiles(recipe.engine.tiled_mlp, recipe.data.max_length, model) if recipe.engine.tiled_mlp else 1
+    per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
     act = per_degree[recipe.engine.sequence_parallel]
     rows = []
     for strategy in STRATEGIES:
@@ -230,7 +240,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     return rows, world
 
 
-def _sequence_parallel_activations(model, recipe: Recipe, world: int, loss_chunk: int) -> dict[int, float]:
+def _sequence_parallel_activations(model, recipe: Recipe, world: int, loss_chunk: int, checkpointing: bool | str, tiles: int) -> dict[int, float]:
     """Activations per rank for the recipe's engine.sequence_parallel and each other degree
     the world, the batch, the task and the model's heads allow."""
     from accord.engine.ulysses import check_sequence_parallel
@@ -243,8 +253,7 @@ def _sequence_parallel_activations(model, recipe: Recipe, world: int, loss_chunk
             batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, n)
         except UserInputError:
             continue
-        engine = recipe.engine
-        out[n] = activations(model, batch.micro_batch_size, recipe.data.max_length, engine.precision, engine.activation_checkpointing, loss_chunk, n)
+        out[n] = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, checkpointing, loss_chunk, n, tiles)
     return out
 
 

@@ -18,8 +18,6 @@ from accord.recipe_errors import describe_error
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
-# train.loss_chunk_size default, measured with benchmarks/long_context.py (see the README).
-LOSS_CHUNK_SIZE = 1024
 
 
 class RecipeError(UserInputError):
@@ -219,12 +217,20 @@ class TrainConfig(Section):
     max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
     # In `train`, not `engine`: it changes how a task computes its loss (same value, less
     # memory) under every strategy, not how the model is distributed.
-    loss_chunk_size: int = Field(
-        LOSS_CHUNK_SIZE,
-        ge=0,
+    loss_chunk_size: int | Literal["auto"] = Field(
+        "auto",
         description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
-        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits).",
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits); "
+        "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
+        "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
     )
+
+    @field_validator("loss_chunk_size", mode="before")
+    @classmethod
+    def _chunk_size(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"train.loss_chunk_size={value!r} must be auto, 0 (the plain loss) or a number of tokens")
+        return value
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
@@ -275,8 +281,20 @@ class EngineConfig(Section):
         description="zero strategies: keep the optimizer state (and with zero3 also the parameters) in CPU memory "
         "(DeepSpeed ZeRO-Offload). On a CPU-only run this changes nothing but the code path.",
     )
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more compute)."
+    activation_checkpointing: bool | Literal["offload"] = Field(
+        False,
+        description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more compute); "
+        "offload: also keep what checkpointing saves (each layer's input) in host memory until backward (pinned on GPU; "
+        "on a CPU run the same as true).",
+    )
+    tiled_mlp: bool | int = Field(
+        False,
+        description="Run each decoder layer's MLP over this many sequence tiles, each recomputed in backward, so its "
+        "intermediate activations exist for one tile at a time (rows of 10k+ tokens); true: tiles of about hidden_size "
+        "tokens of data.max_length.",
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, GPU): not available yet."
     )
     fsdp_layer_class: str | None = Field(
         None,
@@ -304,6 +322,21 @@ class EngineConfig(Section):
                 f"engine.hang_timeout_s={value:g} must be at least 1 and below {PROCESS_GROUP_TIMEOUT_S} s (the process-group "
                 "timeout, after which torch stops the run without naming the stuck rank); null turns the watchdog off"
             )
+        return value
+
+    # Before pydantic's union: one line instead of one per member of the union.
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_word(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and value != "offload":
+            raise ValueError(f"engine.activation_checkpointing={value!r} must be true, false or offload")
+        return value
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _tiles_positive(cls, value: Any) -> Any:
+        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+            raise ValueError(f"engine.tiled_mlp={value!r} must be true, false or a number of tiles of at least 1")
         return value
 
     @field_validator("precision", mode="before")
@@ -416,6 +449,27 @@ class Recipe(Section):
         description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
         "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
     )
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Recipe:
+        n = self.engine.context_parallel
+        if n == 1:
+            return self
+        if self.engine.strategy != "fsdp":
+            raise ValueError(
+                f"engine.context_parallel={n} needs engine.strategy=fsdp (ring attention runs on FSDP2 device meshes); "
+                f"{self.engine.strategy} cannot carry it: use engine.sequence_parallel={n} instead"
+            )
+        if self.data.max_length % (2 * n):
+            raise ValueError(
+                f"engine.context_parallel={n}: data.max_length={self.data.max_length} must divide by 2 × {n} = {2 * n} "
+                f"(ring attention splits each row into 2 × N load-balanced pieces)"
+            )
+        raise ValueError(
+            f"engine.context_parallel={n}: ring attention (torch's context_parallel) is not available in accord yet "
+            f"(it runs only on GPUs and has not been tested on one); use engine.sequence_parallel={n} (Ulysses), "
+            f"which runs on CPU and GPU"
+        )
 
 
 # --------------------------------------------------------------------------- loading

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accord.batching import BatchPlan
 from accord.dist import DistInfo
 from accord.engine.torch_update import TorchUpdateEngine
-from accord.engine.wrapping import enable_activation_checkpointing
+from accord.engine.long_rows import apply_memory_levers
 from accord.recipe import Recipe
 from accord.weights import materialize
 
@@ -25,8 +25,7 @@ class DDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
         materialize(model, device)  # a meta-device model gets its (per-name seeded or loaded) values
         model.to(device)
-        if recipe.engine.activation_checkpointing:
-            enable_activation_checkpointing(model)
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
         wrapped = model
         if info.world_size > 1:
             wrapped = DistributedDataParallel(

@@ -37,7 +37,8 @@ from accord.engine.deepspeed_config import deepspeed_config
 from accord.engine.optim import build_scheduler, param_groups
 from accord.engine.precision import autocast
 from accord.engine.state import PendingWrite
-from accord.engine.wrapping import enable_activation_checkpointing, ensure_process_group
+from accord.engine.long_rows import apply_memory_levers
+from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.recipe import Recipe
 
@@ -67,8 +68,7 @@ class DeepSpeedEngine(Engine):
         self.world_size = info.world_size
         self.precision = recipe.engine.precision
         self.stage = int(recipe.engine.strategy.removeprefix("zero"))
-        if recipe.engine.activation_checkpointing:
-            enable_activation_checkpointing(model)
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
         config = deepspeed_config(recipe, plan, device, model)
         self._config = config
         self._materialize(model, config)

@@ -18,7 +18,8 @@ from accord.batching import BatchPlan
 from accord.dist import DistInfo
 from accord.engine.precision import DTYPES
 from accord.engine.torch_update import TorchUpdateEngine
-from accord.engine.wrapping import enable_activation_checkpointing, ensure_process_group, layer_modules
+from accord.engine.long_rows import apply_memory_levers
+from accord.engine.wrapping import ensure_process_group, layer_modules
 from accord.recipe import Recipe
 from accord.weights import is_meta, materialize
 
@@ -30,9 +31,8 @@ def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device
 class FSDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
         ensure_process_group(device)
-        if recipe.engine.activation_checkpointing:
-            # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
-            enable_activation_checkpointing(model)
+        # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
         self._mesh = init_device_mesh(device.type, (info.world_size,))
         self._layer_class = recipe.engine.fsdp_layer_class
         precision = recipe.engine.precision

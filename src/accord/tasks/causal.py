@@ -62,7 +62,7 @@ class CausalLMTask(Task):
         # slice of it, accord.tasks.sequence_shards); else the next token's label.
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
         targets = batch["shift_labels"] if "shift_labels" in batch else shifted_targets(batch["labels"])
-        if self.logprobs is not None:
+        if self.logprobs is not None and self.logprobs.serves(targets):
             row_logprobs = self.logprobs.row_logprobs(model, inputs, targets)
             return LossOutput(-row_logprobs.sum(), (targets != IGNORE).sum())
         logits = model(**inputs).logits

@@ -37,6 +37,22 @@ from accord.tasks.base import IGNORE
 _LOGIT_POSTPROCESSING = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
 
 
+# train.loss_chunk_size: auto (the default), measured with benchmarks/long_context.py (see the
+# README): chunks of AUTO_CHUNK_TOKENS target tokens, for a micro batch whose whole fp32 logits
+# (positions × vocabulary × 4 bytes) would pass AUTO_WHOLE_LOGITS_BYTES; a smaller one keeps the
+# plain loss, which is as fast and sums in the order it always did (a byte-level vocabulary
+# never chunks, a 32k one from about one chunk's worth of positions).
+AUTO_CHUNK_TOKENS = 1024
+AUTO_WHOLE_LOGITS_BYTES = 128 * 2**20
+
+
+def chunk_tokens(setting: int | str, positions: int, vocab: int) -> int:
+    """The chunk size in target tokens for a micro batch of `positions` (0: the plain loss)."""
+    if setting != "auto":
+        return int(setting)
+    return AUTO_CHUNK_TOKENS if 4 * positions * vocab > AUTO_WHOLE_LOGITS_BYTES else 0
+
+
 def chunking_blocker(model: nn.Module, recipe) -> str | None:
     """Why the chunked loss cannot serve this model and recipe (None: it can)."""
     if recipe.train.loss_chunk_size == 0:
@@ -67,9 +83,10 @@ def plain_loss_note(blocker: str | None) -> list[str]:
 class TargetLogprobs:
     """The output layer's second mode, installed once on a causal LM (see the module's text)."""
 
-    def __init__(self, head: nn.Linear, chunk: int):
+    def __init__(self, head: nn.Linear, setting: int | str):
         self.head = head
-        self.chunk = chunk
+        self.setting = setting  # train.loss_chunk_size
+        self.chunk = 0  # of the forward about to run
         self.pending: torch.Tensor | None = None  # targets of the forward about to run
         self.served: torch.Tensor | None = None
         self.checked = False
@@ -78,14 +95,18 @@ class TargetLogprobs:
         head._accord_target_logprobs = self
 
     @classmethod
-    def install(cls, model: nn.Module, chunk: int) -> TargetLogprobs:
+    def install(cls, model: nn.Module, setting: int | str) -> TargetLogprobs:
         """The mode on `model`'s output layer (the one already there on a deep copy of an
         installed model, bound to the copy's layer)."""
         head = model.get_output_embeddings()
         existing = head.__dict__.get("_accord_target_logprobs")
         if existing is not None:
             return existing
-        return cls(head, chunk)
+        return cls(head, setting)
+
+    def serves(self, labels: torch.Tensor) -> bool:
+        """Whether a micro batch with these labels takes the chunked loss (else the plain one)."""
+        return chunk_tokens(self.setting, labels.numel(), self.head.out_features) > 0
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         targets, self.pending = self.pending, None
@@ -98,6 +119,7 @@ class TargetLogprobs:
         """Per row, the summed log-probability of each position's target (shifted_targets of
         the labels; fp32), from a forward of `model` (the wrapped training model, or a frozen
         one) whose output layer is this one."""
+        self.chunk = chunk_tokens(self.setting, targets.numel(), self.head.out_features) or targets.numel()
         self.pending = targets
         try:
             out = model(**inputs).logits

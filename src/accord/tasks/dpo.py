@@ -144,7 +144,7 @@ class DPOTask(Task):
 
 def _row_logprobs(model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
-    if chunked is not None:
+    if chunked is not None and chunked.serves(labels):
         return chunked.row_logprobs(model, inputs, shifted_targets(labels))
     return sequence_logprobs(model(**inputs).logits, labels)
 
