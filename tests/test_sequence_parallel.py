@@ -162,8 +162,12 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
     rows, world = plan(recipe, gpus=4)
     per_degree = rows[0].sequence_parallel
     assert sorted(per_degree) == [1, 2, 4] and rows[0].activations == per_degree[1]
-    # Per rank: 1/N of the row's tokens (4 layers × (8h + 4f) fp32 values each), plus the row's L × L mask.
-    kept_per_token = 4 * (8 * 256 + 4 * 1024) * 4
+    # Per rank: 1/N of the row's tokens (4 layers × (8h + 4f) fp32 values each, and their
+    # whole fp32 logits and log-softmax: a byte vocabulary's stay under the chunking budget),
+    # plus the row's L × L mask.
+    from accord.planner import meta_model
+
+    kept_per_token = 4 * (8 * 256 + 4 * 1024) * 4 + 2 * 4 * meta_model(recipe).config.vocab_size
     assert per_degree[1] - per_degree[2] == kept_per_token * 4096 - 8192**2
     assert per_degree[1] > per_degree[2] > per_degree[4]
     base = min(r.total - r.activations for r in rows)
