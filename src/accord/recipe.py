@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from accord.errors import UserInputError
 from accord.recipe_errors import describe_error
+from accord.recipe_grpo import GRPOConfig
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
@@ -305,7 +306,7 @@ class EngineConfig(Section):
 
 
 # The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo"]
+TaskName = Literal["sft", "pretrain", "classify", "dpo", "grpo"]
 
 
 class TaskClassConfig(Section):
@@ -373,7 +374,7 @@ class Recipe(Section):
     task: TaskName | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected); or {class: package.module:Class} for a task written outside accord.",
+        "dpo (prompt, chosen, rejected), grpo (prompts; online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -381,6 +382,7 @@ class Recipe(Section):
     train: TrainConfig
     classify: ClassifyConfig = ClassifyConfig()
     dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -18,6 +18,7 @@ TASKS: dict[str, str] = {
     "pretrain": "accord.tasks.pretrain:PretrainTask",
     "classify": "accord.tasks.classify:ClassifyTask",
     "dpo": "accord.tasks.dpo:DPOTask",
+    "grpo": "accord.tasks.grpo:GRPOTask",
 }
 
 # name -> "module:factory"; a factory takes (recipe, model, info, device, plan, total_steps)
