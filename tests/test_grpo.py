@@ -204,7 +204,7 @@ GRPO_RUN = {
     "batch": {"global_batch_size": 4, "micro_batch_size": 2},
     "optim": {"lr": 3.0e-3, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
     "train": {"max_steps": 4, "log_every": 1},
-    "grpo": {"group_size": 4, "max_new_tokens": 5, "beta": 0.04, "rewards": [{"kind": "regex", "pattern": r"\d+"}, {"kind": "length", "weight": 0.5}]},
+    "grpo": {"group_size": 4, "max_new_tokens": 5, "beta": 0.04, "rewards": [{"kind": "regex", "pattern": ".*[a-z].*"}, {"kind": "length", "weight": 0.5}]},
 }
 
 
