@@ -255,3 +255,20 @@ def test_grpo_generates_in_lockstep_under_sharded_strategies(tmp_path, strategy)
     ddp = _train(tmp_path, "ddp", "engine.processes=2", "train.max_steps=2")
     sharded = _train(tmp_path, strategy, "engine.processes=2", "train.max_steps=2", f"engine.strategy={strategy}")
     assert max_param_diff(final_params(ddp), final_params(sharded)) <= 1e-5
+
+
+@pytest.mark.distributed
+def test_a_reward_callable_that_raises_stops_the_run_with_one_line(tmp_path):
+    """End to end (the default tier's one process-starting grpo test): the worker's reward
+    failure is agreed over the ranks and ends the run with one line naming function and row."""
+    (tmp_path / "myrewards.py").write_text(
+        "def picky(prompts, completions, **columns):\n    raise KeyError('answer')\n"
+    )
+    raw = {**GRPO_RUN, "data": {**GRPO_RUN["data"], "cache_dir": str(tmp_path / "cache")}, "engine": {**GRPO_RUN["engine"], "processes": 1},
+           "train": {"max_steps": 2, "log_every": 1}, "grpo": {**GRPO_RUN["grpo"], "max_new_tokens": 2, "rewards": [{"kind": "function", "function": "myrewards:picky"}]}}
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    proc = run_accord("train", recipe, f"output.dir={tmp_path / 'out'}", cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "reward function myrewards:picky raised KeyError: 'answer' on " in errors[0] and "data row " in errors[0] and "(prompt '" in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr

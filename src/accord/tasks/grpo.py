@@ -176,8 +176,8 @@ class GRPOTask(Task):
             groups = [self._sample(model, generation, rid, row) for rid, row in zip(row_ids, rows)]
         finally:
             model.train(was_training)
-        for group in groups:
-            self._score(group)
+        for row_id, group in zip(row_ids, groups):
+            self._score(group, row_id)
         self._rollouts = dict(zip(row_ids, groups))
         self._generation = generation
         self._summary = self._summarise(row_ids, time.perf_counter() - start)
@@ -197,8 +197,8 @@ class GRPOTask(Task):
             rollout.old_logps = old if c.num_iterations > 1 else None
         return rollout
 
-    def _score(self, r: Rollout) -> None:
-        r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions]))
+    def _score(self, r: Rollout, row_id: int) -> None:
+        r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id))
         r.total = (torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None] * r.scores).sum(0)
         # Normalised within the group (TRL's scale_rewards=group): std + 1e-4 keeps a group of
         # equal rewards at advantage 0.

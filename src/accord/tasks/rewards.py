@@ -30,6 +30,7 @@ class Group:
     row: dict[str, Any]
     completions: list[str]
     lengths: list[int]  # completion tokens (EOS included when sampled)
+    index: int | None = None  # the row's index in the prepared data (named when it has no file and line)
 
 
 Scorer = Callable[[Group], list[float]]
@@ -87,10 +88,10 @@ class RewardFunctions:
         for name, scorer in zip(self.names, self._scorers):
             values = scorer(group)
             if len(values) != len(group.completions):
-                raise RewardFailed(f"reward {name} returned {len(values)} values for {len(group.completions)} completions ({_origin(group.row)})")
+                raise RewardFailed(f"reward {name} returned {len(values)} values for {len(group.completions)} completions ({_origin(group)})")
             bad = [v for v in values if not isinstance(v, (int, float)) or not math.isfinite(v)]
             if bad:
-                raise RewardFailed(f"reward {name} returned {bad[0]!r} (not a finite number) for {_origin(group.row)}")
+                raise RewardFailed(f"reward {name} returned {bad[0]!r} (not a finite number) for {_origin(group)}")
             rows.append([float(v) for v in values])
         return torch.tensor(rows, dtype=torch.float64)
 
@@ -103,10 +104,13 @@ def _name(spec) -> str:
     return spec.kind
 
 
-def _origin(row: dict[str, Any]) -> str:
-    from accord.data.sources import row_origin
+def _origin(g: Group) -> str:
+    """The row's file and line, else its index in the data; with the start of its prompt."""
+    from accord.data.sources import SOURCE, row_origin
 
-    return row_origin(row)
+    where = row_origin(g.row) if SOURCE in g.row else f"data row {g.index}"
+    prompt = g.prompt if len(g.prompt) <= 40 else g.prompt[:37] + "..."
+    return f"{where} (prompt {prompt!r})"
 
 
 def _checked_callable(fn: Callable, path: str) -> Scorer:
@@ -115,11 +119,11 @@ def _checked_callable(fn: Callable, path: str) -> Scorer:
         try:
             values = fn(prompts=[g.prompt] * len(g.completions), completions=list(g.completions), **columns)
         except Exception as e:
-            raise RewardFailed(f"reward function {path} raised {type(e).__name__}: {e} on {_origin(g.row)}") from None
+            raise RewardFailed(f"reward function {path} raised {type(e).__name__}: {e} on {_origin(g)}") from None
         try:
             return list(values)
         except TypeError:
-            raise RewardFailed(f"reward function {path} returned {type(values).__name__}, not a list of numbers, on {_origin(g.row)}") from None
+            raise RewardFailed(f"reward function {path} returned {type(values).__name__}, not a list of numbers, on {_origin(g)}") from None
 
     return score
 
