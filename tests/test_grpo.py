@@ -223,15 +223,21 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
 @pytest.mark.distributed
 def test_grpo_update_is_the_same_on_one_and_two_processes(tmp_path):
     """1 × 4 prompts (no accumulation) against 2 processes × 1 prompt × 2 accumulation steps:
-    same completions (rank 0 writes its own prompts' samples) and final parameters ≤ 1e-5."""
-    one = _train(tmp_path, "one", "engine.processes=1", "batch.micro_batch_size=4")
-    two = _train(tmp_path, "two", "engine.processes=2", "batch.micro_batch_size=1")
+    same completions (rank 0 writes its own prompts' samples) and final parameters ≤ 1e-5.
+    With num_iterations=2 (ratios against the sampling policy's log-probabilities); the
+    resume test below covers num_iterations=1 across world sizes."""
+    one = _train(tmp_path, "one", "engine.processes=1", "batch.micro_batch_size=4", "grpo.num_iterations=2")
+    two = _train(tmp_path, "two", "engine.processes=2", "batch.micro_batch_size=1", "grpo.num_iterations=2")
     assert max_param_diff(final_params(one), final_params(two)) <= 1e-5
     by_two = {(s["step"], s["prompt"], s["completion"]) for s in _samples(two)}
     assert by_two and by_two <= {(s["step"], s["prompt"], s["completion"]) for s in _samples(one)}
-    first = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line][0]
+    steps = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
     for key in ("reward", "reward_regex", "reward_length", "reward_std", "kl", "clip_fraction", "completion_length", "generation_s", "training_s"):
-        assert math.isfinite(first[key]), key
+        assert all(math.isfinite(s[key]) for s in steps), key
+    assert [s["step"] for s in _samples(one)][::16] == [1, 2, 3, 4]  # 4 prompts × G=4 each step
+    unstepped = [{k: v for k, v in s.items() if k != "step"} for s in _samples(one)]
+    assert unstepped[:16] == unstepped[16:32]  # step 2 trains on step 1's generation batch
+    assert steps[1]["clip_fraction"] > 0 or steps[3]["clip_fraction"] > 0  # the second step's ratios moved
 
 
 @pytest.mark.slow
