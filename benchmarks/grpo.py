@@ -30,13 +30,14 @@ MAX_NEW = 4
 
 
 def prompts_file(folder: Path, count: int) -> Path:
-    """The addition rows accord generates from the seed (the same rows for both contenders)."""
+    """The addition rows accord generates from the seed (the same rows for both contenders),
+    the expected sum in `answer`."""
     from accord.data.generated import generate
     from accord.recipe import GeneratedData
 
     train, _ = generate(GeneratedData(kind="addition", train_examples=4000, eval_examples=256, max_digits=2), SEED)
     path = folder / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n" for r in list(train)[:count * 40]))
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in list(train)[:count * 40]))
     return path
 
 
@@ -48,7 +49,7 @@ def run_accord(model: str, data: Path, out: Path, steps: int, prompts: int, grou
         "data": {"train": str(data), "max_length": 32, "shuffle": False, "cache_dir": str(out / "cache")},
         "batch": {"global_batch_size": prompts}, "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"max_steps": steps, "log_every": 1},
-        "grpo": {"group_size": group, "max_new_tokens": MAX_NEW, "beta": BETA, "rewards": [{"kind": "exact_match"}]},
+        "grpo": {"group_size": group, "max_new_tokens": MAX_NEW, "beta": BETA, "rewards": [{"kind": "exact_match", "column": "answer"}]},
         "engine": {"strategy": "ddp", "processes": 1, "device": "cpu"}, "output": {"dir": str(out / "accord"), "overwrite": True},
     }
     (out / "grpo.yaml").write_text(yaml.safe_dump(recipe))
@@ -67,8 +68,8 @@ def run_trl(model: str, data: Path, out: Path, steps: int, prompts: int, group: 
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.padding_side = "left"
 
-    def exact_match(prompts, completions, completion, **_):
-        return [float(c.strip() == a.strip()) for c, a in zip(completions, completion)]
+    def exact_match(prompts, completions, answer, **_):  # TRL keeps `completion` for itself: the answers are `answer`
+        return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
     log = []
 
