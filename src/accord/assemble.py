@@ -69,7 +69,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if recipe.data.group_by_length and not task.packing else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
-    total_steps = _total_steps(recipe, order)
+    total_steps = _total_steps(recipe, order, task.steps_per_batch)
 
     # On the meta device: the engine gives it storage and values, each rank only its shards
     # under fsdp; the facts below come from the shapes alone.
@@ -130,12 +130,12 @@ def eval_tokens(eval_ds) -> int:
     return int(sum(eval_ds["length"]))
 
 
-def _total_steps(recipe: Recipe, order: GlobalOrder) -> int:
+def _total_steps(recipe: Recipe, order: GlobalOrder, steps_per_batch: int) -> int:
     """train.max_steps, or the steps that train.epochs passes over the rows take."""
     if recipe.train.max_steps is not None:
         return recipe.train.max_steps
     assert recipe.train.epochs is not None
-    return max(1, math.ceil(recipe.train.epochs * order.steps_per_epoch))
+    return max(1, math.ceil(recipe.train.epochs * order.steps_per_epoch * steps_per_batch))
 
 
 def _count(n: int) -> str:

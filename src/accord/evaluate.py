@@ -29,7 +29,7 @@ class Evaluator:
         was_training = model.training
         model.eval()
         try:
-            results = self._task_metrics(model)
+            results = self._task_metrics(model) if self.task.eval_loss else {}
             if self.cfg.eval_generate:
                 results.update(self._generation_metrics(model))
         finally:
@@ -61,4 +61,4 @@ class Evaluator:
         totals = dist.all_reduce_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.engine.device))
         reduced = dict(zip(names, totals.tolist()))
         count = reduced.pop("count")
-        return {f"{name}_accuracy": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
+        return self.task.generation_results(reduced, count)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from accord.errors import UserInputError
 from accord.recipe_errors import describe_error
+from accord.recipe_grpo import GRPOConfig
 
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
@@ -364,7 +365,7 @@ class EngineConfig(Section):
 
 
 # The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward"]
+TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward", "grpo"]
 
 
 class TaskClassConfig(Section):
@@ -432,7 +433,7 @@ class Recipe(Section):
     task: TaskName | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer); or {class: package.module:Class} for a task written outside accord.",
+        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -440,6 +441,7 @@ class Recipe(Section):
     train: TrainConfig
     classify: ClassifyConfig = ClassifyConfig()
     dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

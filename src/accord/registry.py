@@ -19,6 +19,7 @@ TASKS: dict[str, str] = {
     "classify": "accord.tasks.classify:ClassifyTask",
     "dpo": "accord.tasks.dpo:DPOTask",
     "reward": "accord.tasks.reward:RewardTask",
+    "grpo": "accord.tasks.grpo:GRPOTask",
 }
 
 # name -> "module:factory"; a factory takes (recipe, model, info, device, plan, total_steps)

@@ -24,6 +24,7 @@ from accord.nonfinite import NonFiniteGuard
 from accord.observe.memory import memory_record
 from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
+from accord.online import rollout_step
 from accord.stopping import RunResult, StopRequest
 
 
@@ -47,10 +48,15 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> StepStats:
-        """One optimizer step over global batch `self.step`."""
-        global_batch = self.order.batch(self.step)
+        """One optimizer step over global batch `self.step` (grpo.num_iterations > 1: several
+        steps share one batch of prompts)."""
+        global_batch = self.order.batch(self.step // self.task.steps_per_batch)
+        started = time.perf_counter()
+        # An online task samples its targets first; its normaliser comes from one reduction.
+        online = rollout_step(self.run, self.task, self.step, global_batch) if self.task.online else None
+        training_started = time.perf_counter()
         # The normaliser: targets in the whole global batch, known to every rank from the plan.
-        targets = int(self.rows.targets[global_batch].sum())
+        targets = online.targets if online else int(self.rows.targets[global_batch].sum())
         loss_sum = torch.zeros((), device=self.engine.device)
         metrics: dict[str, torch.Tensor] = {}
         for micro_step in range(self.plan.grad_accum):
@@ -58,7 +64,8 @@ class Trainer:
             heartbeat.phase("forward", self.step + 1)
             # The ranks of a sequence-parallel group take the same rows, each a slice of their tokens.
             row_ids = global_batch[self.plan.micro_slice(self.plan.data_rank(self.run.info.rank), micro_step)]
-            batch = to_device(self.run.sequence.shard(self.task.collate(self._rows(row_ids))), self.engine.device)
+            rows = self.task.rollout_batch(row_ids) if online else self.task.collate(self._rows(row_ids))
+            batch = to_device(self.run.sequence.shard(rows), self.engine.device)
             with self.engine.sync_context(last_micro_step=last):
                 with self.engine.autocast():
                     out = self.task.loss(self.engine.train_model, batch)
@@ -71,8 +78,12 @@ class Trainer:
         heartbeat.phase("optimizer step", self.step + 1)
         grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
         self.step += 1
-        tokens = int(self.rows.lengths[global_batch].sum())
-        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, self._padded(global_batch), lr, metrics, skipped=not applied)
+        if online:
+            tokens, padded = online.tokens, online.tokens
+            means = online.means | {"training_s": time.perf_counter() - training_started, "step_s": time.perf_counter() - started}
+        else:
+            tokens, padded, means = int(self.rows.lengths[global_batch].sum()), self._padded(global_batch), {}
+        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, padded, lr, metrics, skipped=not applied, means=means)
 
     def _rows(self, row_ids) -> list[list[dict]]:
         """The examples of each row (one, or several when packed), fetched in one read."""

@@ -27,6 +27,7 @@ class StepStats:
     lr: float
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's sums
     skipped: bool = False  # the update was not applied (non-finite gradient)
+    means: dict[str, float] = field(default_factory=dict)  # already reduced over ranks (online tasks' rewards, times)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class StepLog:
                 record = {"kind": "train", "step": s.step, "loss": entry.loss, "lr": s.lr, "grad_norm": entry.grad_norm}
                 record |= {name: value / max(s.targets, 1) for name, value in zip(names, row[1:])}
                 counts = {"targets": s.targets, "tokens": s.tokens, "padded_tokens": s.padded_tokens}
-                self.metrics.write(record | counts | {"skipped": s.skipped})
+                self.metrics.write(record | s.means | counts | {"skipped": s.skipped})
             self.metrics.write({"kind": "throughput", "step": steps[-1].step, **self.throughput.numbers(steps, seconds)})
         return logged, sum(s.tokens for s in steps) / seconds
 

@@ -41,6 +41,10 @@ class Task:
     # Training data prepared as token shards (ids + target bits, data/shards.py) instead of
     # Arrow columns: for tasks whose examples are just `input_ids` and `labels`.
     token_shards = False
+    # Online methods (grpo) make their training batches each step from their rows (the
+    # prompts): the trainer calls rollout() and rollout_batch() instead of collate().
+    online = False
+    eval_loss = True  # evaluation computes the loss on held-out rows (else only generation metrics)
 
     # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
     eval_hidden: tuple[str, ...] = ()
@@ -57,6 +61,11 @@ class Task:
     def row_capacity(self) -> int | None:
         """Tokens per row of the global order when examples are packed; None: one example a row."""
         return self.max_length if self.packing else None
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps that each global batch of rows serves (grpo.num_iterations)."""
+        return 1
 
     # ---------------------------------------------------------------- data (run once, cached)
 
@@ -136,8 +145,12 @@ class Task:
         return results | {name: value / targets for name, value in sums.items()}
 
     def evaluate_generation(self, model, rows, device, max_new_tokens, lockstep=False) -> dict[str, float]:
-        """Sums of generation metrics over `rows` (rows marked PADDING are not scored)."""
+        """Sums of generation metrics over `rows` (rows marked PADDING are not scored), with `count`."""
         return {}
+
+    def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
+        """The logged results of evaluate_generation's sums (over all ranks) and count."""
+        return {f"{name}_accuracy": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

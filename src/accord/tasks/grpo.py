@@ -1,0 +1,347 @@
+"""Group relative policy optimisation (online RL): rows hold a `prompt` (or chat `messages`)
+plus the columns the rewards read.
+
+A step (see Trainer.train_step) first asks `rollout` for this rank's prompts of the global
+batch: each prompt's group of G completions is sampled as one batch with per-sample seeds
+(accord.tasks.rollout), scored, and given advantages normalised within the group. The
+micro-steps then compute the token-level clipped objective plus beta × KL (the k3 estimator)
+summed over completion tokens; the trainer divides by the completion tokens of the whole
+global batch, so the update does not depend on how prompts are split over ranks and
+micro-steps. With num_iterations > 1 one generation batch serves that many optimizer steps,
+the ratio taken against the log-probabilities of the policy that sampled it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from accord.data.sources import DataError, check_columns
+from accord.errors import UserInputError
+from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
+from accord.tasks.dpo import _adapters_off
+from accord.tasks.rewards import Group, RewardFunctions
+from accord.tasks.rollout import sample_group, sample_seed, token_logprobs
+
+ROW = "row_json"  # the raw row (all its columns), for the rewards
+
+
+@dataclass
+class Rollout:
+    """One prompt's group: its completions, advantages, and (when needed) per-token
+    log-probabilities of the sampling policy and of the reference, over completion tokens."""
+
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    row: dict[str, Any]  # the raw row (what the rewards read)
+    texts: list[str]  # the decoded completions
+    old_logps: torch.Tensor | None = None  # (G, longest completion)
+    ref_logps: torch.Tensor | None = None
+    scores: torch.Tensor | None = None  # (reward functions, G), unweighted
+    total: torch.Tensor | None = None  # (G,) weighted sum
+    advantages: torch.Tensor | None = None  # (G,)
+
+
+@dataclass
+class RolloutSummary:
+    """What the trainer reduces over ranks once per step."""
+
+    completion_tokens: int
+    tokens: int  # prompt + completion tokens
+    completions: int
+    sums: dict[str, float]  # per-completion values summed (rewards, lengths, group std × G)
+    generation_s: float
+    samples: list[dict[str, Any]] = field(default_factory=list)  # this rank's, for samples.jsonl
+
+
+class GRPOTask(Task):
+    name = "grpo"
+    online = True  # generates its training targets each step (Trainer.train_step)
+    eval_loss = False  # held-out rows are scored by generation (train.eval_generate), not a loss
+
+    def __init__(self, tokenizer, recipe):
+        super().__init__(tokenizer, recipe)
+        self.cfg = recipe.grpo
+        if self.cfg.max_new_tokens >= self.max_length:
+            raise UserInputError(
+                f"grpo.max_new_tokens={self.cfg.max_new_tokens} leaves no room for the prompt in data.max_length={self.max_length}; "
+                "raise data.max_length or lower grpo.max_new_tokens"
+            )
+        self.rewards = RewardFunctions(self.cfg)  # imports callables, checks reward models: one line each
+        self.eos_id = tokenizer.eos_token_id
+        self.add_bos = recipe.data.add_bos
+        self.prefix = text_prefix(tokenizer, self.add_bos)
+        self.chat = False
+        self.reference: nn.Module | None = None
+        self.policy: nn.Module | None = None
+        self.lockstep = False
+        self._rollouts: dict[int, Rollout] = {}
+        self._generation: int | None = None  # which generation batch _rollouts holds
+        self._summary: RolloutSummary | None = None
+
+    @property
+    def steps_per_batch(self) -> int:
+        return self.cfg.num_iterations
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"add_bos": self.add_bos, "prefix": self.prefix, "max_new_tokens": self.cfg.max_new_tokens}
+
+    # ---------------------------------------------------------------- data
+
+    def fit(self, train, eval_ds):
+        self.chat = "messages" in train.column_names
+        if self.chat and self.tokenizer.chat_template is None:
+            raise DataError("grpo on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)")
+        checked = []
+        for ds in (train, eval_ds):
+            if ds is not None:
+                ds = check_columns(ds, () if self.chat else ("prompt",), "grpo data (prompt or messages)")
+                missing = sorted(self.rewards.columns() - set(ds.column_names))
+                if missing:
+                    present = [c for c in ds.column_names if not c.startswith("__")]
+                    raise DataError(f"grpo.rewards: exact_match reads column {missing[0]!r}, which the data lacks (fields present: {', '.join(present)})")
+            checked.append(ds)
+        return tuple(checked)
+
+    def state(self) -> dict[str, Any]:
+        return {"chat": self.chat}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.chat = state["chat"]
+
+    def prompt_text(self, row: dict[str, Any]) -> str:
+        if self.chat:
+            return self.tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        return row["prompt"]
+
+    def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        keep = self.max_length - self.cfg.max_new_tokens - len(self.prefix)  # room left for the prompt
+        out: dict[str, list] = {"prompt_ids": [], ROW: [], "num_targets": [], "length": [], "over_length": []}
+        for row in rows:
+            ids = self.tokenizer(self.prompt_text(row), add_special_tokens=False)["input_ids"]
+            out["over_length"].append(len(ids) > keep)
+            ids = self.prefix + ids[-keep:]  # an over-long prompt keeps its end, which the completion follows
+            out["prompt_ids"].append(ids)
+            out[ROW].append(json.dumps(row, default=str))
+            out["num_targets"].append(1)  # one prompt; its completion tokens are counted when sampled
+            out["length"].append(len(ids))
+        return out
+
+    # ---------------------------------------------------------------- the reference and the rewards
+
+    def configure_model(self, model: nn.Module) -> None:
+        """The KL anchor: a frozen copy of the starting model (its description: it is on the
+        meta device), or under LoRA the policy with its adapters off."""
+        if self.cfg.beta > 0 and self.recipe.lora is None:
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def setup(self, engine, train, eval_ds):
+        self.policy = engine.module
+        self.lockstep = engine.lockstep
+        if self.reference is not None:
+            self.reference = engine.prepare_frozen(self.reference)
+        self.rewards.load(engine.device)
+        # Held-out prompts are only scored by greedy generation (train.eval_generate).
+        return train, eval_ds if self.recipe.train.eval_generate else None
+
+    def describe(self) -> list[str]:
+        c = self.cfg
+        return [f"grpo: {c.group_size} completions per prompt, up to {c.max_new_tokens} tokens; rewards {', '.join(self.rewards.names)}; "
+                f"beta {c.beta:g}, epsilon {c.epsilon:g}, {c.num_iterations} step(s) per generation batch"]
+
+    # ---------------------------------------------------------------- generation (once per batch)
+
+    def rollout(self, step: int, row_ids: list[int], rows: list[dict]) -> RolloutSummary:
+        """Sample, score and normalise the groups of this rank's prompts of `step`'s batch.
+        Every rank calls it with the same number of prompts (its forward passes are
+        collective under sharded strategies)."""
+        generation = step // self.cfg.num_iterations
+        if generation == self._generation and self._summary is not None:
+            return self._summary  # num_iterations > 1: the batch's later steps reuse it
+        start = time.perf_counter()
+        model = self.policy
+        assert model is not None, "setup() first"
+        was_training = model.training
+        model.eval()
+        try:
+            # Every forward first (collective under sharded strategies), then the rewards,
+            # which may fail on one rank only: the trainer agrees on that in its next reduction.
+            groups = [self._sample(model, generation, rid, row) for rid, row in zip(row_ids, rows)]
+        finally:
+            model.train(was_training)
+        for row_id, group in zip(row_ids, groups):
+            self._score(group, row_id)
+        self._rollouts = dict(zip(row_ids, groups))
+        self._generation = generation
+        self._summary = self._summarise(row_ids, time.perf_counter() - start)
+        return self._summary
+
+    def _sample(self, model: nn.Module, generation: int, row_id: int, row: dict) -> Rollout:
+        c = self.cfg
+        seeds = [sample_seed(self.recipe.seed, generation, row_id, k) for k in range(c.group_size)]
+        completions = sample_group(
+            model, row["prompt_ids"], seeds, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+            eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
+        )
+        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
+        rollout = Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
+        if c.num_iterations > 1 or self._has_reference:
+            old, rollout.ref_logps = self._logps(model, rollout)
+            rollout.old_logps = old if c.num_iterations > 1 else None
+        return rollout
+
+    def _score(self, r: Rollout, row_id: int) -> None:
+        r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id))
+        r.total = (torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None] * r.scores).sum(0)
+        # Normalised within the group (TRL's scale_rewards=group): std + 1e-4 keeps a group of
+        # equal rewards at advantage 0.
+        r.advantages = ((r.total - r.total.mean()) / (r.total.std() + 1e-4)).float()
+
+    @property
+    def _has_reference(self) -> bool:
+        return self.cfg.beta > 0
+
+    @torch.no_grad()
+    def _logps(self, model: nn.Module, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probabilities of the group's completions under the sampling policy
+        and the reference, over completion positions (G, longest completion)."""
+        batch = self._collate_groups([rollout], with_logps=False)
+        plen, width = len(rollout.prompt_ids), max(len(c) for c in rollout.completions)
+        ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
+        old = token_logprobs(model, ids, mask, self.cfg.temperature)[:, plen - 1 : plen - 1 + width].cpu()
+        ref = None
+        if self._has_reference:
+            if self.reference is not None:
+                ref = token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+            else:
+                with _adapters_off(model):
+                    ref = token_logprobs(model, ids, mask, self.cfg.temperature)
+            ref = ref[:, plen - 1 : plen - 1 + width].cpu()
+        return old, ref
+
+    @property
+    def _device(self) -> torch.device:
+        assert self.policy is not None
+        return next(self.policy.parameters()).device
+
+    def rollout_metric_names(self) -> list[str]:
+        return ["reward", "reward_std", "completion_length"] + [f"reward_{name}" for name in self.rewards.names]
+
+    def _summarise(self, row_ids: list[int], seconds: float) -> RolloutSummary:
+        sums = dict.fromkeys(self.rollout_metric_names(), 0.0)
+        completion_tokens = tokens = completions = 0
+        samples = []
+        for rid in row_ids:
+            r = self._rollouts[rid]
+            texts, scores, total = r.texts, r.scores, r.total
+            assert scores is not None and total is not None
+            lengths = [len(c) for c in r.completions]
+            completion_tokens += sum(lengths)
+            tokens += sum(lengths) + len(r.prompt_ids) * len(lengths)
+            completions += len(lengths)
+            sums["reward"] += float(total.sum())
+            sums["reward_std"] += float(total.std()) * len(lengths)
+            sums["completion_length"] += float(sum(lengths))
+            for name, row_scores in zip(self.rewards.names, scores):
+                sums[f"reward_{name}"] += float(row_scores.sum())
+            prompt = self.prompt_text(r.row)
+            samples += [{"prompt": prompt, "completion": t, "reward": float(v)} for t, v in zip(texts, total)]
+        return RolloutSummary(completion_tokens, tokens, completions, sums, seconds, samples)
+
+    # ---------------------------------------------------------------- batches and the loss
+
+    def rollout_batch(self, row_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch of these prompts' groups (sampled by `rollout`)."""
+        return self._collate_groups([self._rollouts[int(r)] for r in row_ids], with_logps=True)
+
+    def _collate_groups(self, groups: list[Rollout], with_logps: bool) -> dict[str, torch.Tensor]:
+        sequences, starts, lengths = [], [], []
+        for g in groups:
+            for completion in g.completions:
+                sequences.append(g.prompt_ids + completion)
+                starts.append(len(g.prompt_ids) - 1)  # the shifted position that predicts the first completion token
+                lengths.append(len(completion))
+        input_ids = pad_rows(sequences, self.pad_id)
+        width = input_ids.shape[1]
+        total = torch.tensor([len(s) for s in sequences])
+        batch = {"input_ids": input_ids, "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long()}
+        if not with_logps:
+            return batch
+        positions = torch.arange(width - 1)[None, :]
+        begin, count = torch.tensor(starts)[:, None], torch.tensor(lengths)[:, None]
+        batch["completion_mask"] = ((positions >= begin) & (positions < begin + count)).float()
+        batch["advantages"] = torch.cat([g.advantages for g in groups])
+        for name in ("old_logps", "ref_logps"):
+            if getattr(groups[0], name) is not None:
+                batch[name] = _place([row for g in groups for row in getattr(g, name)], starts, width - 1)
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        mask = batch["completion_mask"]
+        logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], self.cfg.temperature)
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
+        advantages = batch["advantages"][:, None]
+        per_token, ratio = grpo_token_loss(logps, old, advantages, batch.get("ref_logps"), self.cfg.beta, self.cfg.epsilon)
+        eps = self.cfg.epsilon
+        clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
+        metrics = {"clip_fraction": (clipped.float() * mask).sum()}
+        if "ref_logps" in batch:
+            metrics["kl"] = (kl_k3(logps.detach(), batch["ref_logps"]) * mask).sum()
+        return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
+
+    # ---------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
+        """Greedy completion of each held-out prompt, scored by each reward function (unweighted)."""
+        sums = {name: 0.0 for name in self.rewards.names} | {"count": 0.0}
+        for row in rows:
+            ids = torch.tensor([row["prompt_ids"]], device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
+                                 pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=lockstep, temperature=None, top_p=None, top_k=None)
+            if row.get(PADDING):
+                continue
+            completion = out[0, ids.shape[1] :].tolist()
+            completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
+            raw = json.loads(row[ROW])
+            text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
+            scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
+            for name, value in zip(self.rewards.names, scores[:, 0].tolist()):
+                sums[name] += value
+            sums["count"] += 1
+        return sums
+
+    def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
+        return {f"greedy_reward_{name}": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
+
+
+def grpo_token_loss(logps, old_logps, advantages, ref_logps, beta: float, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GRPO loss (before masking) and the probability ratio: -min(r·A, clip(r, 1±ε)·A)
+    + β·KL₃(π ‖ π_ref), with r = exp(log π − log π_old) (DeepSeekMath eq. 3, TRL's formula)."""
+    ratio = torch.exp(logps - old_logps)
+    per_token = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages)
+    if ref_logps is not None and beta > 0:
+        per_token = per_token + beta * kl_k3(logps, ref_logps)
+    return per_token, ratio
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π ‖ π_ref) per token: exp(ref − π) − (ref − π) − 1 ≥ 0."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
+    """Completion-aligned rows placed at their shifted start in a (B, width) zero tensor."""
+    out = torch.zeros(len(rows), width)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        n = min(len(row), width - start)
+        out[i, start : start + n] = row[:n]
+    return out

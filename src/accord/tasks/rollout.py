@@ -1,0 +1,78 @@
+"""Sampling a prompt's group of completions with seeds that belong to the sample, and the
+per-token log-probabilities GRPO's loss reads.
+
+Why per-sample seeds: transformers' sampling draws from one global generator for the whole
+batch, so a completion would depend on which other prompts shared its batch and on how the
+prompts were split over ranks. Here decoding is greedy over logits plus Gumbel noise drawn
+from the sample's own generator (argmax(logits + Gumbel) is a sample of softmax(logits)), seeded
+by (seed, generation batch, prompt index, sample index): the same completion wherever and
+beside whatever it is generated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+
+def sample_seed(seed: int, generation: int, prompt: int, sample: int) -> int:
+    """A 63-bit seed drawn from the four numbers (numpy's SeedSequence mixes them)."""
+    words = np.random.SeedSequence([seed, generation, prompt, sample]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+class PerSampleGumbel(LogitsProcessor):
+    """Adds Gumbel(0, 1) noise to each row's scores from that row's own generator (on the CPU,
+    so the draws are the same on every device)."""
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        # -log(Exp(1)) is Gumbel(0, 1); the clamp keeps a (vanishingly rare) 0 draw finite.
+        noise = torch.stack([-torch.empty(vocab).exponential_(generator=g).clamp_min(1e-30).log() for g in self.generators])
+        return scores.float() + noise.to(scores.device)
+
+
+@torch.no_grad()
+def sample_group(
+    model: nn.Module, prompt_ids: list[int], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+    eos_id: int, pad_id: int, lockstep: bool,
+) -> list[list[int]]:
+    """One completion per seed for one prompt (one batch, no padding), each cut after its EOS.
+
+    `lockstep`: sharded parameters are gathered in every forward, so ranks keep decoding
+    (transformers' synced_gpus) until all of them are done."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids] * len(seeds), device=device)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    processors.append(PerSampleGumbel(seeds))
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,  # greedy over the noised scores: the sampling is the processors'
+        logits_processor=processors,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        synced_gpus=lockstep,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    completions = []
+    for ids in out[:, len(prompt_ids) :].tolist():
+        completions.append(ids[: ids.index(eos_id) + 1] if eos_id in ids else ids)
+    return completions
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, L-1) log-probability of each next token under the sampling temperature (fp32), as
+    TRL computes the policy's: logits divided by the temperature."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
