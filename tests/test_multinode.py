@@ -135,7 +135,9 @@ def _assert_node_local_checkpoint(out0, out1):
     assert (out0 / "final").is_dir() and not (out1 / "final").exists()
 
 
-@pytest.mark.parametrize("kind", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+# Slow (default-suite budget): the default tier keeps two nodes under accord's own launcher
+# (test_two_nodes_match_one_node_with_two_processes) and the per-node folders' unit tests.
+@pytest.mark.parametrize("kind", [pytest.param("torchrun", marks=pytest.mark.slow), pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_outer_launcher_two_nodes_with_a_folder_each_match_one_node(namespaces, single, tmp_path, kind):
     """The guides' multi-node commands, each node writing its own output.dir and no
     GLOO_SOCKET_IFNAME: gloo finds the veth towards the master, checkpoints are sealed in

@@ -30,7 +30,8 @@ def _lrs(out) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
 
 
-@pytest.mark.parametrize("extend", ["continue", "restart_decay"])
+# restart_decay in the slow tier (default-suite budget): continue, the default, runs the same path by default.
+@pytest.mark.parametrize("extend", ["continue", pytest.param("restart_decay", marks=pytest.mark.slow)])
 def test_resume_with_more_steps_says_and_applies_the_schedule(one_process_reference, tmp_path, extend):
     recipe, ten = one_process_reference
     out = tmp_path / extend

@@ -145,7 +145,7 @@ def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path, tiny_refer
     try:
         while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip():
             assert time.monotonic() < deadline, "job did not finish in 300 s"
-            time.sleep(2)
+            time.sleep(0.25)
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True)  # no job outlives the test
     log = (out / f"slurm-{job}.out").read_text()
