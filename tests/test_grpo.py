@@ -18,7 +18,7 @@ from accord.recipe import RecipeError, validate_recipe
 from accord.recipe_grpo import GRPOConfig
 from accord.tasks.grpo import grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
-from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_seed
+from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed
 
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
@@ -46,6 +46,11 @@ def test_completion_depends_only_on_its_own_seed_not_on_its_batch():
     assert together == alone
     assert reordered == [together[2], together[1]]
     assert len({tuple(c) for c in together}) > 1, "different seeds should give different completions"
+    # Beside another prompt of the same length in one generate call (how a rank samples its
+    # prompts under ddp), each group is the one it is alone.
+    other, other_seeds = [1, 8, 3, 6], [sample_seed(3, 0, 12, k) for k in range(2)]
+    both = sample_groups(model, [other, prompt], [other_seeds, seeds], **kwargs)
+    assert both == [sample_group(model, other, other_seeds, **kwargs), together]
     assert sample_seed(3, 0, 11, 0) != sample_seed(3, 1, 11, 0) != sample_seed(3, 0, 12, 0)
 
 

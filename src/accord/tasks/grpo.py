@@ -27,7 +27,7 @@ from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
-from accord.tasks.rollout import sample_group, sample_seed, token_logprobs
+from accord.tasks.rollout import sample_groups, sample_seed, token_logprobs
 
 ROW = "row_json"  # the raw row (all its columns), for the rewards
 
@@ -173,7 +173,7 @@ class GRPOTask(Task):
         try:
             # Every forward first (collective under sharded strategies), then the rewards,
             # which may fail on one rank only: the trainer agrees on that in its next reduction.
-            groups = [self._sample(model, generation, rid, row) for rid, row in zip(row_ids, rows)]
+            groups = self._sample(model, generation, row_ids, rows)
         finally:
             model.train(was_training)
         for row_id, group in zip(row_ids, groups):
@@ -183,13 +183,25 @@ class GRPOTask(Task):
         self._summary = self._summarise(row_ids, time.perf_counter() - start)
         return self._summary
 
-    def _sample(self, model: nn.Module, generation: int, row_id: int, row: dict) -> Rollout:
+    def _sample(self, model: nn.Module, generation: int, row_ids: list[int], rows: list[dict]) -> list[Rollout]:
+        """The groups of this rank's prompts. Prompts of one length share a `generate` call
+        (no padding, each completion's noise from its own seed); under lockstep every rank
+        must call generate equally often, so there each prompt has its own call (every rank
+        holds the same number of prompts)."""
         c = self.cfg
-        seeds = [sample_seed(self.recipe.seed, generation, row_id, k) for k in range(c.group_size)]
-        completions = sample_group(
-            model, row["prompt_ids"], seeds, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-            eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
-        )
+        seeds = [[sample_seed(self.recipe.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
+        calls = [[i] for i in range(len(rows))] if self.lockstep else _same_length_calls([len(row["prompt_ids"]) for row in rows])
+        completions: dict[int, list[list[int]]] = {}
+        for call in calls:
+            groups = sample_groups(
+                model, [rows[i]["prompt_ids"] for i in call], [seeds[i] for i in call], max_new_tokens=c.max_new_tokens,
+                temperature=c.temperature, top_p=c.top_p, eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
+            )
+            completions.update(zip(call, groups))
+        return [self._rollout(model, rows[i], completions[i]) for i in range(len(rows))]
+
+    def _rollout(self, model: nn.Module, row: dict, completions: list[list[int]]) -> Rollout:
+        c = self.cfg
         texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
         rollout = Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
         if c.num_iterations > 1 or self._has_reference:
@@ -345,3 +357,15 @@ def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
         n = min(len(row), width - start)
         out[i, start : start + n] = row[:n]
     return out
+
+
+# Prompts sampled in one `generate` call at most (their groups' KV caches exist together).
+PROMPTS_PER_CALL = 16
+
+
+def _same_length_calls(lengths: list[int]) -> list[list[int]]:
+    """Indices of prompts grouped by length, in order, at most PROMPTS_PER_CALL a call."""
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
+    return [same[k : k + PROMPTS_PER_CALL] for same in by_length.values() for k in range(0, len(same), PROMPTS_PER_CALL)]

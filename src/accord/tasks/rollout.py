@@ -46,12 +46,26 @@ def sample_group(
 
     `lockstep`: sharded parameters are gathered in every forward, so ranks keep decoding
     (transformers' synced_gpus) until all of them are done."""
+    return sample_groups(model, [prompt_ids], [seeds], max_new_tokens=max_new_tokens, temperature=temperature,
+                         top_p=top_p, eos_id=eos_id, pad_id=pad_id, lockstep=lockstep)[0]
+
+
+@torch.no_grad()
+def sample_groups(
+    model: nn.Module, prompts: list[list[int]], seeds: list[list[int]], *, max_new_tokens: int, temperature: float,
+    top_p: float, eos_id: int, pad_id: int, lockstep: bool,
+) -> list[list[list[int]]]:
+    """Each prompt's group (one completion per seed), sampled in one batch: the prompts must
+    have the same length, so no row is padded and each row's tokens depend only on its prompt
+    and its seed (up to floating-point differences between batch shapes)."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("sample_groups: prompts of one call must have the same length")
     device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt_ids] * len(seeds), device=device)
+    input_ids = torch.tensor([p for p, group in zip(prompts, seeds) for _ in group], device=device)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    processors.append(PerSampleGumbel(seeds))
+    processors.append(PerSampleGumbel([seed for group in seeds for seed in group]))
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -66,9 +80,13 @@ def sample_group(
         top_k=None,
     )
     completions = []
-    for ids in out[:, len(prompt_ids) :].tolist():
+    for ids in out[:, len(prompts[0]) :].tolist():
         completions.append(ids[: ids.index(eos_id) + 1] if eos_id in ids else ids)
-    return completions
+    groups, start = [], 0
+    for group in seeds:
+        groups.append(completions[start : start + len(group)])
+        start += len(group)
+    return groups
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
