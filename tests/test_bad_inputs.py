@@ -136,6 +136,23 @@ def run_process_with_faults(faults: str, *args):
     return run_process(command, cwd=REPO, env=accord_env() | {"ACCORD_FAULTS": faults}, timeout=300)
 
 
+def test_overwrite_sets_aside_every_file_a_run_writes_and_puts_them_back(tmp_path):
+    """grpo's samples.jsonl and the hang watchdog's dumps go with the rest, so a replacing run
+    never appends to the earlier run's files."""
+    from accord.outputs import restore_earlier_run, set_aside_earlier_run
+
+    out = tmp_path / "run"
+    (out / "hang-20261201-101500").mkdir(parents=True)
+    for name in ("metrics.jsonl", "samples.jsonl", "hang-20261201-101500/stacks-rank-0.txt", "notes.txt"):
+        (out / name).write_text(name)
+    aside = set_aside_earlier_run(out)
+    assert sorted(p.name for p in out.iterdir()) == [".previous-run", "notes.txt"]  # the user's own file stays
+    assert sorted(p.name for p in aside.iterdir()) == ["hang-20261201-101500", "metrics.jsonl", "samples.jsonl"]
+    (out / "samples.jsonl").write_text("the failed new run's")
+    assert restore_earlier_run(out)
+    assert (out / "samples.jsonl").read_text() == "samples.jsonl" and (out / "hang-20261201-101500" / "stacks-rank-0.txt").is_file()
+
+
 def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, tmp_path):
     out = tmp_path / "out"
     (out / ".previous-run").mkdir(parents=True)

@@ -19,7 +19,7 @@ from accord.recipe import Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
-RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final")
+RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
 # Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes each (the exporting rank's buffer).
