@@ -105,6 +105,20 @@ def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_r
     assert not out.exists()
 
 
+def test_weights_of_another_config_refuse_in_one_line_and_leave_no_run_behind(model_folder, tiny_recipe, tmp_path):
+    # Found by the worker as it loads (the shapes need the model): exit 2, and the fresh
+    # folder holds no run afterwards, so the fixed command needs no --overwrite.
+    folder = tmp_path / "model-other-config"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
+    out = tmp_path / "out"
+    args = ("model.config=null", f"model.path={folder}", "model.tokenizer=null", f"output.dir={out}", *SHORT)
+    proc = run_accord("train", tiny_recipe, *args, timeout=120)
+    assert_one_line(proc, "model.safetensors holds model.layers.0.mlp.gate_proj.weight of shape", "come from different models")
+    assert not out.exists() or not any(out.iterdir())
+
+
 @pytest.mark.distributed
 def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_new_run_trains(earlier_run, tiny_recipe):
     # The hang watchdog's stack dumps belong to the earlier run too.

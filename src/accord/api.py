@@ -109,16 +109,7 @@ def train(
     """
     from accord.observe.progress import announce
 
-    announce("checking recipe…")  # before the imports below (torch: seconds)
-    from accord import dist
-    from accord.batching import BatchPlan
-    from accord.cluster import resolve_topology
-    from accord.engine.device import wants_cuda
-    from accord.forked import call_in_fork
-    from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
-    from accord.launch import Interrupted, planned_world_size, run, starts_workers
-    from accord.worker_start import WorkerChecks
-
+    announce("checking recipe…")
     lines = override_lines(overrides)
     if overwrite:
         lines.append("output.overwrite=true")
@@ -132,6 +123,16 @@ def train(
     out_dir = Path(recipe.output.dir)
     if resume:
         _check_something_to_resume(recipe)
+    # Imported once the recipe is read: a mistake in it is named before torch loads (seconds).
+    from accord import dist
+    from accord.batching import BatchPlan
+    from accord.cluster import resolve_topology
+    from accord.engine.device import wants_cuda
+    from accord.forked import call_in_fork
+    from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
+    from accord.launch import Interrupted, planned_world_size, run, starts_workers
+    from accord.worker_start import WorkerChecks
+
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
     from accord import refusals
@@ -174,6 +175,7 @@ def train(
         if problems:
             raise UserInputError("\n".join(problems))
         status = run(recipe, topology, checks)
+        hold.refused = status == "refused"
     except Interrupted as e:
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
@@ -205,10 +207,12 @@ class _OutputHold:
         self.out_dir = Path(recipe.output.dir)
         self.lock = None
         self.set_aside = False
+        self.fresh = False  # output.dir held no run when this one took it
+        self.refused = False  # the workers refused the run before its first step
 
     def enter(self) -> list[str]:
         from accord.observe.progress import announce
-        from accord.outputs import check_output_dir, set_aside_earlier_run
+        from accord.outputs import check_output_dir, earlier_run, set_aside_earlier_run
 
         if self.locks_here:
             self.lock = acquire(self.out_dir, self.run_id)
@@ -218,6 +222,7 @@ class _OutputHold:
         problems = check_output_dir(self.recipe)
         if problems:
             return problems
+        self.fresh = not earlier_run(self.out_dir)
         if self.recipe.output.overwrite and set_aside_earlier_run(self.out_dir):
             self.set_aside = True
             announce(f"--overwrite: the earlier run is set aside in {self.out_dir}/.previous-run until this run completes a step")
@@ -225,9 +230,11 @@ class _OutputHold:
 
     def leave(self) -> None:
         from accord.observe.progress import announce
-        from accord.outputs import restore_earlier_run
+        from accord.outputs import remove_refused_run, restore_earlier_run
 
         try:
+            if self.refused and self.fresh:
+                remove_refused_run(self.out_dir)
             if self.set_aside and restore_earlier_run(self.out_dir):
                 announce(f"the run ended before its first good step: the earlier run in {self.out_dir} is back as it was")
         finally:

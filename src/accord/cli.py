@@ -366,14 +366,23 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _fail(message: str, code: int = 2) -> int:
-    from accord import dist, refusals
+    from accord import rank_env, refusals
 
+    # A process that never imported accord.dist never joined a group: its rank is the
+    # launcher's, and the line is printed without importing torch (a second sooner).
+    grouped = "accord.dist" in sys.modules
+    if grouped:
+        from accord import dist
+
+        main, grouped = dist.is_main(), dist.left_a_group() or dist.in_group()
+    else:
+        main = rank_env.env_info().is_main
     # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
     # node's log says why it stopped, not only the launcher's ChildFailedError.
-    if (dist.is_main() or dist.env_info().local_rank == 0) and refusals.claim():
+    if (main or rank_env.env_info().local_rank == 0) and refusals.claim():
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
-    if not dist.left_a_group() and not dist.in_group():
+    if not grouped:
         refusals.publish(message)  # rank 0 refused before the nodes met: tell the other nodes
     return code
 

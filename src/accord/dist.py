@@ -1,69 +1,17 @@
-"""Process-group state in one place: the only module that reads RANK, WORLD_SIZE & co."""
+"""Process-group state in one place (the launcher's RANK, WORLD_SIZE & co. are read by rank_env)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, NoReturn
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from accord.rank_env import DistInfo, env_info, outer_launcher  # noqa: F401 (read from here too)
 from accord.recipe import PROCESS_GROUP_TIMEOUT_S
-
-# Environment variables that an outer launcher sets for each worker, and who sets them.
-_LAUNCHER_MARKERS = (
-    ("ACCELERATE_DYNAMO_BACKEND", "accelerate launch"),
-    ("ACCELERATE_MIXED_PRECISION", "accelerate launch"),
-    ("TORCHELASTIC_RUN_ID", "torchrun"),
-)
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def node(self) -> int:
-        """This process's node: launchers number ranks node by node (torchrun, accord)."""
-        return self.rank // max(self.local_world_size, 1)
-
-    @property
-    def multi_node(self) -> bool:
-        return self.world_size > self.local_world_size
-
-
-def outer_launcher() -> str | None:
-    """Name of the launcher that started this process as one worker of many, if any.
-    `accelerate launch` with a single-process config sets no RANK: still its worker."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else None
-    for var, name in _LAUNCHER_MARKERS:
-        if var in os.environ:
-            return name
-    return "an outer launcher"
-
-
-def env_info() -> DistInfo:
-    """Rank layout from the launcher's environment (a single process when there is none)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return DistInfo(
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=world,
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        local_world_size=local_world,
-    )
-
 
 _control_group: dist.ProcessGroup | None = None
 _left_group = False  # set by shutdown(): this process joined (and left) a process group

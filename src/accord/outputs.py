@@ -36,6 +36,14 @@ def earlier_run(out_dir: Path) -> list[str]:
     return named + stamped
 
 
+def remove_refused_run(out_dir: Path) -> None:
+    """A run refused by its workers before its first step, into a folder that held no run:
+    what it wrote goes, so fixing the input and starting again needs no --overwrite."""
+    for name in earlier_run(out_dir):
+        target = out_dir / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+
+
 def check_output_dir(recipe: Recipe) -> list[str]:
     """Problems with output.dir, found before any work starts."""
     out_dir = Path(recipe.output.dir)

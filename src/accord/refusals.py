@@ -32,10 +32,10 @@ def claim() -> bool:
 
 def _agent_store_nodes() -> int:
     """Nodes in this job when an elastic agent's store is there to share messages (else 0)."""
-    from accord import dist
+    from accord import rank_env
 
-    info = dist.env_info()
-    if dist.outer_launcher() is None or not info.multi_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    info = rank_env.env_info()
+    if rank_env.outer_launcher() is None or not info.multi_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return 0
     return info.world_size // info.local_world_size
 
@@ -51,10 +51,10 @@ def publish(message: str) -> None:
     to print it (best effort: a store that cannot be reached changes nothing)."""
     import time
 
-    from accord import dist
+    from accord import rank_env
 
     nodes = _agent_store_nodes()
-    if nodes < 2 or not dist.env_info().is_main:
+    if nodes < 2 or not rank_env.env_info().is_main:
         return
     try:
         store = _store(5.0)
@@ -70,9 +70,9 @@ def watch() -> None:
     """On another node's local rank 0: print rank 0's refusal and end this worker, until
     stop_watching() (the process group is up: later failures are agreed collectively)."""
     global _watch
-    from accord import dist
+    from accord import rank_env
 
-    info = dist.env_info()
+    info = rank_env.env_info()
     if _watch is not None or _agent_store_nodes() < 2 or info.node == 0 or info.local_rank != 0:
         return
     _watch = threading.Event()

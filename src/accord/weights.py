@@ -286,6 +286,31 @@ class Checkpoint:
         stored = {key: f for f, h in self._handles.items() for key in h.keys()}
         self._keys = _rename(stored, model)
         self._stored = stored
+        self._check_shapes(model)
+
+    def _check_shapes(self, model: nn.Module) -> None:
+        """Stored tensors whose shape is not the model's (weights from another config) stop
+        the run with one line here, not with a copy error in the middle of loading."""
+        from accord.errors import UserInputError
+
+        for name, tensor in _named_tensors(model):
+            key = self._keys.get(canonical_name(name))
+            if key is None:
+                continue
+            want = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
+            have = self._shape(key)
+            if have != want:
+                raise UserInputError(
+                    f"model.path: {self.folder / self._stored[key]} holds {key} of shape {list(have)}, but the model "
+                    f"its config.json describes wants {list(want)}: the weights and config.json come from different models; "
+                    f"re-save the folder with save_pretrained"
+                )
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        handle = self._handles[self._stored[key]]
+        if isinstance(handle, dict):  # a memory-mapped .bin
+            return tuple(handle[key].shape)
+        return tuple(handle.get_slice(key).get_shape())
 
     def _files(self) -> list[str]:
         return weight_files(self.folder)

@@ -22,7 +22,8 @@ from accord.recipe import Recipe
 from accord.stopping import EXIT_CODES, StopRequest
 from accord.assemble import build_run, describe
 from accord.data.sources import DataError
-from accord.stopping import RunResult, TrainingStopped
+from accord.errors import UserInputError
+from accord.stopping import RunResult, StartRefused, TrainingStopped
 from accord.trainer import Trainer
 
 
@@ -95,6 +96,8 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
         run = build_run(recipe, info, device)
     except DataError as e:
         raise TrainingStopped(str(e)) from None
+    except UserInputError as e:  # e.g. weights that do not fit the config: the same on every rank
+        raise StartRefused(str(e)) from None
     for line in describe(run):
         dist.print0(line)
     if info.is_main:
