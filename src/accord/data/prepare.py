@@ -33,6 +33,7 @@ from accord.recipe import Recipe
 # 5: causal-LM training data as token shards, pre-training blocks cut from one stream).
 FORMAT_VERSION = 5
 _DONE = "done.json"
+_ANNOUNCED: set[Path] = set()  # caches this process said it reuses (the checks, then the run)
 
 
 @dataclass
@@ -50,8 +51,9 @@ def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool) -> PreparedDat
             _prepare_into(folder, recipe, tokenizer, task)
         else:
             _wait_for(folder, recipe.data.prepare_timeout_s)
-    elif preparer:
+    elif preparer and folder not in _ANNOUNCED:
         print(f"accord: reusing the prepared data in {folder}", file=sys.stderr, flush=True)
+    _ANNOUNCED.add(folder)
     return _load(folder, task, tokenizer)
 
 
