@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -184,6 +185,15 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.dry_run:
         sys.exit("gpu_check: no CUDA device visible (--dry-run prints the plan only)")
     folder = Path(tempfile.mkdtemp(prefix="accord-gpu-check-"))
+    try:
+        check(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # runs of a few GiB each: not left in /tmp
+
+
+def check(args: argparse.Namespace, folder: Path) -> None:
+    import torch
+
     write_corpus(folder)
     runs = [
         ("bf16 ddp, compile off", "ddp", 24, False, 8),
