@@ -63,6 +63,12 @@ def test_unknown_top_level_section_suggests_the_close_one():
         validate_recipe(raw)
 
 
+def test_key_in_the_wrong_section_names_the_section_that_has_it():
+    raw = {**TINY_RECIPE, "train": {**TINY_RECIPE.get("train", {}), "lr": 1e-3}}
+    with pytest.raises(RecipeError, match=r"unknown key train.lr; did you mean optim.lr\?"):
+        validate_recipe(raw)
+
+
 def test_wrong_type_names_key_and_expected_type():
     raw = {**TINY_RECIPE, "batch": {"global_batch_size": "lots"}}
     with pytest.raises(RecipeError, match=r"batch.global_batch_size: expected an integer, got 'lots'"):
