@@ -27,6 +27,7 @@ import numpy as np
 
 from accord.data.shards import ShardWriter, id_dtype
 from accord.data.sources import DataError, row_origin
+from accord.data.streams import is_stream, row_at
 
 UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
 UNIT_ROWS = 1000  # rows per unit for the other tasks
@@ -50,7 +51,7 @@ def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_
     streams = getattr(task, "streams_text", False)
     units = _text_units(ds) if streams else _row_units(ds)
     total = _text_bytes(ds)
-    if (len(ds) <= UNIT_ROWS) if not streams else (total is not None and total <= 2 * UNIT_CHARS):
+    if (not is_stream(ds) and len(ds) <= UNIT_ROWS) if not streams else (total is not None and total <= 2 * UNIT_CHARS):
         workers = 1  # a unit or two: starting a pool costs more than it saves
     _tokenise_missing(units, task, work, workers, total=total, desc=f"tokenize {split}")
     writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
@@ -103,6 +104,10 @@ def _cuts(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _row_units(ds) -> Iterator[Unit]:
+    if is_stream(ds):  # read once, in order, a unit at a time
+        for index, batch in enumerate(ds.iter(batch_size=UNIT_ROWS)):
+            yield Unit(index, partial(dict, batch), 0)
+        return
     for index, start in enumerate(range(0, len(ds), UNIT_ROWS)):
         yield Unit(index, partial(_rows, ds, start), 0)
 
@@ -113,7 +118,7 @@ def _rows(ds, start: int) -> dict[str, list]:
 
 def _text_bytes(ds) -> int | None:
     """Bytes of text in the split, for the bar's ETA (None where the rows are a selection)."""
-    if getattr(ds, "_indices", None) is not None:
+    if is_stream(ds) or getattr(ds, "_indices", None) is not None:
         return None
     return int(ds.data.nbytes)
 
@@ -277,7 +282,7 @@ def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str
         keep = np.ones(len(lengths), dtype=bool)
         for k in np.flatnonzero(targets == 0):
             if not over[k]:
-                raise DataError(f"{row_origin(ds[row + int(k)])}: this example has no target tokens (nothing to train on); fix or remove it")
+                raise DataError(f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); fix or remove it")
             keep[k] = False
         if over.any() and first_over is None:
             first_over = row + int(np.flatnonzero(over)[0])
@@ -290,7 +295,11 @@ def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str
         row += len(lengths)
     if over_count and policy == "error":
         raise DataError(
-            f"{row_origin(ds[first_over])}: {over_count} {split} example(s) are longer than data.max_length="
+            f"{row_origin(_row(ds, first_over))}: {over_count} {split} example(s) are longer than data.max_length="
             f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
         )
     return {f"{split}_over_length": over_count, f"{split}_dropped": dropped}
+
+
+def _row(ds, index: int) -> dict:
+    return row_at(ds, index) if is_stream(ds) else ds[index]

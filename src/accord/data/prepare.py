@@ -25,6 +25,7 @@ from typing import Any
 from accord.data.chunks import default_workers, write_shards
 from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
+from accord.data.streams import check_task, is_stream, read_into_arrow
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
@@ -70,6 +71,11 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
     h.update(json.dumps({"v": FORMAT_VERSION, "task": f"{type(task).__module__}:{type(task).__qualname__}", "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
     h.update(_tokenizer_identity(tokenizer).encode())
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
+        if source.function is not None:
+            from accord.data.streams import function_identity
+
+            h.update(function_identity(source.function).encode())
+            continue
         try:
             path = resolve_path(source.path)
         except PathError as e:
@@ -105,6 +111,7 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     _failed(folder).unlink(missing_ok=True)
     try:
+        check_task(recipe.data, task)
         train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
         train, eval_ds = task.fit(train, eval_ds)
         tmp.mkdir()
@@ -118,6 +125,8 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
             eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers)
             eval_count = eval_report["eval_examples"]
         elif eval_ds is not None:
+            if is_stream(eval_ds):  # sft's generation metrics read raw eval rows
+                eval_ds = read_into_arrow(eval_ds, work / "eval-rows")
             eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
             eval_ds.save_to_disk(str(tmp / "eval"))
             eval_count = len(eval_ds)

@@ -303,6 +303,10 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
         to_ds = datasets.Dataset.from_list
         return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
     assert cfg.train is not None
+    if any(s.streamed for s in cfg.train + (cfg.eval or [])):
+        from accord.data.streams import load_stream_split
+
+        return load_stream_split(cfg, seed, required)
     train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
         return train, mix([load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed)
