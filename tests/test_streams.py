@@ -127,3 +127,12 @@ def test_a_bad_row_in_a_stream_names_its_row(tmp_path, data_module):
     data_module.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError, match=r"streamdata:iterable: row 6: field 'prompt' is missing or null"):
         prepare(recipe(tmp_path, train=[{"function": "streamdata:iterable"}]))
+
+
+def test_a_stream_mixes_with_a_file_source(tmp_path, data_module):
+    write_jsonl(data_module, SFT_ROWS)
+    files = prepare(recipe(tmp_path / "a", train=[str(data_module), str(data_module)]))
+    mixed = prepare(recipe(tmp_path / "b", train=[str(data_module), {"function": "streamdata:iterable"}]))
+    assert_same(mixed, files)
+    weighted = prepare(recipe(tmp_path / "c", train=[str(data_module), {"function": "streamdata:iterable", "weight": 3}]))
+    assert weighted.report["train_examples"] > 2 * len(SFT_ROWS)  # the smaller share repeats until both were seen
