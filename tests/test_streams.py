@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 
 from accord.data import chunks
-from accord.data.prepare import prepare_data
 from accord.data.sources import DataError
-from accord.models import build_byte_tokenizer
 from accord.recipe import RecipeError, validate_recipe
-from accord.tasks import build_task
 from conftest import TINY_RECIPE, write_jsonl
+from test_data_formats import prepared, recipe
 
 SFT_ROWS = [{"prompt": f"{i}+{i % 7}=", "completion": str(i + i % 7)} for i in range(23)]
 CHAT_ROWS = [{"conversations": [{"from": "human", "value": f"hi {i}"}, {"from": "gpt", "value": f"hello {i}"}]} for i in range(9)]
@@ -53,15 +51,8 @@ def data_module(tmp_path, monkeypatch):
     return tmp_path / "rows.jsonl"
 
 
-def recipe(tmp_path, task="sft", **data):
-    raw = TINY_RECIPE | {"task": task, "data": {"max_length": 24, "cache_dir": str(tmp_path / "cache"), **data}}
-    return validate_recipe(raw)
-
-
 def prepare(r):
-    tokenizer = build_byte_tokenizer()
-    task = build_task(r, tokenizer)
-    return prepare_data(r, tokenizer, task, preparer=True)
+    return prepared(r)[0]
 
 
 def tokens_of(data):

@@ -21,9 +21,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from accord.data.sources import ROW, SOURCE, DataError, detect_format, load_source
+from accord.data.sources import ROW, SOURCE, DataError, load_source, locate_files
 from accord.errors import UserInputError
-from accord.paths import PathError, resolve_path
 from accord.recipe import DataConfig, SourceConfig
 
 _STREAM_FORMATS = {"jsonl": ("json", {}), "json": ("json", {}), "csv": ("csv", {}), "tsv": ("csv", {"delimiter": "\t"}), "parquet": ("parquet", {}), "text": ("text", {"sample_by": "document"})}
@@ -130,16 +129,7 @@ def _rows_of(target: str) -> Iterator[dict]:
 def _from_files(source: SourceConfig):
     import datasets
 
-    from accord.data.sources import _candidates, _files, _not_found
-
-    try:
-        path = resolve_path(source.path)
-    except PathError as e:
-        raise DataError(str(e)) from None
-    if not path.exists():
-        raise DataError(_not_found(source))
-    candidates = _candidates(path, source.glob)
-    fmt = detect_format(path, source.format, candidates, source.glob is not None)
+    path, fmt, files = locate_files(source)
     if fmt not in _STREAM_FORMATS:
         raise DataError(f"{path}: streaming: true reads {', '.join(_STREAM_FORMATS)} files; this source is {fmt} (drop streaming)")
     if source.document != "file":
@@ -148,7 +138,7 @@ def _from_files(source: SourceConfig):
     if fmt in ("csv", "tsv", "text"):
         kwargs = kwargs | {"encoding": source.encoding}
     datasets.disable_progress_bars()
-    return datasets.load_dataset(builder, data_files=_files(path, fmt, candidates, source.glob is not None), split="train", streaming=True, **kwargs)
+    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
 
 
 def _numbered(where: str) -> Callable:
