@@ -27,6 +27,7 @@ from accord.recipe import Recipe, apply_override, load_recipe, validate_recipe
 from accord.runlock import OutputLocked, acquire, lock_problem, new_run_id
 
 if TYPE_CHECKING:
+    from accord.cluster import Topology
     from accord.planner import StrategyPlan
 
 RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Recipe]
@@ -167,11 +168,11 @@ def train(
                 # Not over several nodes: the other nodes' workers would be past their gate
                 # when this node's checks fail. In a child: the libraries the checks load do
                 # not stay resident in the launcher, which watches the workers for the whole job.
-                problems = call_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero) or hold.enter()
+                problems = call_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero, topology=topology) or hold.enter()
         else:
             # With GPUs here (a forked child must not touch a CUDA runtime its parent
             # initialised, and the workers see only their own devices), or as the worker.
-            problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero) or hold.enter()
+            problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero, topology=topology) or hold.enter()
         if problems:
             raise UserInputError("\n".join(problems))
         status = run(recipe, topology, checks)
@@ -248,12 +249,17 @@ def _resume_hint(out_dir: Path) -> str:
     return resume_hint(out_dir)
 
 
-def _preflight(recipe: Recipe, world_size: int, writer: bool) -> list[str]:
+def _preflight(recipe: Recipe, world_size: int, writer: bool, topology: Topology | None = None) -> list[str]:
     """preflight, imported where it runs: in a forked child its imports (transformers,
-    datasets, the checkpoint format's) stay out of the launcher."""
+    datasets, the checkpoint format's) stay out of the launcher. Over several nodes each
+    node prepares its share of the data (data/nodeshare.py) when its rank is known here."""
+    from accord.data.nodeshare import NodeShare
     from accord.preflight import preflight
 
-    return preflight(recipe, world_size, writer=writer)
+    share = None
+    if topology is not None and topology.multi_node and topology.node_rank is not None:
+        share = NodeShare(topology.node_rank, topology.nnodes)
+    return preflight(recipe, world_size, writer=writer, share=share)
 
 
 def plan(

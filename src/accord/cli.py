@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "preparation continues where it stopped. Prints the cache folder and its counts.",
     )
     _recipe_arguments(prepare)
+    prepare.add_argument("--nnodes", type=int, metavar="N", help="nodes preparing this cache together, each with its own share (env NNODES)")
+    prepare.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1 (env NODE_RANK)")
     prepare.set_defaults(func=_prepare)
 
     data = commands.add_parser(
@@ -302,16 +304,23 @@ def _doctor(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import time
 
+    from accord.data.nodeshare import NodeShare
     from accord.data.prepare import cache_folder, prepare_data
     from accord.models import build_tokenizer
     from accord.recipe import load_recipe
     from accord.tasks import build_task
 
+    share = None
+    if args.nnodes is not None or args.node_rank is not None:
+        nodes, rank = args.nnodes or 1, args.node_rank or 0
+        if nodes < 1 or not 0 <= rank < nodes:
+            raise UserInputError(f"--nnodes {nodes} --node-rank {rank}: give N >= 1 nodes and a rank in 0..N-1")
+        share = NodeShare(rank, nodes)
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     start = time.perf_counter()
-    data = prepare_data(recipe, tokenizer, task, preparer=True)
+    data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
     report = data.report
     tokens = f", {report['train_tokens']} tokens" if "train_tokens" in report else ""
     size = sum(f.stat().st_size for f in cache_folder(recipe, tokenizer, task).rglob("*") if f.is_file())

@@ -8,6 +8,7 @@ from pathlib import Path
 from accord import dist
 from accord.batching import BatchPlan, BatchPlanError
 from accord.checkpoint import check_resume
+from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
 from accord.errors import UserInputError
 from accord.outputs import check_output_dir
@@ -15,7 +16,7 @@ from accord.paths import PathError, resolve_path
 from accord.recipe import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
 
 
-def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]:
+def preflight(recipe: Recipe, world_size: int, writer: bool = True, share: NodeShare | None = None) -> list[str]:
     """One line per problem (empty when the run can start). `writer`: this process (or its
     node) will hold global rank 0, the one that writes the outputs."""
     problems: list[str] = []
@@ -36,10 +37,10 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True) -> list[str]
         # The data step is the expensive part: only for a sound recipe, and once per node
         # (under an outer launcher the other local ranks wait for it in the workers).
         return problems
-    return prepare_and_check_data(recipe)
+    return prepare_and_check_data(recipe, share)
 
 
-def prepare_and_check_data(recipe: Recipe) -> list[str]:
+def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> list[str]:
     """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
     worker starts and the workers only read the cache."""
     from accord.observe.progress import announce
@@ -58,7 +59,7 @@ def prepare_and_check_data(recipe: Recipe) -> list[str]:
         return [f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"]
     try:
         task = build_task(recipe, tokenizer)
-        data = prepare_data(recipe, tokenizer, task, preparer=True)
+        data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
     except DataError as e:
         return [str(e)]
     # The global order draws its batches from rows, which packing makes fewer than examples.

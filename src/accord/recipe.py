@@ -87,9 +87,10 @@ class DocumentSeparator(Section):
 
 
 class SourceConfig(Section):
-    """One data source: a local file, a folder of files, or a `datasets.save_to_disk` folder."""
+    """One data source: a local file, a folder of files, a `datasets.save_to_disk` folder, or a
+    stream (files read with `streaming: true`, or a `function` returning a datasets IterableDataset)."""
 
-    path: str = Field(..., description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package.")
+    path: str | None = Field(None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package.")
     weight: float = Field(1.0, gt=0, description="Relative share of this source when several are mixed.")
     format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
         "auto",
@@ -111,8 +112,30 @@ class SourceConfig(Section):
         description="Folders: which files to read, e.g. \"**/*.md\" (default: every file with the suffix of the "
         "folder's format, in all subfolders).",
     )
+    streaming: bool = Field(
+        False,
+        description="Read the files as a datasets IterableDataset: rows are never materialised, preparation walks "
+        "them once into token shards (sft, pretrain).",
+    )
+    function: str | None = Field(
+        None,
+        description="Instead of path: pkg.module:function returning a datasets IterableDataset (or Dataset, or any "
+        "iterable of row dicts), walked once into token shards (sft, pretrain). The cache is keyed on the function's "
+        "name and its module file: delete the cache when only the data behind it changed.",
+    )
     # Where a relative path was looked for (the current folder, then the recipe's), for the not-found error.
     _looked_in: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _path_or_function(self) -> SourceConfig:
+        if (self.path is None) == (self.function is None):
+            raise ValueError("give a data source either a path or a function (pkg.module:function returning rows), not both" if self.path else "a data source needs a path (or a function: pkg.module:function returning rows)")
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        """Read as an IterableDataset: walked once when the data is prepared."""
+        return self.streaming or self.function is not None
 
 
 def _as_sources(value: Any) -> Any:
@@ -379,7 +402,8 @@ def _anchor_paths(recipe: Recipe, folder: Path) -> None:
     from accord.paths import locate
 
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
-        source.path, source._looked_in = locate(source.path, folder)
+        if source.path is not None:
+            source.path, source._looked_in = locate(source.path, folder)
     if recipe.model.path is not None:
         recipe.model.path = locate(recipe.model.path, folder)[0]
     if recipe.model.tokenizer not in (None, BYTE_TOKENIZER):

@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from accord.data.nodeshare import NodeShare
 from accord.data.shards import ShardWriter, id_dtype
 from accord.data.sources import DataError, row_origin
+from accord.data.streams import is_stream, row_at
 
 UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
 UNIT_ROWS = 1000  # rows per unit for the other tasks
@@ -44,21 +46,45 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int) -> dict[str, int]:
+def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int, quiet: bool = False) -> dict[str, int]:
     """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then); returns counts."""
     work.mkdir(parents=True, exist_ok=True)
     streams = getattr(task, "streams_text", False)
     units = _text_units(ds) if streams else _row_units(ds)
     total = _text_bytes(ds)
-    if (len(ds) <= UNIT_ROWS) if not streams else (total is not None and total <= 2 * UNIT_CHARS):
-        workers = 1  # a unit or two: starting a pool costs more than it saves
-    _tokenise_missing(units, task, work, workers, total=total, desc=f"tokenize {split}")
+    _tokenise_missing(units, task, work, _workers(ds, streams, total, workers), total=total, desc=f"tokenize {split}", quiet=quiet)
     writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
     counts = _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
     if writer.examples == 0:
         raise DataError(f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})")
     writer.close(tokenizer_id, {"split": split})
     return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
+
+
+def tokenise_share(ds, task, split: str, work: Path, workers: int, share: NodeShare, sealed: Callable[[], bool], rest: bool = True) -> None:
+    """Several nodes (nodeshare.py): this node's units first, then (`rest`) every unit still
+    missing, until `sealed()` says another node finished the cache (its work folder may then
+    vanish)."""
+    if sealed():
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    streams = getattr(task, "streams_text", False)
+    total = _text_bytes(ds)
+    workers = _workers(ds, streams, total, workers)
+    try:
+        for owned in (True, False) if rest else (True,):
+            units = _text_units(ds) if streams else _row_units(ds)
+            mine = (unit for unit in units if not sealed() and (share.owns(unit.index) or not owned))
+            _tokenise_missing(mine, task, work, workers, total=None, desc=f"tokenize {split} (node {share.node} of {share.nodes})", quiet=True)
+    except OSError:
+        if not sealed():
+            raise
+
+
+def _workers(ds, streams: bool, total: int | None, workers: int) -> int:
+    if (not is_stream(ds) and len(ds) <= UNIT_ROWS) if not streams else (total is not None and total <= 2 * UNIT_CHARS):
+        return 1  # a unit or two: starting a pool costs more than it saves
+    return workers
 
 
 # ---------------------------------------------------------------- units (main process, in order)
@@ -103,6 +129,10 @@ def _cuts(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _row_units(ds) -> Iterator[Unit]:
+    if is_stream(ds):  # read once, in order, a unit at a time
+        for index, batch in enumerate(ds.iter(batch_size=UNIT_ROWS)):
+            yield Unit(index, partial(dict, batch), 0)
+        return
     for index, start in enumerate(range(0, len(ds), UNIT_ROWS)):
         yield Unit(index, partial(_rows, ds, start), 0)
 
@@ -113,7 +143,7 @@ def _rows(ds, start: int) -> dict[str, list]:
 
 def _text_bytes(ds) -> int | None:
     """Bytes of text in the split, for the bar's ETA (None where the rows are a selection)."""
-    if getattr(ds, "_indices", None) is not None:
+    if is_stream(ds) or getattr(ds, "_indices", None) is not None:
         return None
     return int(ds.data.nbytes)
 
@@ -127,7 +157,7 @@ def _chunk_path(work: Path, index: int) -> Path:
     return work / f"chunk-{index:07d}.npz"
 
 
-def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, total: int | None, desc: str) -> None:
+def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, total: int | None, desc: str, quiet: bool = False) -> None:
     """Every unit without a chunk file gets one, `workers` at a time, at most 2 per worker
     in flight (units are read as they are needed, never all at once)."""
     global _TASK
@@ -159,7 +189,7 @@ def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, tot
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
-    if kept:
+    if kept and not quiet:
         print(f"accord: {desc}: {kept} chunk(s) kept from an interrupted preparation in {work}", file=sys.stderr, flush=True)
 
 
@@ -277,7 +307,7 @@ def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str
         keep = np.ones(len(lengths), dtype=bool)
         for k in np.flatnonzero(targets == 0):
             if not over[k]:
-                raise DataError(f"{row_origin(ds[row + int(k)])}: this example has no target tokens (nothing to train on); fix or remove it")
+                raise DataError(f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); fix or remove it")
             keep[k] = False
         if over.any() and first_over is None:
             first_over = row + int(np.flatnonzero(over)[0])
@@ -290,7 +320,11 @@ def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str
         row += len(lengths)
     if over_count and policy == "error":
         raise DataError(
-            f"{row_origin(ds[first_over])}: {over_count} {split} example(s) are longer than data.max_length="
+            f"{row_origin(_row(ds, first_over))}: {over_count} {split} example(s) are longer than data.max_length="
             f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
         )
     return {f"{split}_over_length": over_count, f"{split}_dropped": dropped}
+
+
+def _row(ds, index: int) -> dict:
+    return row_at(ds, index) if is_stream(ds) else ds[index]

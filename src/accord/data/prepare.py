@@ -16,15 +16,18 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accord.data.chunks import default_workers, write_shards
+from accord.data.chunks import default_workers, tokenise_share, write_shards
+from accord.data.nodeshare import NodeShare, claim_seal, node_share
 from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
+from accord.data.streams import check_task, is_stream, read_into_arrow
 from accord.paths import PathError, resolve_path
 from accord.recipe import Recipe
 
@@ -43,12 +46,13 @@ class PreparedData:
     report: dict[str, Any]  # counts (examples, truncated, dropped) and the task's learned state
 
 
-def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool) -> PreparedData:
-    """The encoded data for `recipe`, preparing it here when `preparer` and not cached."""
+def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool, share: NodeShare | None = None) -> PreparedData:
+    """The encoded data for `recipe`, preparing it here when `preparer` and not cached.
+    `share`: this node's place among the nodes preparing it (default: from the environment)."""
     folder = cache_folder(recipe, tokenizer, task)
     if not (folder / _DONE).exists():
         if preparer:
-            _prepare_into(folder, recipe, tokenizer, task)
+            _prepare_into(folder, recipe, tokenizer, task, share or node_share())
         else:
             _wait_for(folder, recipe.data.prepare_timeout_s)
     elif preparer and folder not in _ANNOUNCED:
@@ -72,6 +76,11 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
     h.update(json.dumps({"v": FORMAT_VERSION, "task": f"{type(task).__module__}:{type(task).__qualname__}", "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
     h.update(_tokenizer_identity(tokenizer).encode())
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
+        if source.function is not None:
+            from accord.data.streams import function_identity
+
+            h.update(function_identity(source.function).encode())
+            continue
         try:
             path = resolve_path(source.path)
         except PathError as e:
@@ -97,29 +106,36 @@ def _source_files(path: Path) -> list[Path]:
     return []
 
 
-def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
+def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShare) -> None:
     import datasets
 
     datasets.disable_progress_bars()
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tmp = folder.with_name(f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # nodes may share the folder
     work = folder.with_name(folder.name + ".partial")  # finished chunks, kept if this is killed
     shutil.rmtree(tmp, ignore_errors=True)
     _failed(folder).unlink(missing_ok=True)
     try:
+        check_task(recipe.data, task)
         train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
         train, eval_ds = task.fit(train, eval_ds)
-        tmp.mkdir()
         workers = recipe.data.prepare_workers or default_workers()
+        shared = share.nodes > 1 and task.token_shards
+        if shared and not _tokenise_share(folder, work, train, eval_ds, task, workers, share):
+            _wait_for(folder, recipe.data.prepare_timeout_s)  # another node seals the cache
+            return
+        tmp.mkdir()
         if task.token_shards:
-            train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers)
+            train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers, quiet=shared)
         else:
             train, train_report = _encode(train, task, recipe, "train")
             train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None and getattr(task, "streams_text", False):  # no raw columns needed: shards too
-            eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers)
+            eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers, quiet=shared)
             eval_count = eval_report["eval_examples"]
         elif eval_ds is not None:
+            if is_stream(eval_ds):  # sft's generation metrics read raw eval rows
+                eval_ds = read_into_arrow(eval_ds, work / "eval-rows")
             eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
             eval_ds.save_to_disk(str(tmp / "eval"))
             eval_count = len(eval_ds)
@@ -139,6 +155,18 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tokenise_share(folder: Path, work: Path, train, eval_ds, task, workers: int, share: NodeShare) -> bool:
+    """Tokenise with the other nodes (nodeshare.py); whether this node then seals the cache."""
+
+    def sealed() -> bool:
+        return (folder / _DONE).exists() or _failed(folder).exists()
+
+    tokenise_share(train, task, "train", work / "train", workers, share, sealed)
+    if eval_ds is not None and getattr(task, "streams_text", False):
+        tokenise_share(eval_ds, task, "eval", work / "eval", workers, share, sealed)
+    return not sealed() and claim_seal(work)
 
 
 def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):

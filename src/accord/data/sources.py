@@ -42,15 +42,7 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
 
     from accord.data.chat import normalise_chat
 
-    try:
-        path = resolve_path(source.path)
-    except PathError as e:
-        raise DataError(str(e)) from None
-    if not path.exists():
-        raise DataError(_not_found(source))
-    candidates = _candidates(path, source.glob)
-    fmt = detect_format(path, source.format, candidates, source.glob is not None)
-    files = _files(path, fmt, candidates, source.glob is not None)
+    path, fmt, files = locate_files(source)
     if source.document != "file" and fmt != "text":
         raise DataError(f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)")
     _check_text_encoding(files, fmt, source.encoding)
@@ -76,6 +68,19 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
     return ds
+
+
+def locate_files(source: SourceConfig) -> tuple[Path, str, list[str]]:
+    """(path, format, files) of a file source, or the one line saying what is wrong."""
+    try:
+        path = resolve_path(source.path)
+    except PathError as e:
+        raise DataError(str(e)) from None
+    if not path.exists():
+        raise DataError(_not_found(source))
+    candidates = _candidates(path, source.glob)
+    fmt = detect_format(path, source.format, candidates, source.glob is not None)
+    return path, fmt, _files(path, fmt, candidates, source.glob is not None)
 
 
 def _not_found(source: SourceConfig) -> str:
@@ -303,6 +308,10 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
         to_ds = datasets.Dataset.from_list
         return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
     assert cfg.train is not None
+    if any(s.streamed for s in cfg.train + (cfg.eval or [])):
+        from accord.data.streams import load_stream_split
+
+        return load_stream_split(cfg, seed, required)
     train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
         return train, mix([load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed)

@@ -33,11 +33,16 @@ class SFTTask(CausalLMTask):
         return super().settings() | {"completion_only_loss": self.completion_only, "add_bos": self.add_bos, "prefix": self.prefix}
 
     def fit(self, train, eval_ds):
-        self.chat = "messages" in train.column_names
+        from accord.data.streams import checked as checked_rows, columns, is_stream
+
+        self.chat = "messages" in (columns(train) if is_stream(train) else train.column_names)
         checked = []
         self.empty_completions = {}
         for split, ds in (("train", train), ("eval", eval_ds)):
-            if ds is not None and self.chat:
+            if ds is not None and is_stream(ds):  # checked row by row as preparation reads it
+                fields = () if self.chat else ("prompt", "completion")
+                ds = checked_rows(ds, fields, f"sft {split} data (prompt/completion or messages)", _check_messages if self.chat else None)
+            elif ds is not None and self.chat:
                 _check_messages(ds)
             elif ds is not None:
                 ds = check_columns(ds, ("prompt", "completion"), "sft data (prompt/completion or messages)")
