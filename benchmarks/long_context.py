@@ -66,29 +66,43 @@ def random_row(length: int, vocab: int):
 # ---------------------------------------------------------------- contenders (each in its own process)
 
 
-def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
+def _accord_model(length: int, overrides: list[str], steps: int, sequence_parallel: int = 1):
+    """accord's recipe, model (with Ulysses attention under sequence_parallel > 1: collective),
+    memory levers and task for one row of `length` tokens, and that row's batch."""
     import torch
 
+    from accord.dist import DistInfo
     from accord.engine.long_rows import apply_memory_levers
+    from accord.engine.ulysses import install_ulysses
     from accord.models import build_byte_tokenizer, build_model
     from accord.recipe import apply_override, validate_recipe
     from accord.tasks import build_task
 
     raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
            "data": {"train": "unused.txt", "max_length": length, "packing": False}, "batch": {"global_batch_size": 1},
-           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True}}
+           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True,
+                                                       "sequence_parallel": sequence_parallel}}
     for item in overrides:
         apply_override(raw, item)
     recipe = validate_recipe(raw)
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
+    if sequence_parallel > 1:
+        rank = torch.distributed.get_rank()
+        install_ulysses(recipe, model, DistInfo(rank, sequence_parallel, rank, sequence_parallel), micro_batch_size=1)
     apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
     task = build_task(recipe, tokenizer)
     task.configure_model(model)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = random_row(length, VOCAB)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return model, task, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
+    import torch
+
+    model, task, batch = _accord_model(length, overrides, steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -173,33 +187,12 @@ def run_accord_sp2(length: int, overrides: list[str], steps: int = 2) -> dict:
     import torch
     import torch.distributed as dist
 
-    from accord.dist import DistInfo
-    from accord.engine.long_rows import apply_memory_levers
-    from accord.engine.ulysses import install_ulysses
-    from accord.models import build_byte_tokenizer, build_model
-    from accord.recipe import apply_override, validate_recipe
-    from accord.tasks import build_task
     from accord.tasks.sequence_shards import SequenceShards
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
-           "data": {"train": "unused.txt", "max_length": length, "packing": False}, "batch": {"global_batch_size": 1},
-           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True,
-                                                       "sequence_parallel": world}}
-    for item in overrides:
-        apply_override(raw, item)
-    recipe = validate_recipe(raw)
-    tokenizer = build_byte_tokenizer()
-    model = build_model(recipe.model, tokenizer, seed=0)
-    install_ulysses(recipe, model, DistInfo(rank, world, rank, world), micro_batch_size=1)
-    apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
-    task = build_task(recipe, tokenizer)
-    task.configure_model(model)
-    model.train()
+    model, task, whole = _accord_model(length, overrides, steps, sequence_parallel=world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = random_row(length, VOCAB)
-    whole = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     batch = SequenceShards(world, rank, getattr(task, "attn_implementation", "sdpa")).shard(whole)
     times = []
     for _ in range(steps):
