@@ -21,9 +21,14 @@ reports its own peak (getrusage), which must also be under the cap. Contenders:
   trl      TRL SFTTrainer with gradient_checkpointing=True and its fused, chunked LM head (TRL
            1.16 always uses it; loss_type nll); activation_offloading=True where TRL can run
            it (it needs an accelerator: not on a CPU-only machine)
-Tokens/s is the second step's, at the longest length every contender fit.
-Sequence parallelism (engine.sequence_parallel, two processes per row) is not a contender
-here yet: this harness runs one process per contender.
+  accord-sp2  the accord contender on two processes (torchrun, gloo) with
+           engine.sequence_parallel: 2 (Ulysses, accord.engine.ulysses): each process holds
+           the whole model and half of every row's tokens (accord.tasks.sequence_shards);
+           gradients are summed over both (what ddp's average does with accord's loss
+           scaling). The cap holds for each process (the parent reads every worker's VmHWM);
+           its peak is the larger worker's, and each worker's own peak is listed.
+Tokens/s is the second step's, at the longest length every contender fit (accord-sp2 runs
+its two processes with half the threads each, so the cores used are the same).
 
 `chunks`: peak RSS and speed of the loss alone, plain (0) against chunked sizes.
 """
@@ -61,29 +66,43 @@ def random_row(length: int, vocab: int):
 # ---------------------------------------------------------------- contenders (each in its own process)
 
 
-def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
+def _accord_model(length: int, overrides: list[str], steps: int, sequence_parallel: int = 1):
+    """accord's recipe, model (with Ulysses attention under sequence_parallel > 1: collective),
+    memory levers and task for one row of `length` tokens, and that row's batch."""
     import torch
 
+    from accord.dist import DistInfo
     from accord.engine.long_rows import apply_memory_levers
+    from accord.engine.ulysses import install_ulysses
     from accord.models import build_byte_tokenizer, build_model
     from accord.recipe import apply_override, validate_recipe
     from accord.tasks import build_task
 
     raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
            "data": {"train": "unused.txt", "max_length": length, "packing": False}, "batch": {"global_batch_size": 1},
-           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True}}
+           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True,
+                                                       "sequence_parallel": sequence_parallel}}
     for item in overrides:
         apply_override(raw, item)
     recipe = validate_recipe(raw)
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
+    if sequence_parallel > 1:
+        rank = torch.distributed.get_rank()
+        install_ulysses(recipe, model, DistInfo(rank, sequence_parallel, rank, sequence_parallel), micro_batch_size=1)
     apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
     task = build_task(recipe, tokenizer)
     task.configure_model(model)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = random_row(length, VOCAB)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return model, task, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
+    import torch
+
+    model, task, batch = _accord_model(length, overrides, steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -163,15 +182,49 @@ def run_trl(length: int, steps: int = 2) -> dict:
     return {"step_s": times[-1], "loss": result.training_loss, "activation_offloading": offload}
 
 
-CONTENDERS = {"accord": run_accord, "trainer": run_trainer, "trl": run_trl}
+def run_accord_sp2(length: int, overrides: list[str], steps: int = 2) -> dict:
+    """One process of two (under torchrun): accord's levers plus engine.sequence_parallel=2."""
+    import torch
+    import torch.distributed as dist
+
+    from accord.tasks.sequence_shards import SequenceShards
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, task, whole = _accord_model(length, overrides, steps, sequence_parallel=world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = SequenceShards(world, rank, getattr(task, "attn_implementation", "sdpa")).shard(whole)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = task.loss(model, batch)
+        targets = out.num_targets.detach().clone()
+        dist.all_reduce(targets)  # each target counted once over the group
+        (out.loss_sum / targets).backward()
+        for param in model.parameters():
+            dist.all_reduce(param.grad)  # this rank's tokens' share of the row's gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    loss = out.loss_sum.detach().clone()
+    dist.all_reduce(loss)
+    peaks: list = [None] * world
+    dist.all_gather_object(peaks, peak_mib())
+    dist.destroy_process_group()
+    return {"step_s": times[-1], "loss": float(loss / targets), "peaks_mib": peaks, "rank": rank}
+
+
+CONTENDERS = {"accord": run_accord, "trainer": run_trainer, "trl": run_trl, "accord-sp2": run_accord_sp2}
+MULTI_PROCESS = {"accord-sp2": 2}  # contenders that run on this many processes (torchrun)
 
 
 def child(name: str, length: int, overrides: list[str]) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    result = run_accord(length, overrides) if name == "accord" else CONTENDERS[name](length)
-    print(json.dumps(result | {"peak_mib": peak_mib()}))
+    result = CONTENDERS[name](length, overrides) if name.startswith("accord") else CONTENDERS[name](length)
+    if result.pop("rank", 0) == 0:
+        print(json.dumps(result | {"peak_mib": max(result.get("peaks_mib") or [peak_mib()])}))
 
 
 # ---------------------------------------------------------------- the parent: cap and search
@@ -187,17 +240,32 @@ def _hwm_mib(pid: int) -> float:
     return 0.0
 
 
+def _workers(pid: int) -> list[int]:
+    """`pid` and every process below it (a torchrun launcher's workers)."""
+    import psutil
+
+    try:
+        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return [pid]
+
+
 def probe(name: str, length: int, cap_mib: float, overrides: list[str], threads: int) -> dict:
-    """One contender at one length, ended from outside once its peak RSS passes the cap."""
+    """One contender at one length, ended from outside once any of its processes' peak RSS
+    passes the cap (a torchrun launcher and its workers: each process is held to the cap)."""
+    processes = MULTI_PROCESS.get(name, 1)
     cmd = [sys.executable, __file__, "--child", name, str(length), *[f"--accord-set={o}" for o in overrides]]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *cmd[1:]]
+        threads = max(1, threads // processes)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     seen = 0.0
     while proc.poll() is None:
-        seen = max(seen, _hwm_mib(proc.pid))
+        seen = max([seen, *map(_hwm_mib, _workers(proc.pid) if processes > 1 else [proc.pid])])
         if seen > cap_mib:
-            proc.kill()
+            os.killpg(proc.pid, 9)  # the launcher and its workers (their own session)
             proc.communicate()
             return {"fits": False, "peak_mib": seen, "why": "over the cap"}
         time.sleep(0.05)
@@ -209,6 +277,11 @@ def probe(name: str, length: int, cap_mib: float, overrides: list[str], threads:
     return result | {"fits": result["peak_mib"] <= cap_mib, "why": "over the cap", "wall_s": time.perf_counter() - start}
 
 
+def _peaks(result: dict) -> str:
+    """A probe's peak RSS: each worker's for a multi-process contender."""
+    return " / ".join(f"{p:.0f}" for p in result.get("peaks_mib") or [result["peak_mib"]])
+
+
 def longest(name: str, cap_mib: float, start: int, limit: int, overrides: list[str], threads: int, log) -> tuple[int, dict[int, dict]]:
     """Doubling from `start`, then one bisection step: the longest length that fit, and every probe."""
     probes: dict[int, dict] = {}
@@ -216,7 +289,7 @@ def longest(name: str, cap_mib: float, start: int, limit: int, overrides: list[s
     def run(length: int) -> bool:
         probes[length] = probe(name, length, cap_mib, overrides, threads)
         r = probes[length]
-        log(f"  {name:>8} {length:>7}: " + (f"fits, peak {r['peak_mib']:.0f} MiB, step {r['step_s']:.1f} s" if r["fits"] else
+        log(f"  {name:>10} {length:>7}: " + (f"fits, peak {_peaks(r)} MiB, step {r['step_s']:.1f} s" if r["fits"] else
                                              f"does not fit ({r['why']}; peak seen {r['peak_mib']:.0f} MiB)"))
         return r["fits"]
 
@@ -245,13 +318,13 @@ def main_longest(args) -> None:
                                      args.threads, log) for name in args.contenders}
         results = {name: future.result() for name, future in futures.items()}
     common = min(best for best, _ in results.values())
-    print(f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB) | tokens/s at {common} tokens |")
+    print(f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB, per process) | tokens/s at {common} tokens |")
     print("|---|---|---|---|")
     for name, (best, probes) in results.items():
         there = probes.get(best, {})
         at_common = probes.get(common)
         speed = f"{common / at_common['step_s']:.0f}" if at_common and at_common.get("fits") else "not measured"
-        print(f"| {name} | {best or 'none'} | {there.get('peak_mib', 0):.0f} | {speed} |")
+        print(f"| {name} | {best or 'none'} | {_peaks(there) if there else 0} | {speed} |")
     import shutil
 
     shutil.rmtree(SCRATCH, ignore_errors=True)

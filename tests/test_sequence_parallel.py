@@ -65,6 +65,16 @@ def test_slices_rejoin_into_the_row_with_targets_shifted_over_the_whole_row():
     assert SequenceShards().shard(batch) is batch  # one slice: untouched
 
 
+def test_rows_of_one_document_take_sdpa_causal_attention_without_the_whole_row_mask():
+    # The mask would be rows × L × L (and a float copy inside CPU sdpa); eager needs it.
+    ids = torch.arange(10).expand(2, 10)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    assert "attention_mask" not in SequenceShards(2, 1, "sdpa").shard(batch)
+    assert SequenceShards(2, 1, "eager").shard(batch)["attention_mask"].shape == (2, 1, 10, 10)
+    packed = _packed_batch([[4, 5], [9]], 9)
+    assert SequenceShards(2, 1, "sdpa").shard(packed)["attention_mask"].shape == (2, 1, 10, 10)
+
+
 def test_heads_task_and_attention_are_checked_with_one_line_each():
     def recipe(**engine):
         data = {**TINY_RECIPE, "engine": {**TINY_RECIPE["engine"], **engine}}
@@ -137,12 +147,14 @@ def test_data_parallel_2_by_sequence_parallel_2_on_4_processes_equals_one_proces
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sequence_parallel_2_pretrains_as_one_process(tmp_path):
+@pytest.mark.parametrize("packing", ["true", "false"], ids=["packed", "one-document-a-row"])  # false: sdpa without a mask
+def test_sequence_parallel_2_pretrains_as_one_process(tmp_path, packing):
     recipe = write_recipe(tmp_path / "pretrain.yaml", recipe_for("pretrain", tmp_path / "data"))
     outs = {}
     for name, args in {"one": ["engine.processes=1"], "sp2": ["engine.sequence_parallel=2"]}.items():
         outs[name] = tmp_path / name
-        assert_ok(run_accord("train", recipe, *args, f"output.dir={outs[name]}"))
+        batch = [] if packing == "true" else ["batch.global_batch_size=8"]  # 24 documents
+        assert_ok(run_accord("train", recipe, *args, f"data.packing={packing}", *batch, f"output.dir={outs[name]}"))
     assert max_param_diff(final_params(outs["one"]), final_params(outs["sp2"])) <= TOLERANCE
     losses = step_losses(outs["one"])
     assert losses[max(losses)] < losses[1] - 0.1  # it trained

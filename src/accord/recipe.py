@@ -365,10 +365,14 @@ class Recipe(Section):
                 f"engine.context_parallel={n}: data.max_length={self.data.max_length} must divide by 2 × {n} = {2 * n} "
                 f"(ring attention splits each row into 2 × N load-balanced pieces)"
             )
+        # Not wired: torch 2.13's ring attention has handlers only for the CUDA SDPA kernels
+        # (flash, efficient, cudnn: no CPU kernels); CPU SDPA's
+        # aten._scaled_dot_product_flash_attention_for_cpu has no DTensor sharding strategy, so
+        # it cannot be built and tested without a GPU (tests/test_context_parallel_cpu.py).
         raise ValueError(
-            f"engine.context_parallel={n}: ring attention (torch's context_parallel) is not available in accord yet "
-            f"(it runs only on GPUs and has not been tested on one); use engine.sequence_parallel={n} (Ulysses), "
-            f"which runs on CPU and GPU"
+            f"engine.context_parallel={n}: ring attention (torch's context_parallel) is not available in accord yet: "
+            f"torch runs it only on CUDA's attention kernels (on CPU its SDPA has no sharding rule), so it could not "
+            f"be built and tested here; use engine.sequence_parallel={n} (Ulysses), which runs on CPU and GPU"
         )
 
 

@@ -63,7 +63,8 @@ class EngineConfig(Section):
         "tokens of data.max_length.",
     )
     context_parallel: int = Field(
-        1, ge=1, description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, GPU): not available yet."
+        1, ge=1, description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, CUDA "
+        "attention kernels only): not available yet; use sequence_parallel."
     )
     fsdp_layer_class: str | None = Field(
         None,

@@ -6,7 +6,8 @@ collectives to share batches inside the group, while accord's global plan alread
 every rank of a group the same rows. Here each rank shifts the labels over the whole row
 first (a slice's last token predicts the next slice's first), pads the row to a multiple of
 N (padding has no targets), then keeps its slice of tokens, positions and targets; the
-document mask covers the whole row, since attention runs over the whole row.
+document mask covers the whole row, since attention runs over the whole row (under sdpa,
+rows of one document each need none: the attention is causal over the whole row).
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ class SequenceShards:
         local = (width + extra) // self.size
         part = slice(self.part * local, (self.part + 1) * local)
         out = {"input_ids": ids[:, part], "position_ids": positions[:, part], "shift_labels": targets[:, part]}
-        if self.core_attention not in _NO_MASK:
-            out["attention_mask"] = block_causal_mask(_documents(positions), width + extra, float_mask=self.core_attention == "eager")
+        if self.core_attention in _NO_MASK:
+            return out
+        documents = _documents(positions)
+        if self.core_attention == "sdpa" and all(len(row) == 1 for row in documents):
+            # One document a row: plain causal attention, which sdpa takes as is_causal (no
+            # mask given). The whole row's mask would cost rows × L × L bytes, and CPU sdpa
+            # turns a boolean mask into a float one (4 bytes each): 1 GiB at 16k tokens.
+            return out
+        out["attention_mask"] = block_causal_mask(documents, width + extra, float_mask=self.core_attention == "eager")
         return out
 
 
