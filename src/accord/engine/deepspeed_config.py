@@ -107,7 +107,8 @@ def _stage3_bounds(layer: int, world: int) -> dict[str, int]:
     `sub_group_size` (per-rank elements per optimizer sub-group) bounds the fp32 buffer
     DeepSpeed allocates at start-up for the largest sub-group's *unpartitioned* size (a whole
     model's gradient otherwise) and the gradient copy flattened at each step. Gathers and
-    elementwise updates are exact, so the values trained are unchanged."""
+    AdamW's elementwise update are exact; only the gradient norm is summed per sub-group
+    (rounding-level)."""
     return {
         "stage3_max_live_parameters": 2 * layer,
         "stage3_max_reuse_distance": layer,
