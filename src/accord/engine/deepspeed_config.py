@@ -9,6 +9,7 @@ DeepSpeed environment) implies, for interop's reconcile.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,28 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, mode
         config["communication_data_type"] = "fp32"  # reduce gradients in fp32, as under DDP/FSDP
     assert "auto" not in repr(config), config
     return config
+
+
+def zero3_sub_groups(model: nn.Module, groups: list[list[nn.Parameter]], world: int) -> int:
+    """How many optimizer sub-groups (flat fp32 partitions, each with its own AdamW step)
+    ZeRO-3 makes of `groups` under the bounds above, as DeepSpeed forms them: a group's
+    parameters in order, closed once their per-rank partitions reach `sub_group_size`."""
+    layer = _largest_layer(model)
+    size = _stage3_bounds(layer, world)["sub_group_size"] if layer else 10**12  # DeepSpeed's default
+    count = 0
+    for group in groups:
+        parts = [math.ceil(p.numel() / world) for p in group]
+        if not parts:
+            continue
+        if size >= sum(parts):
+            count += 1
+            continue
+        running = 0
+        for i, part in enumerate(parts):
+            running += part
+            if running >= size or i == len(parts) - 1:
+                count, running = count + 1, 0
+    return count
 
 
 def _largest_layer(model: nn.Module | None) -> int:
