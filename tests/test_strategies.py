@@ -344,6 +344,13 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     if stage == 3:  # small tensors (norms) stay whole: 10 × the model's hidden size
         assert zero["stage3_param_persistence_threshold"] == 10 * width
         assert zero["stage3_prefetch_bucket_size"] == int(0.9 * width * width)
+        # DeepSpeed's 1e9-element defaults would keep the whole gathered model on every rank:
+        # reuse, prefetch and optimizer sub-groups are bounded by one decoder layer instead.
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        assert (zero["stage3_max_reuse_distance"], zero["stage3_max_live_parameters"], zero["sub_group_size"]) == (layer, 2 * layer, layer)
+        assert deepspeed_config(recipe, plan, torch.device("cpu"), model, world=4)["zero_optimization"]["sub_group_size"] == layer // 4
+    else:
+        assert "stage3_max_reuse_distance" not in zero and "sub_group_size" not in zero
     fp32 = deepspeed_config(validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model)
     assert fp32["bf16"] == {"enabled": False} and fp32["fp16"]["enabled"] is False and "communication_data_type" not in fp32
     assert fp32["gradient_clipping"] == TINY_RECIPE["optim"]["max_grad_norm"] and fp32["optimizer"]["params"]["lr"] == TINY_RECIPE["optim"]["lr"]

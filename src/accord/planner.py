@@ -94,10 +94,16 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
     groups = [sum(p.numel() for p in trainable if p.ndim >= 2), sum(p.numel() for p in trainable if p.ndim < 2)]
     partition = sum(math.ceil(n / world) for n in groups if n)
     keeps_master = stage < 3 or compute != 4
+    # One AdamW step count per flat group; ZeRO-3 splits each group into layer-sized sub-groups.
+    steps = sum(1 for n in groups if n)
+    if stage == 3:
+        from accord.engine.deepspeed_config import zero3_sub_groups
+
+        steps = zero3_sub_groups(model, [[p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]], world)
     state = {
         "params": compute * (math.ceil(total / world) if stage == 3 else total),
         "grads": compute * (partition if stage >= 2 else trained),
-        "optimizer": 2 * 4 * partition + 4 * sum(1 for n in groups if n),
+        "optimizer": 2 * 4 * partition + 4 * steps,
         "master": 4 * partition if keeps_master else 0.0,
     }
     if offload != "none":

@@ -9,6 +9,7 @@ DeepSpeed environment) implies, for interop's reconcile.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,13 @@ import torch
 from torch import nn
 
 from accord.batching import BatchPlan
-from accord.engine.wrapping import hidden_size
+from accord.engine.wrapping import hidden_size, layer_modules
 from accord.recipe import Recipe, RecipeError
 
 
-def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, model: nn.Module | None = None) -> dict[str, Any]:
-    """The whole DeepSpeed config, from the recipe (no "auto" values)."""
+def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, model: nn.Module | None = None, world: int = 1) -> dict[str, Any]:
+    """The whole DeepSpeed config, from the recipe (no "auto" values); `world` is the number
+    of ranks ZeRO-3 partitions over."""
     engine, optim = recipe.engine, recipe.optim
     stage = int(engine.strategy.removeprefix("zero"))
     cuda = device.type == "cuda"
@@ -55,6 +57,9 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, mode
         # Parameters smaller than this stay whole on every rank (norms, biases): gathering
         # them costs more than they weigh. 10 × hidden size, as transformers' integration derives it.
         zero["stage3_param_persistence_threshold"] = 10 * width if width else 100_000
+        layer = _largest_layer(model)
+        if layer:
+            zero.update(_stage3_bounds(layer, world))
         zero["stage3_gather_16bit_weights_on_model_save"] = False  # accord gathers fp32 weights itself
     config: dict[str, Any] = {
         # DeepSpeed checks micro × accumulation × ranks; the ranks of a sequence-parallel
@@ -85,6 +90,53 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, mode
         config["communication_data_type"] = "fp32"  # reduce gradients in fp32, as under DDP/FSDP
     assert "auto" not in repr(config), config
     return config
+
+
+def zero3_sub_groups(model: nn.Module, groups: list[list[nn.Parameter]], world: int) -> int:
+    """How many optimizer sub-groups (flat fp32 partitions, each with its own AdamW step)
+    ZeRO-3 makes of `groups` under the bounds above, as DeepSpeed forms them: a group's
+    parameters in order, closed once their per-rank partitions reach `sub_group_size`."""
+    layer = _largest_layer(model)
+    size = _stage3_bounds(layer, world)["sub_group_size"] if layer else 10**12  # DeepSpeed's default
+    count = 0
+    for group in groups:
+        parts = [math.ceil(p.numel() / world) for p in group]
+        if not parts:
+            continue
+        if size >= sum(parts):
+            count += 1
+            continue
+        running = 0
+        for i, part in enumerate(parts):
+            running += part
+            if running >= size or i == len(parts) - 1:
+                count, running = count + 1, 0
+    return count
+
+
+def _largest_layer(model: nn.Module | None) -> int:
+    """Elements of the model's largest decoder layer (0 when the model has none)."""
+    if model is None:
+        return 0
+    return max((sum(p.numel() for p in m.parameters()) for m in layer_modules(model)), default=0)
+
+
+def _stage3_bounds(layer: int, world: int) -> dict[str, int]:
+    """ZeRO-3's limits, in elements, sized to one decoder layer instead of DeepSpeed's 1e9
+    defaults, which exceed a whole model of under a billion parameters and so let every rank
+    hold all of it unpartitioned: after the first step, a parameter whose next use lies within
+    `max_reuse_distance` elements of the trace is kept gathered (every parameter of the
+    forward is reused by the backward), and prefetching gathers up to `max_live_parameters`.
+    `sub_group_size` (per-rank elements per optimizer sub-group) bounds the fp32 buffer
+    DeepSpeed allocates at start-up for the largest sub-group's *unpartitioned* size (a whole
+    model's gradient otherwise) and the gradient copy flattened at each step. Gathers and
+    AdamW's elementwise update are exact; only the gradient norm is summed per sub-group
+    (rounding-level)."""
+    return {
+        "stage3_max_live_parameters": 2 * layer,
+        "stage3_max_reuse_distance": layer,
+        "sub_group_size": max(layer // max(world, 1), 1),
+    }
 
 
 # ---------------------------------------------------------------- DeepSpeed JSON -> recipe

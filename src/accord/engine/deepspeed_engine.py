@@ -69,7 +69,7 @@ class DeepSpeedEngine(Engine):
         self.precision = recipe.engine.precision
         self.stage = int(recipe.engine.strategy.removeprefix("zero"))
         apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        config = deepspeed_config(recipe, plan, device, model)
+        config = deepspeed_config(recipe, plan, device, model, info.world_size)
         self._config = config
         self._materialize(model, config)
         groups = param_groups(model, recipe.optim)
