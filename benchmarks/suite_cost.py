@@ -14,7 +14,8 @@ test's whole protocol (set-up, call, tear-down): the test process and every chil
 for (launchers, and through them their workers). A session- or module-scoped fixture is
 charged to the first test that asks for it, so compare whole files, not single tests. Wall
 time grows with the machine's load; CPU time barely does: compare CPU across runs, and say
-the load (recorded as the 1-minute load average at the start and end) next to wall figures.
+the load (the 1-minute load average at the start and after the last test) next to wall
+figures. The file is rewritten after every test, so an interrupted run keeps its figures.
 """
 
 from __future__ import annotations
@@ -43,19 +44,18 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _cpu(), time.perf_counter()
     yield
     _records[item.nodeid] = {"cpu": _cpu() - cpu, "wall": time.perf_counter() - wall}
+    _write(_load + [os.getloadavg()[0]])  # after every test: a run stopped half-way keeps what it measured
 
 
 def pytest_sessionstart(session):
     _load.append(os.getloadavg()[0])
 
 
-def pytest_sessionfinish(session):
-    _load.append(os.getloadavg()[0])
-    if not _records:
-        return
+def _write(load: list[float]) -> None:
     path = os.environ.get("ACCORD_SUITE_COST", "suite-cost.json")
-    with open(path, "w") as f:
-        json.dump({"load": _load, "tests": _records}, f, indent=1)
+    with open(path + ".partial", "w") as f:
+        json.dump({"load": load, "tests": _records}, f, indent=1)
+    os.replace(path + ".partial", path)
 
 
 def _per_file(record: dict) -> dict[str, list[float]]:
