@@ -223,7 +223,7 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
     before any worker starts: the same lines and exit code as run_accord without a Python
     start and accord's imports (~1.5 s of CPU each). Reaching the workers' start fails the
     test (such a refusal is not the launcher's: use run_accord). The environment is put back
-    afterwards and the once-per-process refusal line is allowed again."""
+    afterwards, and the once-per-process refusal line is allowed before and after."""
     import contextlib
     import io
 
@@ -237,6 +237,7 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
     os.environ.clear()
     os.environ.update(env)
     launch.run = no_workers
+    refusals.forget_claim()  # an earlier test in this process may have printed a refusal
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

@@ -69,7 +69,7 @@ def test_missing_model_folder(tiny_recipe, tmp_path):
 def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
-    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={data}", timeout=60)
+    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={data}", timeout=120)
     assert_clean_error(proc, f"{data}: row 2: field 'completion' is missing or null")
 
 
