@@ -40,6 +40,26 @@ TINY_RECIPE = {
 }
 
 
+# Where the tests' recipes cache their tokenized data: the session's temp folder, never the
+# user's ~/.cache/accord/data (set by the data_cache fixture; a script a test starts that
+# imports TINY_RECIPE from here inherits it through this variable).
+_DATA_CACHE_VARIABLE = "ACCORD_TEST_DATA_CACHE"
+if os.environ.get(_DATA_CACHE_VARIABLE):
+    TINY_RECIPE["data"]["cache_dir"] = os.environ[_DATA_CACHE_VARIABLE]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory) -> Path:
+    """One data cache per session (a fresh CI machine's, shared by the session's runs as
+    ~/.cache would be) in the session's temp folder, so that tests neither read nor fill the
+    user's cache. Tests of the cache itself use a folder of their own."""
+    folder = tmp_path_factory.mktemp("data-cache")
+    TINY_RECIPE["data"]["cache_dir"] = str(folder)
+    os.environ[_DATA_CACHE_VARIABLE] = str(folder)
+    yield folder
+    del TINY_RECIPE["data"]["cache_dir"], os.environ[_DATA_CACHE_VARIABLE]
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -192,6 +212,44 @@ def run_accord(*args: str | Path, cwd: Path | None = None, timeout: float = 300,
     if not _is_distributed_test() and "accord: batch " in proc.stdout + proc.stderr:
         pytest.fail("this test started training workers: mark it @pytest.mark.distributed")
     return proc
+
+
+class ReachedWorkerStart(AssertionError):
+    """run_accord_here's command got past the launcher's own checks."""
+
+
+def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`accord ARGS` run by cli.main in this process, for the refusals the launcher makes
+    before any worker starts: the same lines and exit code as run_accord without a Python
+    start and accord's imports (~1.5 s of CPU each). Reaching the workers' start fails the
+    test (such a refusal is not the launcher's: use run_accord). The environment is put back
+    afterwards, and the once-per-process refusal line is allowed before and after."""
+    import contextlib
+    import io
+
+    from accord import cli, launch, refusals
+
+    def no_workers(*_, **__):
+        raise ReachedWorkerStart(f"accord {' '.join(map(str, args))} got as far as starting workers")
+
+    out, err, saved_env, real_run = io.StringIO(), io.StringIO(), dict(os.environ), launch.run
+    env = accord_env() | (env_extra or {})
+    os.environ.clear()
+    os.environ.update(env)
+    launch.run = no_workers
+    refusals.forget_claim()  # an earlier test in this process may have printed a refusal
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:  # argparse: --help, usage errors
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    finally:
+        launch.run = real_run
+        os.environ.clear()
+        os.environ.update(saved_env)
+        refusals.forget_claim()
+    return subprocess.CompletedProcess(["accord", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

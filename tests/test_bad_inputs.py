@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from accord.procstat import process_stat
-from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, start_accord, start_process, wait_for, write_jsonl
-from test_cli_errors import assert_clean_error
+from conftest import (
+    REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, run_accord_here, start_accord, start_process, wait_for, write_jsonl,
+)
+from test_cli_errors import HERE, assert_clean_error
 
 # A short run on one process: enough to write every artefact (checkpoint, final, metrics).
 SHORT = ("engine.processes=1", "train.max_steps=2", "train.log_every=1")
@@ -82,7 +84,7 @@ def damaged_copy(model_folder: Path, where: Path, damage: str) -> Path:
 def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_run, model_folder, tiny_recipe, tmp_path):
     before = snapshot(earlier_run)
     broken = damaged_copy(model_folder, tmp_path, "truncated")
-    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={broken}", f"output.dir={earlier_run}", "--overwrite", timeout=120)
+    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={broken}", f"output.dir={earlier_run}", "--overwrite", HERE)
     assert_one_line(proc, f"model.path: {broken}/model.safetensors cannot be read", "truncated")
     assert snapshot(earlier_run) == before
 
@@ -100,7 +102,7 @@ def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_
 def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_recipe, tmp_path, damage, needle):
     broken = damaged_copy(model_folder, tmp_path, damage)
     out = tmp_path / "out"
-    proc = run_accord("train", tiny_recipe, "model.config=null", f"model.path={broken}", "model.tokenizer=null", f"output.dir={out}", timeout=120)
+    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={broken}", "model.tokenizer=null", f"output.dir={out}", HERE)
     assert_one_line(proc, needle)
     assert not out.exists()
 
@@ -172,7 +174,7 @@ def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, t
     (out / ".previous-run").mkdir(parents=True)
     (out / ".previous-run" / "metrics.jsonl").write_text("{}\n")
     before = snapshot(out)
-    proc = run_accord("train", tiny_recipe, f"output.dir={out}", "--overwrite", timeout=120)
+    proc = run_accord_here("train", tiny_recipe, f"output.dir={out}", "--overwrite", HERE)
     assert_one_line(proc, f"{out}/.previous-run holds the run an interrupted --overwrite set aside")
     assert snapshot(out) == before
 
@@ -192,7 +194,7 @@ def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(ti
     )
     wait_for(lambda: (out / ".accord.lock").exists() or first.poll() is not None, timeout=180)
     holder = json.loads((out / ".accord.lock").read_text())
-    second = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", timeout=120)
+    second = run_accord_here("train", tiny_recipe, *SHORT, f"output.dir={out}")
     # One process: the launcher is the worker that stops itself; continue it once it has.
     wait_for(lambda: process_stat(holder["pid"])[0] in ("T", "") or first.poll() is not None, timeout=180)
     os.kill(holder["pid"], signal.SIGCONT)
@@ -308,11 +310,11 @@ def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
 
 def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
     typo = tmp_path / "rnus" / "long-run"
-    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={typo}", "--resume", timeout=120), f"--resume: nothing to resume ({typo} does not exist)")
+    assert_one_line(run_accord_here("train", tiny_recipe, f"output.dir={typo}", "--resume"), f"--resume: nothing to resume ({typo} does not exist)")
     assert not typo.exists()
     empty = tmp_path / "started"
     (empty / "checkpoints").mkdir(parents=True)
-    assert_one_line(run_accord("train", tiny_recipe, f"output.dir={empty}", "--resume", timeout=120), f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)")
+    assert_one_line(run_accord_here("train", tiny_recipe, f"output.dir={empty}", "--resume"), f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)")
 
 
 # ------------------------------------------------------------------ tracebacks to one line
@@ -321,7 +323,7 @@ def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
 def test_recipe_that_is_not_utf8_is_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(b"seed: 7\n# caf\xe9 au lait\n")
-    assert_one_line(run_accord("train", recipe, timeout=60), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8")
+    assert_one_line(run_accord_here("train", recipe), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8")
 
 
 @pytest.mark.parametrize("split", ["train", pytest.param("eval", marks=pytest.mark.slow)])
@@ -330,7 +332,7 @@ def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, s
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(b'{"prompt": "1+1=", "completion": "2"}\n' * 3 + '{"prompt": "café", "completion": "x"}\n'.encode("latin-1"))
     data = [f"data.train={bad}"] if split == "train" else [f"data.train={good}", f"data.eval={bad}"]
-    proc = run_accord("train", tiny_recipe, "data.generate=null", *data, f"output.dir={tmp_path / 'o'}", timeout=120)
+    proc = run_accord_here("train", tiny_recipe, "data.generate=null", *data, f"output.dir={tmp_path / 'o'}", HERE)
     prefix = "data.eval: " if split == "eval" else ""
     assert_one_line(proc, f"{prefix}{bad}:4: not UTF-8 text (byte 0xe9 at offset 129); save it as UTF-8")
 
@@ -357,7 +359,7 @@ def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
 def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_path, rows, needle):
     good = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
     bad = write_jsonl(tmp_path / "eval.jsonl", rows)
-    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={bad}", f"output.dir={tmp_path / 'o'}", timeout=120)
+    proc = run_accord_here("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={bad}", f"output.dir={tmp_path / 'o'}", HERE)
     assert_one_line(proc, f"data.eval: {bad}: {needle}")
 
 

@@ -11,7 +11,7 @@ from accord.data.sources import DataError, load_source, load_split
 from accord.models import build_byte_tokenizer
 from accord.recipe import SourceConfig, validate_recipe
 from accord.tasks import build_task
-from conftest import TINY_RECIPE, recipe_for, run_accord, write_jsonl, write_recipe
+from conftest import TINY_RECIPE, recipe_for, run_accord_here, write_jsonl, write_recipe
 
 ROWS = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(12)]
 
@@ -159,7 +159,8 @@ def test_bad_data_stops_the_cli_before_workers(tmp_path):
     raw = recipe_for("classify", tmp_path)
     raw["classify"] = {"labels": ["pos", "neg"]}
     raw["output"] = {"dir": str(tmp_path / "out")}
-    proc = run_accord("train", write_recipe(tmp_path / "r.yaml", raw), timeout=90)
+    # On 2 processes the first worker checks the data; on 1, the launcher itself (test_cli_errors).
+    proc = run_accord_here("train", write_recipe(tmp_path / "r.yaml", raw), "engine.processes=1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "is not in the label set" in proc.stderr and "accord: batch" not in proc.stderr
 

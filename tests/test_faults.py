@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from accord.checkpoint import complete_checkpoints, incomplete_checkpoints
-from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_process, step_losses, write_recipe
+from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_accord_here, run_process, step_losses, write_recipe
+from test_cli_errors import HERE
 
 
 @pytest.fixture
@@ -96,13 +97,14 @@ def test_resume_refuses_a_different_run(recipe, tmp_path, tiny_reference):
     out = tmp_path / "run"
     shutil.copytree(tiny_reference[1], out)  # a finished 10-step run (checkpoints 5 and 10), copied
 
-    fresh = run_accord("train", recipe, f"output.dir={out}", timeout=60)
+    # The first worker's checks on 2 processes; this process's on 1 (test_cli_errors).
+    fresh = run_accord_here("train", recipe, f"output.dir={out}", HERE)
     assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "--resume" in fresh.stderr
 
-    changed = run_accord("train", recipe, "train.max_steps=12", "seed=8", f"output.dir={out}", "--resume", timeout=60)
+    changed = run_accord_here("train", recipe, "train.max_steps=12", "seed=8", f"output.dir={out}", "--resume", HERE)
     assert changed.returncode == 2
     assert "resume: " in changed.stderr and "seed (checkpoint: 7, recipe: 8)" in changed.stderr
     assert "Traceback" not in changed.stderr
 
-    both = run_accord("train", recipe, f"output.dir={out}", "--resume", "--overwrite", timeout=60)
+    both = run_accord_here("train", recipe, f"output.dir={out}", "--resume", "--overwrite", HERE)
     assert both.returncode == 2 and "choose one" in both.stderr

@@ -39,9 +39,9 @@ def test_launcher_arguments_are_read_wherever_they_are(argv, expected):
 
 def test_deepspeed_flag_sets_the_recipe_field(tmp_path, tiny_recipe):
     """`--deepspeed FILE` reaches the recipe as engine.deepspeed_config (a missing file is one line)."""
-    from conftest import run_accord
+    from conftest import run_accord_here
 
-    proc = run_accord("--local_rank=0", "train", tiny_recipe, "--deepspeed", str(tmp_path / "missing.json"), f"output.dir={tmp_path / 'o'}", timeout=60)
+    proc = run_accord_here("--local_rank=0", "train", tiny_recipe, "--deepspeed", str(tmp_path / "missing.json"), f"output.dir={tmp_path / 'o'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "missing.json" in proc.stderr and proc.stderr.count("accord: error:") == 1
 

@@ -8,7 +8,7 @@ import torch
 
 from accord.observe.report import render_report
 from accord.observe.throughput import flops_per_token, peak_tflops
-from conftest import run_accord
+from conftest import run_accord_here
 
 
 def _metrics(folder, records):
@@ -55,7 +55,7 @@ def test_report_plots_only_metrics_per_task_with_labelled_axes(tmp_path):
 
 
 def test_report_of_a_folder_without_metrics_is_a_clear_error(tmp_path):
-    proc = run_accord("report", tmp_path, timeout=60)
+    proc = run_accord_here("report", tmp_path)
     assert proc.returncode == 2 and "no metrics.jsonl here" in proc.stderr
 
 

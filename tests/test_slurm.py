@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from accord.slurm import JobRequest, SlurmError, job_script
-from conftest import TINY_RECIPE, accord_env, final_params, max_param_diff, run_accord, write_recipe
+from conftest import TINY_RECIPE, accord_env, final_params, max_param_diff, run_accord, run_accord_here, write_recipe
 
 
 def test_script_runs_one_task_per_node_signals_and_requeues(tmp_path):
@@ -30,7 +30,7 @@ def test_script_runs_one_task_per_node_signals_and_requeues(tmp_path):
 
 
 def test_cli_refuses_a_batch_that_does_not_split_over_the_nodes(tiny_recipe, tmp_path):
-    proc = run_accord("slurm", tiny_recipe, "--nodes", "3", "--gpus-per-node", "0", "--out", tmp_path / "j.sbatch", timeout=60)
+    proc = run_accord_here("slurm", tiny_recipe, "--nodes", "3", "--gpus-per-node", "0", "--out", tmp_path / "j.sbatch")
     assert proc.returncode == 2 and "cannot be split over 6 processes" in proc.stderr
     assert not (tmp_path / "j.sbatch").exists()
 

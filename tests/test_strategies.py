@@ -392,12 +392,14 @@ def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
 def test_plan_cli_recommends_and_refuses(tiny_recipe):
     import json
 
-    proc = run_accord("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "1GB", "--json", timeout=60)
+    from conftest import run_accord_here
+
+    proc = run_accord_here("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "1GB", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert [r["strategy"] for r in data["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp"]
     assert data["advice"].startswith("recommended: engine.strategy=ddp with batch.micro_batch_size=16")
-    tight = run_accord("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "0.0001GB", timeout=60)
+    tight = run_accord_here("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "0.0001GB")
     assert tight.returncode == 0 and "nothing fits in" in tight.stdout
-    bad = run_accord("plan", tiny_recipe, "--gpus", "3", "--gpu-memory", "1GB", timeout=60)
+    bad = run_accord_here("plan", tiny_recipe, "--gpus", "3", "--gpu-memory", "1GB")
     assert bad.returncode == 2 and "cannot be split over 3 processes" in bad.stderr

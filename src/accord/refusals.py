@@ -30,6 +30,13 @@ def claim() -> bool:
     return _said.acquire(blocking=False)
 
 
+def forget_claim() -> None:
+    """For tests that run the command's main() in their own process, one refusal after
+    another: each call may print its refusal again."""
+    if _said.locked():
+        _said.release()
+
+
 def _agent_store_nodes() -> int:
     """Nodes in this job when an elastic agent's store is there to share messages (else 0)."""
     from accord import rank_env
