@@ -57,7 +57,7 @@ def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool, share: NodeSha
             _wait_for(folder, recipe.data.prepare_timeout_s)
     elif preparer and folder not in _ANNOUNCED:
         print(f"accord: reusing the prepared data in {folder}", file=sys.stderr, flush=True)
-    _ANNOUNCED.add(folder)
+        _ANNOUNCED.add(folder)
     return _load(folder, task, tokenizer)
 
 
