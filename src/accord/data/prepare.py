@@ -30,8 +30,9 @@ from accord.recipe import Recipe
 
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
-# 5: causal-LM training data as token shards, pre-training blocks cut from one stream).
-FORMAT_VERSION = 5
+# 5: causal-LM training data as token shards, pre-training blocks cut from one stream;
+# 6: a text file is read in pieces of PIECE_CHARS, which a held-out cut may now fall between).
+FORMAT_VERSION = 6
 _DONE = "done.json"
 
 
