@@ -186,14 +186,20 @@ def _load_files(files: list[str], fmt: str, source: SourceConfig):
 
 
 def _raise_on_bad_json(path: Path) -> None:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
+    if path.suffix == ".json":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.lstrip().startswith("["):  # one JSON document: it is parsed whole anyway
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            return
+    with path.open(encoding="utf-8", errors="replace") as lines:  # JSON lines: one line at a time
+        _raise_on_bad_line(path, lines)
+
+
+def _raise_on_bad_line(path: Path, lines) -> None:
+    for number, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 row = json.loads(line)
