@@ -194,6 +194,54 @@ print(len(ds))
     return wall, rss
 
 
+PLAN_CODE = """
+import json, os, resource, sys, time
+import numpy as np
+folder, rows, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+from accord.data.shards import TokenShards
+from accord.data.packing import training_rows
+from accord.data.order import GlobalOrder
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+train = TokenShards(__import__("pathlib").Path(folder))
+if kind == "stored":  # what a run held before: lengths as an array and the epoch's whole permutation
+    lengths = np.diff(train.offsets).astype(np.int32)
+    order = np.random.default_rng([7, 0]).permutation(rows)
+    batch = order[int(0.9 * rows) // 16 * 16:][:16]
+else:
+    r = training_rows(train, None)
+    batch = GlobalOrder(len(r), 16, 7).batch(int(0.9 * len(r)) // 16)
+    _ = int(r.lengths[batch].sum()), float(r.lengths.mean())
+print(json.dumps({"MB": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, "s": time.perf_counter() - t}))
+"""
+
+
+def plan_memory(folder: Path, rows: int) -> list[dict]:
+    """Memory a rank adds for the plan of `rows` unpacked 256-token rows (the index of a
+    prepared corpus of rows * 256 tokens, its token file sparse): the previous stored
+    permutation and length array against the bijection and mapped lengths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    offsets = np.arange(rows + 1, dtype=np.int64) * BLOCK
+    offsets.tofile(folder / "offsets.bin")
+    np.full(rows, BLOCK - 1, dtype=np.int32).tofile(folder / "num_targets.bin")
+    sizes = {"tokens.bin": rows * BLOCK * 2, "targets.bin": rows * BLOCK // 8}
+    for name, size in sizes.items():
+        _sparse(folder / name, size)  # never read: only the index is
+    sizes |= {"offsets.bin": (rows + 1) * 8, "num_targets.bin": rows * 4}
+    (folder / "shards.json").write_text(json.dumps({"dtype": "uint16", "examples": rows, "tokens": rows * BLOCK, "tokenizer": "x", "bytes": sizes}))
+    out = []
+    for kind in ("stored", "bijection"):
+        proc = subprocess.run([sys.executable, "-c", PLAN_CODE, str(folder), str(rows), kind], capture_output=True, text=True, check=True)
+        out.append({"plan": kind, "rows": rows} | json.loads(proc.stdout.strip().splitlines()[-1]))
+    shutil.rmtree(folder)
+    return out
+
+
+def _sparse(path: Path, size: int) -> None:
+    with path.open("wb") as f:
+        f.truncate(size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="0.2,1", help="corpus sizes in GB, comma-separated")
@@ -204,13 +252,18 @@ def main() -> None:
                         "what it tokenised by then and its peak RSS; the other columns need a whole cache")
     parser.add_argument("--no-trl", action="store_true", help="skip the datasets.map + TRL packing baseline")
     parser.add_argument("--no-train", action="store_true", help="skip the one-step training run")
+    parser.add_argument("--plan-rows", type=int, default=0, help="also measure the memory a rank adds for the plan of this many "
+                        "256-token rows (e.g. 16000000: a 4 GB byte-level corpus), stored permutation against the bijection")
     args = parser.parse_args()
     scratch = Path(args.scratch)
+    if args.plan_rows:
+        for r in plan_memory(scratch / "plan", args.plan_rows):
+            print(f"| plan of {r['rows']} rows: {r['plan']} | +{r['MB']:.0f} MB peak RSS | {r['s']:.2f} s |")
     # datasets' own copy of a source (its Arrow cache) goes with the corpus and is deleted with it.
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", HF_DATASETS_CACHE=str(scratch / "hf"))
     rows = []
     try:
-        for gb in map(float, args.sizes.split(",")):
+        for gb in (float(x) for x in args.sizes.split(",") if x):  # --sizes "": only --plan-rows
             for shape in args.shapes.split(","):
                 folder = scratch / f"{shape}-{gb:g}GB"
                 sources = make_corpus(folder / "corpus", gb, shape)
@@ -244,6 +297,8 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if not rows:
+        return
     columns = list(dict.fromkeys(k for r in rows for k in r))
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")
     print("| " + " | ".join(columns) + " |")
