@@ -96,7 +96,10 @@ def timed(command: list[str], env: dict | None = None, limit: float | None = Non
     (SIGINT to its process group) after `limit` seconds. The peak is each process's
     VmHWM, sampled every 0.2 s over the command's process tree."""
     start = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # SIGINT back to its default in the child: a job started in the background (nohup ... &)
+    # inherits it ignored, and the stop below would go unheard.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     peaks: dict[int, float] = {}
     stopped = False
     while proc.poll() is None:
