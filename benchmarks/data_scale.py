@@ -101,10 +101,12 @@ def timed(command: list[str], env: dict | None = None, limit: float | None = Non
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     peaks: dict[int, float] = {}
+    ANON.clear()
     stopped = False
     while proc.poll() is None:
         for pid in _tree(proc.pid):
             peaks[pid] = max(peaks.get(pid, 0.0), _hwm_mb(pid))
+            ANON[pid] = max(ANON.get(pid, 0.0), _hwm_mb(pid, "RssAnon"))
         if limit is not None and time.perf_counter() - start > limit and not stopped:
             os.killpg(proc.pid, signal.SIGINT)  # a killed preparation keeps its finished chunks
             stopped = True
@@ -128,12 +130,15 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _hwm_mb(pid: int) -> float:
+ANON: dict[int, float] = {}  # the largest RssAnon seen per process: RSS without mapped file pages
+
+
+def _hwm_mb(pid: int, field: str = "VmHWM") -> float:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0.0
-    found = re.search(r"VmHWM:\s+(\d+) kB", status)
+    found = re.search(rf"{field}:\s+(\d+) kB", status)
     return int(found.group(1)) / 1024 if found else 0.0
 
 
@@ -280,6 +285,7 @@ def main() -> None:
                     done = mb if finished else _chunk_mb(cache)
                     row[f"prep MB/s ({workers}w)"] = done / wall
                     row[f"prep peak RSS MB ({workers}w)"] = rss
+                    row[f"prep peak anonymous RSS MB ({workers}w)"] = max(ANON.values(), default=0.0)
                     if not finished:
                         row[f"stopped after (s, MB tokenised) ({workers}w)"] = f"{wall:.0f}, {done:.0f}"
                 if not finished:  # the rest needs a whole cache
