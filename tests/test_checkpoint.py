@@ -221,3 +221,23 @@ def test_a_field_added_since_the_checkpoint_is_no_identity_change():
     assert identity_changes(saved, recipe) == []
     saved["seed"] = 8
     assert identity_changes(saved, recipe) == ["seed (checkpoint: 8, recipe: 7)"]
+
+
+def test_a_checkpoint_taken_in_another_data_order_is_refused_in_one_line(tmp_path):
+    from dataclasses import asdict
+
+    from accord.checkpoint import STATE_FILE, TrainingState, order_change
+    from accord.data.order import ORDER_VERSION
+
+    recipe = validate_recipe(TINY_RECIPE)
+    folder = tmp_path / "step-000004"
+    folder.mkdir()
+    state = asdict(TrainingState(4, 0, 128, 2, 8, ORDER_VERSION))
+    (folder / STATE_FILE).write_text(json.dumps(state))
+    assert order_change(folder, recipe) is None
+    del state["data_order"]  # written before the order was recorded: a stored numpy permutation
+    (folder / STATE_FILE).write_text(json.dumps(state))
+    line = order_change(folder, recipe)
+    assert line is not None and "\n" not in line and str(folder) in line and "another data order" in line
+    unshuffled = validate_recipe(TINY_RECIPE | {"data": TINY_RECIPE["data"] | {"shuffle": False}})
+    assert order_change(folder, unshuffled) is None  # the file order never changed

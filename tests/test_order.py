@@ -31,3 +31,30 @@ def test_unshuffled_order_is_the_file_order():
 def test_too_little_data_for_one_batch():
     with pytest.raises(ValueError, match="only 4 training examples"):
         GlobalOrder(4, 8, seed=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])
+def test_each_epoch_is_a_permutation_and_epochs_differ(n):
+    order = GlobalOrder(n, 1, seed=5)
+    first = order.epoch_order(0)
+    assert sorted(first.tolist()) == list(range(n))
+    assert sorted(order.epoch_order(1).tolist()) == list(range(n))
+    if n >= 16:
+        assert not np.array_equal(first, order.epoch_order(1)) and not np.array_equal(first, np.arange(n))
+
+
+def test_a_batch_of_a_huge_corpus_is_computed_alone_without_the_epochs_order():
+    # A stored permutation of 10**10 rows would take 80 GB; a batch here is computed pointwise.
+    order = GlobalOrder(10**10, 8, seed=0)
+    batch = order.batch(9 * 10**8)
+    assert len(set(batch.tolist())) == 8 and batch.min() >= 0 and batch.max() < 10**10
+    assert np.array_equal(batch, GlobalOrder(10**10, 8, seed=0).batch(9 * 10**8))
+
+
+def test_the_order_looks_random_to_its_position():
+    n = 20000
+    order = GlobalOrder(n, 10, seed=1).epoch_order(0)
+    assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.05
+    assert abs(np.corrcoef(order[:-1], order[1:])[0, 1]) < 0.05
+    halves = order[: n // 2] < n // 2  # the first half of the epoch draws evenly from both halves of the data
+    assert abs(halves.mean() - 0.5) < 0.03

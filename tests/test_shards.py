@@ -186,3 +186,14 @@ def test_a_packed_weighted_mixture_resumed_from_2_processes_on_1_ends_as_the_uni
     assert max_param_diff(final_params(reference), final_params(resumed)) <= 1e-5
     after, original = step_losses(resumed), step_losses(reference)
     assert sorted(after) == [5, 6, 7, 8] and max(abs(after[s] - original[s]) for s in after) <= 1e-5
+
+
+def test_unpacked_rows_read_lengths_from_the_mapped_offsets_not_an_array_per_example(tmp_path):
+    writer = ShardWriter(tmp_path / "s", np.dtype(np.uint16), block_length=16)
+    writer.add_stream(np.arange(1000) % 259)
+    writer.close("tok")
+    shards = TokenShards(tmp_path / "s")
+    rows = training_rows(shards, None)
+    assert not isinstance(rows.lengths, np.ndarray) and np.shares_memory(rows.targets, shards.num_targets)
+    assert rows.lengths[np.array([0, 62])].tolist() == [16, 8] and rows.lengths[-1] == 8
+    assert rows.lengths.sum() == 1000 and np.asarray(rows.lengths).tolist() == [16] * 62 + [8]

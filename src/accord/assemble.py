@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from accord import dist
@@ -127,7 +128,7 @@ def eval_tokens(eval_ds) -> int:
     """Tokens in an encoded held-out split (0 without one)."""
     if eval_ds is None or "length" not in eval_ds.column_names:
         return 0
-    return int(sum(eval_ds["length"]))
+    return int(np.asarray(eval_ds["length"]).sum())
 
 
 def _total_steps(recipe: Recipe, order: GlobalOrder, steps_per_batch: int) -> int:

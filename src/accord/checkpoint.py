@@ -55,6 +55,7 @@ class TrainingState:
     index: int
     world_size: int
     micro_batch_size: int
+    data_order: str = ""  # accord.data.order.order_version; "" in checkpoints from before it was recorded
     accord_version: str = __version__
     saved_at: float = 0.0
 
@@ -426,6 +427,21 @@ def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(prefix, old, new)]
 
 
+def order_change(folder: Path, recipe: Recipe) -> str | None:
+    """The line refusing a checkpoint taken in another global data order (an older accord's):
+    the same steps would see other examples, so the run would not continue where it was."""
+    from accord.data.order import order_version, same_order
+
+    saved = read_state(folder).data_order
+    if same_order(saved, recipe.data.shuffle):
+        return None
+    return (
+        f"resume: {folder} was written in another data order ({saved or 'the stored permutation of checkpoints that do not record their order'}; "
+        f"this accord shuffles with {order_version(recipe.data.shuffle)}), so the steps after it would see other examples; "
+        f"finish that run with the accord that wrote it, or start a new run in another output.dir"
+    )
+
+
 def resume_hint(out_dir: Path) -> str:
     """How a run that stopped early continues, for the line that says it stopped."""
     latest = latest_checkpoint(out_dir)
@@ -458,6 +474,9 @@ def check_resume(recipe: Recipe) -> list[str]:
     else:
         return [_refusal(skipped, explicit=recipe.resume != "auto")]
     changes = identity_changes(read_checkpoint_recipe(folder), recipe)
+    order = order_change(folder, recipe)
+    if order:
+        return [order]
     if changes:
         return [
             f"resume: {folder} was written by a different run: {change}; a resumed run keeps "

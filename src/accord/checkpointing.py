@@ -34,7 +34,7 @@ class CheckpointSchedule:
         after the previous one is sealed; the folder it has (or will have, once sealed)."""
         self.finish()
         position = run.order.position(step)
-        state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size)
+        state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size, run.order.version)
         try:
             pending = save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_)
         except CheckpointError as e:  # raised on every rank alike by save_checkpoint
@@ -72,6 +72,11 @@ def restore_run(run, folder: Path) -> int:
     missing = complete_from_peers(folder, run.info)  # a folder per node: the files other nodes wrote
     if missing:
         raise TrainingStopped("\n".join(missing))
+    from accord.checkpoint import order_change
+
+    refusal = order_change(folder, run.recipe)  # the launcher checked; a restart or outer launcher may not have
+    if refusal:
+        raise TrainingStopped(refusal)
     run.engine.load_state(folder)
     position = run.order.position(state.step)
     if (position.epoch, position.index) != (state.epoch, state.index):

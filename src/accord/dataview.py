@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from accord.assemble import eval_tokens
 from accord.data.packing import training_rows
 from accord.data.prepare import prepare_data
@@ -34,7 +36,7 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     for i in range(min(show, len(train))):
         lines.append(f"--- example {i + 1}")
         lines += render_example(train[i], task, tokenizer, color)
-    tokens, targets = sum(train["length"]), sum(train["num_targets"])
+    tokens, targets = (int(np.asarray(train[column]).sum()) for column in ("length", "num_targets"))
     lines.append("--- counts")
     lines.append(f"examples: {len(train)} training, {report.get('eval_examples', 0)} held out")
     # Targets are tokens for the causal tasks, examples (classify) or pairs (dpo) otherwise.

@@ -92,15 +92,17 @@ def _workers(ds, streams: bool, total: int | None, workers: int) -> int:
 
 def _text_units(ds) -> Iterator[Unit]:
     """Documents grouped (or cut) into pieces of about UNIT_CHARS, in file order."""
+    from accord.data.pieces import documents
+
     pieces: list[tuple[str, bool, bool]] = []
     chars, index = 0, 0
-    for text in _texts(ds):
-        for start, end in _cuts(text):
-            if chars and chars + (end - start) > UNIT_CHARS:
+    for document in documents(ds):
+        for piece in _cuts(document):
+            if chars and chars + len(piece[0]) > UNIT_CHARS:
                 yield _text_unit(index, pieces, chars)
                 pieces, chars, index = [], 0, index + 1
-            pieces.append((text[start:end], start == 0, end == len(text)))
-            chars += end - start
+            pieces.append(piece)
+            chars += len(piece[0])
     if pieces:
         yield _text_unit(index, pieces, chars)
 
@@ -109,23 +111,28 @@ def _text_unit(index: int, pieces: list, chars: int) -> Unit:
     return Unit(index, lambda: pieces, chars)
 
 
-def _texts(ds) -> Iterator[str]:
-    for batch in ds.select_columns(["text"]).iter(batch_size=64):
-        yield from batch["text"]
-
-
-def _cuts(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) pieces of at most ~UNIT_CHARS, each cut just before a whitespace
-    character, where byte-level BPE pre-tokenisers split anyway: tokenising the pieces
-    gives the tokens of the whole (tokenizers that add a prefix space to every text may
-    differ at a cut)."""
-    start = 0
-    while len(text) - start > UNIT_CHARS:
-        found = _SPACE.search(text, start + UNIT_CHARS, start + 2 * UNIT_CHARS)
-        end = found.start() if found else start + UNIT_CHARS
-        yield start, end
-        start = end
-    yield start, len(text)
+def _cuts(parts: Iterator[str]) -> Iterator[tuple[str, bool, bool]]:
+    """(text, starts the document, ends it) pieces of at most ~UNIT_CHARS of one document
+    given as consecutive parts, each cut just before a whitespace character, where
+    byte-level BPE pre-tokenisers split anyway: tokenising the pieces gives the tokens of
+    the whole (tokenizers that add a prefix space to every text may differ at a cut). The
+    cuts depend only on the document's text, not on how it was read in parts: a cut is
+    decided once 2 * UNIT_CHARS characters past the previous one are read (or the end)."""
+    text, at, first, ended = "", 0, True, False
+    while True:
+        if not ended and len(text) - at <= 2 * UNIT_CHARS:
+            part = next(parts, None)
+            ended = part is None
+            text = text[at:] + (part or "")
+            at = 0
+            continue
+        if len(text) - at <= UNIT_CHARS:
+            yield text[at:], first, True
+            return
+        found = _SPACE.search(text, at + UNIT_CHARS, at + 2 * UNIT_CHARS)
+        end = found.start() if found else at + UNIT_CHARS
+        yield text[at:end], first, False
+        at, first = end, False
 
 
 def _row_units(ds) -> Iterator[Unit]:

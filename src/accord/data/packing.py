@@ -69,8 +69,12 @@ class Rows:
 
 def training_rows(train, capacity: int | None) -> Rows:
     """The rows of the global order for an encoded training set: examples packed into
-    `capacity`-token rows, or one example per row when `capacity` is None."""
-    return Rows.build(np.asarray(train["length"]), np.asarray(train["num_targets"]), capacity)
+    `capacity`-token rows, or one example per row when `capacity` is None (then the
+    columns are used as they come: token shards give memory-mapped ones)."""
+    lengths, targets = train["length"], train["num_targets"]
+    if not capacity and hasattr(lengths, "sum") and hasattr(targets, "sum"):
+        return Rows(Members(None, None, len(lengths)), targets, lengths)
+    return Rows.build(np.asarray(lengths), np.asarray(targets), capacity)
 
 
 def windowed_best_fit(lengths: np.ndarray, capacity: int, window: int = PACK_WINDOW) -> tuple[np.ndarray, np.ndarray]:

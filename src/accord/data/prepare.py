@@ -33,8 +33,9 @@ from accord.recipe import Recipe
 
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
-# 5: causal-LM training data as token shards, pre-training blocks cut from one stream).
-FORMAT_VERSION = 5
+# 5: causal-LM training data as token shards, pre-training blocks cut from one stream;
+# 6: a text file is read in pieces of PIECE_CHARS, which a held-out cut may now fall between).
+FORMAT_VERSION = 6
 _DONE = "done.json"
 _ANNOUNCED: set[Path] = set()  # caches this process said it reuses (the checks, then the run)
 
@@ -231,16 +232,18 @@ def _wait_for(folder: Path, timeout_s: float) -> None:
 
 
 def _load(folder: Path, task, tokenizer) -> PreparedData:
-    import datasets
-
     report = json.loads((folder / _DONE).read_text())
     task.load_state(report["task_state"])
-    if (folder / "train" / META).exists():
-        train = TokenShards(folder / "train", _tokenizer_identity(tokenizer))
-    else:
-        train = datasets.load_from_disk(str(folder / "train"))
-    if (folder / "eval" / META).exists():
-        eval_ds = TokenShards(folder / "eval", _tokenizer_identity(tokenizer))
-    else:
-        eval_ds = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
-    return PreparedData(train, eval_ds, report)
+    return PreparedData(_load_split(folder / "train", tokenizer), _load_split(folder / "eval", tokenizer), report)
+
+
+def _load_split(folder: Path, tokenizer):
+    """Token shards, or (other tasks) an Arrow dataset: `datasets` is imported only then
+    (seconds of a resume that token shards do not need)."""
+    if (folder / META).exists():
+        return TokenShards(folder, _tokenizer_identity(tokenizer))
+    if not folder.exists():
+        return None
+    import datasets
+
+    return datasets.load_from_disk(str(folder))

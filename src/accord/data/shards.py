@@ -140,8 +140,8 @@ class TokenShards:
         view.offsets, view.num_targets = self.offsets[: n + 1], self.num_targets[:n]
         return view
 
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets).astype(np.int32)
+    def lengths(self) -> Lengths:
+        return Lengths(self.offsets)
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, labels) of example i as int64 arrays."""
@@ -169,6 +169,40 @@ class TokenShards:
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]
+
+
+class Lengths:
+    """Example lengths read from the memory-mapped offsets when asked for: an array of them
+    would be 4-8 bytes per example in every rank's memory (its batches, sum and mean are
+    all a run needs)."""
+
+    def __init__(self, offsets: np.ndarray):
+        self._offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            index = np.arange(len(self))[index]
+        index = np.asarray(index, dtype=np.int64)
+        if index.size and (index.min() < -len(self) or index.max() >= len(self)):
+            raise IndexError(f"example {index.max()} of {len(self)}")
+        index = index % max(len(self), 1)
+        out = np.asarray(self._offsets[index + 1] - self._offsets[index])
+        return int(out) if out.ndim == 0 else out
+
+    def __array__(self, dtype=None, copy=None):
+        return np.diff(self._offsets).astype(dtype or np.int64)
+
+    def sum(self) -> int:
+        return int(self._offsets[-1] - self._offsets[0]) if len(self) else 0
+
+    def mean(self) -> float:
+        return self.sum() / len(self) if len(self) else float("nan")
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
 
 
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -57,6 +57,10 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
         from accord.data.documents import split_documents
 
         ds = split_documents(files, source.document, source.encoding)
+    elif fmt == "text":
+        from accord.data.pieces import file_documents
+
+        ds = file_documents(files, source.encoding)
     else:
         ds = _load_files(files, fmt, source)
     ds = _rename(ds, source, path)
@@ -175,8 +179,6 @@ def _load_files(files: list[str], fmt: str, source: SourceConfig):
         "csv": ("csv", {"encoding": source.encoding}),
         "tsv": ("csv", {"encoding": source.encoding, "delimiter": "\t"}),
         "parquet": ("parquet", {}),
-        # One row per file: a text file is a document.
-        "text": ("text", {"encoding": source.encoding, "sample_by": "document"}),
     }[fmt]
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
@@ -189,14 +191,20 @@ def _load_files(files: list[str], fmt: str, source: SourceConfig):
 
 
 def _raise_on_bad_json(path: Path) -> None:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
+    if path.suffix == ".json":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.lstrip().startswith("["):  # one JSON document: it is parsed whole anyway
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            return
+    with path.open(encoding="utf-8", errors="replace") as lines:  # JSON lines: one line at a time
+        _raise_on_bad_line(path, lines)
+
+
+def _raise_on_bad_line(path: Path, lines) -> None:
+    for number, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 row = json.loads(line)
@@ -234,14 +242,27 @@ def check_columns(ds, required: tuple[str, ...], where: str):
             ds = ds.cast_column(field, datasets.Value("string"))
             dtype = "string"
         if dtype in ("string", "large_string"):
-            nulls = [i for i, v in enumerate(ds[field]) if v is None]
-            if nulls:
-                raise DataError(f"{_where(ds, nulls[0], where)}: field {field!r} is missing or null")
+            # Arrow counts the nulls without reading the text; the rows are read (in batches)
+            # only to name the first null one.
+            if ds.data.column(field).null_count:
+                first = next((i for i, v in _values(ds, field) if v is None), None)
+                if first is not None:
+                    raise DataError(f"{_where(ds, first, where)}: field {field!r} is missing or null")
             continue
-        for i, value in enumerate(ds[field]):
+        for i, value in _values(ds, field):
             if not isinstance(value, str):
                 raise DataError(f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})")
     return ds
+
+
+def _values(ds, field: str):
+    """(row, value) of one column, read a batch at a time: a column of a large corpus is never
+    held whole as Python objects."""
+    at = 0
+    for batch in ds.select_columns([field]).iter(batch_size=1000):
+        for value in batch[field]:
+            yield at, value
+            at += 1
 
 
 def _where(ds, index: int, default: str) -> str:
@@ -329,14 +350,44 @@ def mix(parts: list, weights: list[float], seed: int):
     in the given proportions (smaller sources repeat) until every source was seen once."""
     import datasets
 
+    from accord.data.pieces import PIECE, has_pieces
+
     if len(parts) == 1:
         return parts[0]
+    if any(has_pieces(p) for p in parts):  # documents read in pieces stay whole
+        parts = [p if has_pieces(p) else p.add_column(PIECE, [0] * len(p)) for p in parts]
     columns = set.intersection(*(set(p.column_names) for p in parts))
     parts = [p.select_columns(sorted(columns)) for p in parts]
     parts = [p.cast(parts[0].features) for p in parts]
     if len(set(weights)) == 1:
         return datasets.concatenate_datasets(parts)
     total = sum(weights)
-    return datasets.interleave_datasets(
-        parts, probabilities=[w / total for w in weights], seed=seed, stopping_strategy="all_exhausted"
+    probabilities = [w / total for w in weights]
+    if not any(has_pieces(p) for p in parts):
+        return datasets.interleave_datasets(parts, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted")
+    return _interleave_documents(parts, probabilities, seed)
+
+
+def _interleave_documents(parts: list, probabilities: list[float], seed: int):
+    """interleave_datasets over whole documents: datasets' own sampling picks which source's
+    next document comes (the same picks as over rows when every document is one row), and
+    each pick brings all of that document's rows."""
+    import datasets
+    import numpy as np
+
+    from accord.data.pieces import document_starts
+
+    whole = datasets.concatenate_datasets(parts)
+    offsets = np.cumsum([0] + [len(p) for p in parts])
+    bounds = []  # per part: its documents' (first row, end row) in `whole`
+    for p, offset in zip(parts, offsets):
+        starts = document_starts(p) + offset
+        bounds.append(np.stack([starts, np.append(starts[1:], offset + len(p))], axis=1))
+    picks = datasets.interleave_datasets(
+        [datasets.Dataset.from_dict({"doc": b.tolist()}) for b in bounds],
+        probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted",
     )
+    first, end = np.asarray(picks["doc"], dtype=np.int64).reshape(-1, 2).T
+    sizes = end - first
+    rows = np.repeat(first - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+    return whole.select(rows)

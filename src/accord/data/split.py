@@ -14,36 +14,54 @@ import numpy as np
 
 
 def hold_out(train, fraction: float, seed: int, documents: bool):
-    """(train, held out) Datasets; `documents`: rows are `text` documents that may be cut."""
-    order = np.random.default_rng([seed, 0x5EED]).permutation(len(train))
+    """(train, held out) Datasets; `documents`: rows are `text` documents (or pieces of
+    one, pieces.py) that may be cut."""
     if not documents:
+        order = np.random.default_rng([seed, 0x5EED]).permutation(len(train))
         held = max(1, round(len(train) * fraction))
         return train.select(sorted(order[held:])), train.select(sorted(order[:held]))
     import pyarrow.compute as pc
 
-    sizes = pc.utf8_length(train.with_format("arrow")["text"]).to_numpy(zero_copy_only=False)
+    from accord.data.pieces import document_starts
+
+    row_sizes = pc.utf8_length(train.with_format("arrow")["text"]).to_numpy(zero_copy_only=False)
+    first = document_starts(train)
+    end = np.append(first[1:], len(train))
+    sizes = np.add.reduceat(row_sizes, first) if len(first) else row_sizes[:0]
+    order = np.random.default_rng([seed, 0x5EED]).permutation(len(first))
     target = fraction * float(sizes.sum())
     taken, held_chars = [], 0
-    for i in order:
-        if held_chars + sizes[i] > target:
+    for d in order:
+        if held_chars + sizes[d] > target:
             break
-        taken.append(int(i))
-        held_chars += int(sizes[i])
+        taken.append(int(d))
+        held_chars += int(sizes[d])
     else:  # only empty documents: nothing to size them by
         return hold_out(train, fraction, seed, documents=False)
-    cut, need = int(i), round(target - held_chars)
-    kept = sorted(set(range(len(train))) - set(taken) - {cut})
+    d, need = int(d), round(target - held_chars)
+    taken_rows = sorted(r for t in taken for r in range(first[t], end[t]))
     if need < 1 and taken:
-        return train.select(sorted(kept + [cut])), train.select(sorted(taken))
-    head, tail = _cut(train.select([cut]), max(need, 1))
+        return train.select(sorted(set(range(len(train))) - set(taken_rows))), train.select(taken_rows)
+    # The cut document's last rows go whole while they are shorter than what is still needed,
+    # then one row is cut; its tail starts a held-out document.
+    cut, need = int(end[d]) - 1, max(need, 1)
+    while cut > first[d] and row_sizes[cut] < need:
+        need -= int(row_sizes[cut])
+        cut -= 1
+    head, tail = _cut(train.select([cut]), need)
+    kept = sorted(set(range(len(train))) - set(taken_rows) - set(range(cut, int(end[d]))))
     before = [k for k in kept if k < cut]
     after = [k for k in kept if k > cut]
-    return _concat([train.select(before), head, train.select(after)]), _concat([train.select(sorted(taken)), tail])
+    held = [train.select(taken_rows), tail, train.select(range(cut + 1, int(end[d])))]
+    return _concat([train.select(before), head, train.select(after)]), _concat(held)
 
 
 def _cut(row, need: int):
-    """One document as (head, tail) one-row Datasets, the tail about `need` characters long,
-    starting at a line break (else a space) so no line is split when it can be helped."""
+    """One row of text as (head, tail) one-row Datasets, the tail about `need` characters long,
+    starting at a line break (else a space) so no line is split when it can be helped; the
+    tail is the first piece of its document."""
+    from accord.data.pieces import PIECE, has_pieces
+
     text = row[0]["text"]
     at = len(text) - need
     for mark in ("\n", " "):
@@ -52,7 +70,8 @@ def _cut(row, need: int):
             at = found + 1
             break
     at = min(max(at, 1), len(text) - 1)
-    return row.map(lambda r: {"text": r["text"][:at]}), row.map(lambda r: {"text": r["text"][at:]})
+    starts = {PIECE: 0} if has_pieces(row) else {}
+    return row.map(lambda r: {"text": r["text"][:at]}), row.map(lambda r: {"text": r["text"][at:]} | starts)
 
 
 def _concat(parts):
