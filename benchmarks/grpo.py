@@ -94,7 +94,7 @@ def run_trl(model: str, data: Path, out: Path, steps: int, prompts: int, group: 
         return
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     lengths = [h.get("completions/mean_length", 0.0) for h in trainer.state.log_history if "reward" in h]
-    (out / "trl.json").write_text(json.dumps({"clock": log, "rewards": rewards, "lengths": lengths}))
+    (out / "trl.json").write_text(json.dumps({"clock": log, "rewards": rewards, "lengths": lengths, "processes": trainer.accelerator.num_processes}))
 
 
 def measure(name: str, processes: int, args, out: Path) -> dict:
@@ -116,6 +116,8 @@ def measure(name: str, processes: int, args, out: Path) -> dict:
         reward = steps[-1]["reward"]
     else:
         trl = json.loads((out / "trl.json").read_text())
+        if trl["processes"] != processes:  # the accelerate launch trap: one process where two were asked
+            raise SystemExit(f"TRL ran on {trl['processes']} process(es), not {processes}")
         seconds = trl["clock"][-1]["time"] - trl["clock"][0]["time"]
         tokens = sum(trl["lengths"][1:]) * args.prompts * args.group
         reward = trl["rewards"][-1]
