@@ -200,6 +200,29 @@ def test_missing_prompt_column_stops_before_training(tmp_path):
     assert len(problems) == 1 and "missing field 'prompt'" in problems[0], problems
 
 
+def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
+    """A `messages` row (as chat SFT data has them: the answer as the last turn) becomes the
+    chat template of its turns before the closing assistant turn plus the generation prompt;
+    the rewards see that prompt text."""
+    import datasets
+
+    from accord.models import build_tokenizer
+    from accord.recipe import ModelConfig
+    from accord.tasks.grpo import GRPOTask
+
+    tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
+    task = GRPOTask(tokenizer, _recipe(max_new_tokens=4, rewards=[{"kind": "regex", "pattern": ".*"}]))
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "SECRET"}]
+    rows = datasets.Dataset.from_list([{"messages": conversation}])
+    train, _ = task.fit(rows, None)
+    encoded = task.encode_batch(train[:1])
+    expected = tokenizer.apply_chat_template(conversation[:3], tokenize=False, add_generation_prompt=True)
+    assert "2+2?" in expected and "SECRET" not in expected
+    assert task.prompt_text(rows[0]) == expected
+    assert encoded["prompt_ids"][0] == task.prefix + tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
 # ---------------------------------------------------------------- runs (slow tier)
 
 GRPO_RUN = {

@@ -117,7 +117,7 @@ class GRPOTask(Task):
 
     def prompt_text(self, row: dict[str, Any]) -> str:
         if self.chat:
-            return self.tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(prompt_turns(row["messages"]), tokenize=False, add_generation_prompt=True)
         return row["prompt"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
@@ -332,6 +332,15 @@ class GRPOTask(Task):
 
     def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
         return {f"greedy_reward_{name}": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
+
+
+def prompt_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation as a prompt: without its closing assistant turns (an SFT-style row's
+    answer), so the policy writes the reply the rewards score rather than the turn after it."""
+    end = len(messages)
+    while end > 1 and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return messages[:end]
 
 
 def grpo_token_loss(logps, old_logps, advantages, ref_logps, beta: float, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
