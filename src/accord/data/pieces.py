@@ -46,7 +46,7 @@ def _rows(files: list[str], encoding: str, stamps: list, size: int) -> Iterator[
 
 
 def has_pieces(ds) -> bool:
-    return PIECE in ds.column_names
+    return PIECE in (ds.column_names or [])  # a stream of unknown features names no columns
 
 
 def document_starts(ds) -> np.ndarray:
