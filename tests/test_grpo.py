@@ -16,9 +16,9 @@ import torch
 from accord.errors import UserInputError
 from accord.recipe import RecipeError, validate_recipe
 from accord.recipe_grpo import GRPOConfig
-from accord.tasks.grpo import grpo_token_loss
+from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
-from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed
+from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed, token_logprobs
 
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
@@ -64,6 +64,23 @@ def test_gumbel_noise_samples_the_softmax():
     assert torch.allclose(picks / n, torch.softmax(logits[0], -1), atol=0.025)
 
 
+def test_sampled_tokens_follow_the_softmax_the_loss_scores_at_that_temperature():
+    """Through generate (temperature warper + per-sample Gumbel): the first sampled token's
+    frequencies equal exp(token_logprobs) at the same temperature, the log-prob the loss reads."""
+    model = _tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # a peaked distribution, so a temperature mix-up shows
+    prompt, temperature, n = [1, 5, 9, 7], 0.5, 3000
+    firsts = [g[0] for g in sample_groups(model, [prompt], [[sample_seed(0, 0, 0, k) for k in range(n)]], max_new_tokens=1,
+                                         temperature=temperature, top_p=1.0, eos_id=2, pad_id=0, lockstep=False)[0]]
+    candidates = torch.tensor([prompt + [t] for t in range(40)])
+    with torch.no_grad():
+        probs = token_logprobs(model, candidates, torch.ones_like(candidates), temperature)[:, -1].exp()
+    assert abs(float(probs.sum()) - 1) < 1e-4 and float(probs.max()) > 0.3, probs
+    frequencies = torch.bincount(torch.tensor(firsts), minlength=40) / n
+    assert torch.allclose(frequencies, probs, atol=0.03), (frequencies, probs)
+
+
 # ---------------------------------------------------------------- the loss, against TRL
 
 
@@ -102,6 +119,37 @@ def test_token_loss_and_gradient_equal_trl_grpo_trainer_compute_loss():
     (our_grad,) = torch.autograd.grad(ours, logps)
     assert abs(ours.item() - trl_loss.item()) < 1e-6
     assert torch.allclose(our_grad, trl_grad, atol=1e-7)
+
+
+def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
+    """One SGD step on GRPOTask.loss over a collated group (right padding, completions of
+    different lengths, one cut without EOS): the masked log-probs the loss reads are each
+    completion's own (logits at t score token t+1, prompt and padding left out), and the step
+    raises the log-probability of the rewarded completion and lowers the others'."""
+    model = _tiny_llama()
+    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 4, "max_new_tokens": 4, "beta": 0.0}}))
+    raw["data"]["add_bos"] = "never"
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    prompt, completions = [1, 5, 9, 7], [[11, 12, 2], [13, 2], [14, 15, 16, 17], [18, 19, 2]]
+    rollout = Rollout(prompt, completions, {"prompt": "p", "completion": "42"}, ["42", "7", "4242", " x"])
+    task._score(rollout, 0)  # exact match: only the first is right
+    assert rollout.advantages[0] > 0 > float(rollout.advantages[1:].max())
+
+    def own_logps() -> torch.Tensor:  # each (prompt + completion) alone, unpadded
+        with torch.no_grad():
+            rows = [model(torch.tensor([prompt + c])).logits[0, len(prompt) - 1 : -1].log_softmax(-1) for c in completions]
+            return torch.stack([row.gather(-1, torch.tensor(c)[:, None]).sum() for row, c in zip(rows, completions)])
+
+    before = own_logps()
+    batch = task._collate_groups([rollout], with_logps=True)
+    masked = (token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0) * batch["completion_mask"]).sum(1)
+    assert torch.allclose(masked.detach(), before, atol=1e-5), (masked, before)
+    out = task.loss(model, batch)
+    assert int(out.num_targets) == sum(len(c) for c in completions)
+    (out.loss_sum / out.num_targets).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    change = own_logps() - before
+    assert change[0] > 0 and bool((change[1:] < 0).all()), change
 
 
 # ---------------------------------------------------------------- rewards and bad input
