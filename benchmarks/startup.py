@@ -7,7 +7,7 @@ examples, 8 sequences per process per step), trained for 2 steps. Each contender
 its own program, in turn, `--repeat` times (interleaved, so a change in the machine's load
 hits all alike); the table gives the median and the range of the seconds from the command's
 start to the end of its first optimizer step. For accord it also gives the median time to
-each of its stage lines on stderr (first output, workers started, model loading), read as
+each of its stage lines on stderr (first output, workers started, data check, model loading), read as
 they are printed, and for everyone the time the command took to exit (training 2 steps and
 saving the model included) and the CPU seconds all its processes used (less sensitive to
 the machine's load than wall time). `--baseline-src` adds accord from another source tree (e.g. a checkout of
@@ -31,7 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import _steps, command_for, make_workload  # noqa: E402 - the same workload and contenders
 
-STAGES = {"first output": "accord: checking recipe", "workers started": "accord: starting", "loading model": "accord: loading model"}
+STAGES = {
+    "first output": "accord: checking recipe",
+    "workers started": "accord: starting",
+    "data check": "accord: preparing data",  # the first worker's checks reached the data (after its imports)
+    "loading model": "accord: loading model",  # the checks passed, every worker joined the group
+}
 STEPS = 2
 
 
@@ -94,7 +99,7 @@ def measure_all(folder: Path, args: argparse.Namespace) -> None:
         for name, src in contenders.items():
             results[name].append(run_once(name, folder, args.processes, src))
             print(f"  round {round_ + 1}: {name} {results[name][-1]['first step']:.1f} s", file=sys.stderr, flush=True)
-    columns = ["first output", "workers started", "loading model", "first step", "exit", "CPU s"]
+    columns = [*STAGES, "first step", "exit", "CPU s"]
     header = f"{'contender':22} {'proc':>4} " + " ".join(f"{c:>15}" for c in columns) + f" {'first step range':>17}"
     print(f"seconds from the command's start, median of {args.repeat} (load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})")
     print(header)

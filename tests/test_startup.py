@@ -98,3 +98,37 @@ def test_a_worker_told_to_abort_leaves_at_once_without_a_word(tmp_path):
     open_gate(gate, ABORT)
     proc = run_process([sys.executable, "-m", "accord.worker_start", str(gate), str(tmp_path / "recipe.json")], env=accord_env(), timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+
+
+def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
+    from accord.data.prepare import reads_datasets
+    from accord.recipe import validate_recipe
+    from accord.tasks import task_class
+
+    def reads(**changes):
+        recipe = validate_recipe(TINY_RECIPE | changes)
+        return reads_datasets(recipe, task_class(recipe))
+
+    no_held_out = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
+    assert reads()  # generated addition data keeps 32 held-out examples with their raw columns
+    assert not reads(data=no_held_out)  # token shards only
+    assert reads(data=no_held_out, task="classify")  # classify keeps its rows as a datasets.Dataset
+
+
+def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimizer_when_the_run_needs_neither(tmp_path):
+    """What a worker imports before its gate opens is on the path to the first step: an sft
+    run under ddp without held-out data reads only token shards, and ddp's AdamW is not
+    ZeRO-1's ZeroRedundancyOptimizer (whose package compiles TorchScript at import)."""
+    import json
+
+    from accord.recipe import validate_recipe
+
+    data = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps(validate_recipe(TINY_RECIPE | {"data": data}).model_dump(mode="json")))
+    script = (
+        "import sys; from accord import worker, worker_start; worker_start._import_what_the_run_builds(sys.argv[1]); "
+        "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') if m in sys.modules))"
+    )
+    proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)
+    assert proc.stdout.split("\n")[-2] == "['accord.engine.ddp', 'accord.tasks.sft']", proc.stderr[-3000:]

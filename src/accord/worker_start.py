@@ -127,20 +127,24 @@ class WorkerChecks:
 
 
 def _import_what_the_run_builds(recipe_path: str) -> None:
-    """Import datasets (its cache is what the run reads), the recipe's model class and its
-    strategy while the checks run (each another second or more on a loaded machine). Best
-    effort: the run itself reports what fails."""
+    """Import the recipe's task, model class and strategy, and datasets where the prepared
+    data is read with it, while the checks run (each another second or more on a loaded
+    machine). Best effort: the run itself reports what fails."""
     import importlib
     import json
 
     try:
-        import datasets  # noqa: F401 - pandas & co.: imported once the run loads the data anyway
-
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
+        from accord.data.prepare import reads_datasets
+        from accord.recipe import Recipe
         from accord.registry import STRATEGIES
+        from accord.tasks import task_class
 
         recipe = json.loads(Path(recipe_path).read_text(encoding="utf-8"))
+        validated = Recipe.model_validate(recipe)
+        if reads_datasets(validated, task_class(validated)):
+            import datasets  # noqa: F401 - pandas & co.: imported once the run loads the data anyway
         model, engine = recipe["model"], recipe["engine"]
         if model.get("config"):
             model_type = model["config"]["architecture"]

@@ -247,3 +247,11 @@ def _load_split(folder: Path, tokenizer):
     import datasets
 
     return datasets.load_from_disk(str(folder))
+
+
+def reads_datasets(recipe: Recipe, task_class) -> bool:
+    """Whether loading the prepared data imports datasets: a task that keeps its rows as
+    datasets, or held-out data (kept with its raw columns unless the task streams text)."""
+    data = recipe.data
+    held_out = data.eval is not None or data.eval_fraction > 0 or (data.generate is not None and data.generate.eval_examples > 0)
+    return not task_class.token_shards or (held_out and not getattr(task_class, "streams_text", False))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import get_scheduler
 
 from accord.recipe import OptimConfig
@@ -32,6 +31,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, sh
     # The fused kernel is one launch per step instead of several per tensor on GPU.
     settings = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "fused": device.type == "cuda" or None}
     if shard:
+        # Imported here: torch.distributed.optim compiles its functional optimizers with
+        # TorchScript at import (~0.2 s of CPU per process), for zero1 only.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
     return torch.optim.AdamW(groups, **settings)
 
