@@ -379,16 +379,12 @@ def _fail(message: str, code: int = 2) -> int:
 
     # A process that never imported accord.dist never joined a group: its rank is the
     # launcher's, and the line is printed without importing torch (a second sooner).
-    grouped = "accord.dist" in sys.modules
-    if grouped:
-        from accord import dist
-
-        main, grouped = dist.is_main(), dist.left_a_group() or dist.in_group()
-    else:
-        main = rank_env.env_info().is_main
+    dist = sys.modules.get("accord.dist")
+    rank0 = dist.is_main() if dist is not None else rank_env.env_info().is_main
+    grouped = dist is not None and (dist.left_a_group() or dist.in_group())
     # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
     # node's log says why it stopped, not only the launcher's ChildFailedError.
-    if (main or rank_env.env_info().local_rank == 0) and refusals.claim():
+    if (rank0 or rank_env.env_info().local_rank == 0) and refusals.claim():
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
     if not grouped:
