@@ -134,3 +134,13 @@ def test_accord_prepare_on_two_nodes_at_once_writes_the_one_node_cache(tmp_path)
     assert caches["shared"] == caches["one"] and len(caches["one"]) >= 5
     bad = run_accord("prepare", recipes["one"], "--nnodes", "2", "--node-rank", "2", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--node-rank 2" in bad.stderr
+
+
+def test_accord_prepare_refuses_a_node_rank_outside_the_nodes_in_one_line(tmp_path):
+    from conftest import run_accord_here, write_recipe
+
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "completion": "2"}])
+    path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"data": {"train": str(tmp_path / "pairs.jsonl"), "cache_dir": str(tmp_path / "cache")}})
+    bad = run_accord_here("prepare", path, "--nnodes", "2", "--node-rank", "2")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--node-rank 2" in bad.stderr, bad.stderr
+    assert not (tmp_path / "cache").exists()
