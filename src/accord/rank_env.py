@@ -56,3 +56,11 @@ def env_info() -> DistInfo:
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         local_world_size=local_world,
     )
+
+
+def leads() -> bool:
+    """This process is (or, as a launcher, will start) global rank 0: a launcher has no RANK
+    yet, and its node's rank says whether rank 0 will be one of its workers."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")) == "0"

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tqdm import tqdm
 
-
-def _leads() -> bool:
-    """This process is (or, as a launcher, will start) global rank 0: read from the launchers'
-    environment, so it can be asked before torch is imported."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"] == "0"
-    return os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")) == "0"
+from accord.rank_env import leads
 
 
 def announce(message: str) -> None:
     """One line on stderr saying what the run is doing now, from rank 0's process only."""
-    if _leads():
+    if leads():
         print(f"accord: {message}", file=sys.stderr, flush=True)
 
 
@@ -33,7 +26,7 @@ def item_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
         delay=3.0,
         dynamic_ncols=True,
         mininterval=0.5 if sys.stderr.isatty() else 10.0,
-        disable=not enabled or not _leads(),
+        disable=not enabled or not leads(),
         leave=False,
     )
 
@@ -51,7 +44,7 @@ def byte_bar(total: int | None, desc: str) -> tqdm:
         delay=3.0,
         dynamic_ncols=True,
         mininterval=0.5 if sys.stderr.isatty() else 10.0,
-        disable=not _leads(),
+        disable=not leads(),
         leave=False,
     )
 
