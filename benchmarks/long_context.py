@@ -87,12 +87,15 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     recipe = validate_recipe(raw)
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
+    task = build_task(recipe, tokenizer)
+    # Before the Ulysses attention replaces the model's, as accord.assemble does: the task
+    # (and the sequence shards) must see the core attention, sdpa, which takes a row of one
+    # document as causal without a mask (with the Ulysses name it would build the L x L mask).
+    task.configure_model(model)
     if sequence_parallel > 1:
         rank = torch.distributed.get_rank()
         install_ulysses(recipe, model, DistInfo(rank, sequence_parallel, rank, sequence_parallel), micro_batch_size=1)
     apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
-    task = build_task(recipe, tokenizer)
-    task.configure_model(model)
     model.train()
     ids = random_row(length, VOCAB)
     return model, task, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
