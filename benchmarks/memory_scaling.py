@@ -9,7 +9,9 @@ the run's own `memory` records in metrics.jsonl (RSS high-water mark on the CPU,
 max_memory_allocated on a GPU). It prints, per phase, the largest rank's peak and the host
 total (sum over ranks), next to the unsharded training state (16 bytes per parameter: fp32
 weights, gradients and two AdamW moments) and each process's empty-run baseline (the same
-launch with a tiny model). A table, not a test: 4 processes on 2 cores is fine for memory.
+launch with a tiny model), then how long the first checkpoint blocked training against the
+training step before it (a ratio within one run). A table, not a test: 4 processes on 2
+cores is fine for memory.
 """
 
 from __future__ import annotations

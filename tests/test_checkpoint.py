@@ -282,7 +282,8 @@ def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
     read = {key: value for batch in read_whole(streamed, keys, stored_keys(streamed)) for key, value in batch.items()}
     expected = {key: value for batch in read_whole(whole, keys, stored_keys(whole)) for key, value in batch.items()}
     assert read.keys() == expected.keys() and all(torch.equal(read[key], expected[key]) for key in keys)
-    into = {MODEL: {name: torch.zeros_like(t) for name, t in model.items()}, OPTIM: {name: {k: torch.zeros_like(v) for k, v in o.items()} for name, o in optim.items()}}
+    into = {MODEL: {name: torch.zeros_like(t) for name, t in model.items()},
+            OPTIM: {name: {k: torch.zeros_like(v) for k, v in o.items()} for name, o in optim.items()}}
     read_into(into, streamed)
     assert all(torch.equal(into[MODEL][name], model[name]) for name in model)
     assert all(torch.equal(into[OPTIM][name][k], optim[name][k]) for name in optim for k in optim[name])

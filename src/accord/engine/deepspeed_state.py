@@ -26,18 +26,7 @@ from torch import nn
 from accord import dist
 from accord.engine.base import unique_entries
 from accord.engine.state import (
-    MODEL,
-    OPTIM,
-    WRITE_BUFFER_BYTES,
-    PendingWrite,
-    SaveEntry,
-    load_schedule,
-    read_whole,
-    save_parts,
-    save_schedule,
-    stored_keys,
-    write_in_parts,
-    write_sharded,
+    MODEL, OPTIM, WRITE_BUFFER_BYTES, PendingWrite, SaveEntry, load_schedule, read_whole, save_parts, save_schedule, stored_keys, write_in_parts, write_sharded,
 )
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
