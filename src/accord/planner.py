@@ -169,8 +169,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
       being serialised; checkpoint.async first copies this rank's state to host memory.
       DeepSpeed gathers each tensor whole and its owner keeps it in host memory until written:
       a part of at most WRITE_BUFFER_BYTES (or one entry) per rank at a time, or under
-      checkpoint.async its whole share (12 bytes per parameter / world), copied once more by
-      DCP's background write.
+      checkpoint.async its whole share (12 bytes per parameter / world), which DCP's background
+      write copies once more where torch's async_save cannot be told not to.
     - export: the state at rest and the tensor being gathered; the writing rank's current
       safetensors shard (its tensors, and their bytes as they are written) is host memory.
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
@@ -214,11 +214,12 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         resume = build + O + G + largest
     staged = at_rest if recipe.checkpoint.async_ and cpu else 0.0
     if strategy in ("zero2", "zero3") or (strategy == "zero1" and not _torch_zero1(recipe)):  # DeepSpeed
-        from accord.engine.state import WRITE_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
+        from accord.engine.state import ASYNC_WRITES_OWNED, WRITE_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
 
         share = 3 * whole / world  # fp32 weights and both moments, each tensor kept by one rank
         kept = share if recipe.checkpoint.async_ else min(share, max(WRITE_BUFFER_BYTES, 2 * largest))
-        staged = (2 * kept if recipe.checkpoint.async_ else kept) if cpu else 0.0
+        copies = 2 if recipe.checkpoint.async_ and not ASYNC_WRITES_OWNED else 1  # DCP's staging copy
+        staged = copies * kept if cpu else 0.0
     checkpoint = max(train, at_rest + largest + staged)
     # The shard's tensors, and part of their bytes while safetensors writes them (1.36x the shard measured, on the CPU).
     export = at_rest + largest + (1.5 * min(SHARD_BYTES, whole) if cpu else 0.0)

@@ -88,7 +88,8 @@ class DeepSpeedState:
         write in parallel. Synchronous: in parts of at most WRITE_BUFFER_BYTES per rank (or
         one tensor), each written before the next is gathered. Asynchronous: training goes on
         while the files are written, with every tensor gathered by then, so a rank holds its
-        whole share (12 bytes per parameter / world: weights and AdamW moments) until written."""
+        whole share (12 bytes per parameter / world: weights and AdamW moments) until written
+        (once: DCP is told not to copy it again, where this torch can be)."""
         step = self._step_count()  # None before the first applied update (e.g. an fp16 overflow)
         if step is not None:
             self._link_optimizer_state()
@@ -97,7 +98,7 @@ class DeepSpeedState:
         entries = self._entries(tensors, with_optimizer=step is not None)
         parts = save_parts(entries, world, None if asynchronous else WRITE_BUFFER_BYTES)
         states = (self._gather(tensors, part, rank, step) for part in parts)
-        pending = write_sharded(next(states), folder, asynchronous=True) if asynchronous else write_in_parts(states, folder)
+        pending = write_sharded(next(states), folder, asynchronous=True, owned=True) if asynchronous else write_in_parts(states, folder)
         if writer:
             extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)

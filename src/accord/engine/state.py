@@ -20,6 +20,7 @@ rate of each group is the scheduler's last one, restored from it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import threading
@@ -34,6 +35,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, Metadata, SavePlan
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 STATE_DIR = "state"
@@ -48,6 +50,9 @@ READ_BUFFER_BYTES = 256 * 2**20
 # write_in_parts). At 64 MiB a 150M-parameter zero3 checkpoint stayed within the training peak
 # on the CPU at worlds 1, 2 and 4; at 256 MiB it added 0.34 GiB at world 1 (README).
 WRITE_BUFFER_BYTES = 64 * 2**20
+# Whether dcp.async_save can be given a stager (torch 2.8 or so): without one it copies the
+# tensors, which a write of tensors made for it alone (write_sharded's `owned`) does not need.
+ASYNC_WRITES_OWNED = "async_stager" in inspect.signature(dcp.async_save).parameters
 # DCP warns on every call without a process group, even when told so (no_dist), and in its
 # background writer too: a single process is meant.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -56,10 +61,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 # ------------------------------------------------------------------ writing
 
 
-def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> PendingWrite:
+def write_sharded(state: dict, folder: Path, asynchronous: bool = False, owned: bool = False) -> PendingWrite:
     """Collective: this rank's part of `state` ({"model": ..., "optim": ...}) into folder/state.
     With `asynchronous` the tensors are copied to host memory here and written by a
     background thread (its collectives on a gloo group of their own); wait on the result.
+    `owned`: they are host tensors made for this write alone (DeepSpeed's gathered share),
+    written without that copy where this torch's async_save takes a stager (ASYNC_WRITES_OWNED).
     Synchronous: written when this returns (the result is already done)."""
     writer = RecordingWriter(folder / STATE_DIR)
     if not asynchronous:
@@ -68,8 +75,24 @@ def write_sharded(state: dict, folder: Path, asynchronous: bool = False) -> Pend
         done.set_result(None)
         return PendingWrite(done, writer)
     group = _checkpoint_group()
-    started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not tdist.is_initialized())
+    stager = {"async_stager": _AsIs()} if owned and ASYNC_WRITES_OWNED else {}
+    started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not tdist.is_initialized(), **stager)
     return PendingWrite(started, writer, group)
+
+
+class _AsIs(AsyncStager):
+    """DCP's staging step for tensors nothing else will change: hands them on as they are."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
