@@ -9,7 +9,9 @@ the run's own `memory` records in metrics.jsonl (RSS high-water mark on the CPU,
 max_memory_allocated on a GPU). It prints, per phase, the largest rank's peak and the host
 total (sum over ranks), next to the unsharded training state (16 bytes per parameter: fp32
 weights, gradients and two AdamW moments) and each process's empty-run baseline (the same
-launch with a tiny model). A table, not a test: 4 processes on 2 cores is fine for memory.
+launch with a tiny model), then how long the first checkpoint blocked training against the
+training step before it (a ratio within one run). A table, not a test: 4 processes on 2
+cores is fine for memory.
 """
 
 from __future__ import annotations
@@ -83,6 +85,19 @@ def peaks(out: Path) -> dict[str, list[float]]:
     return found
 
 
+def checkpoint_wait(out: Path) -> tuple[float, float] | None:
+    """The first checkpoint's blocking time (s, from its record) and the training step before
+    it (s): a ratio within one run, comparable between loaded runs."""
+    step_seconds = None
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "throughput":
+            step_seconds = record["seconds_per_step"]
+        elif record["kind"] == "checkpoint" and "seconds" in record and step_seconds:
+            return record["seconds"], step_seconds
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1536)
@@ -112,7 +127,7 @@ def main() -> None:
             seconds = accord("train", str(big), *common, f"output.dir={out}", "--overwrite")
             seconds += accord("train", str(big), *common, f"output.dir={out}", "train.max_steps=3", "--resume")
             found = peaks(out)
-            rows.append((strategy, world, baseline, found, seconds))
+            rows.append((strategy, world, baseline, found, out))
             print(f"  {strategy} x{world}: done in {seconds:.0f} s", flush=True)
 
     header = f"{'strategy':8} {'world':>5} {'baseline':>9} " + " ".join(f"{p + ' max':>14} {'total':>7}" for p in PHASES) + f" {'vs state+base':>13}"
@@ -129,6 +144,10 @@ def main() -> None:
         print(f"{strategy:8} {world:>5} {baseline:>9.2f} " + " ".join(cells) + f" {worst_total / budget:>12.2f}x")
     print("GiB; 'max' is the largest rank's peak up to the end of the phase, 'total' the sum over ranks;")
     print(f"'vs state+base' is the largest host total over 1.3 x the unsharded state ({state_gib:.2f} GiB) plus world x baseline (target <= 1.00x).")
+    for strategy, world, _, _, out in rows:
+        wait = checkpoint_wait(out)
+        if wait:
+            print(f"{strategy} x{world}: the checkpoint blocked training {wait[0]:.1f} s = {wait[0] / wait[1]:.1f} x the step before it ({wait[1]:.1f} s)")
     for strategy in args.strategies:
         by_world = {w: max(max(v) for v in f.values()) for s, w, _, f, _ in rows if s == strategy}
         if 2 in by_world and 4 in by_world:

@@ -241,3 +241,49 @@ def test_a_checkpoint_taken_in_another_data_order_is_refused_in_one_line(tmp_pat
     assert line is not None and "\n" not in line and str(folder) in line and "another data order" in line
     unshuffled = validate_recipe(TINY_RECIPE | {"data": TINY_RECIPE["data"] | {"shuffle": False}})
     assert order_change(folder, unshuffled) is None  # the file order never changed
+
+
+def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
+    """DeepSpeed's save gathers whole tensors: it writes them in parts (save_parts: no rank
+    keeps more than the budget, or one tensor), one DCP call each, under one index that every
+    reader (read_whole: DeepSpeed; read_into: the torch strategies) reads as a single write."""
+    import torch
+
+    from accord.engine.state import MODEL, OPTIM, SaveEntry, read_into, read_whole, save_parts, state_problems, stored_keys, write_in_parts, write_sharded
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"embed": (8, 16), "a": (16, 16), "b": (16,), "c": (32, 16), "head": (4, 16)}
+    model = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    optim = {name: {"exp_avg": torch.randn(shape, generator=generator), "exp_avg_sq": torch.rand(shape, generator=generator), "step": torch.tensor(3.0)}
+             for name, shape in shapes.items()}
+    entries = [SaveEntry(MODEL, name, 4 * tensor.numel()) for name, tensor in model.items()]
+    entries += [SaveEntry(OPTIM, name, 8 * model[name].numel()) for name in model]
+    budget = 3 * 4 * 16 * 16
+    for world in (1, 3):
+        planned = save_parts(entries, world, budget)
+        assert [(owner, entry) for part in planned for owner, entry in part] == [(i % world, e) for i, e in enumerate(entries)]  # in order, round-robin
+        for part, rank in ((part, rank) for part in planned for rank in range(world)):
+            held = [entry.nbytes for owner, entry in part if owner == rank]
+            assert len(held) <= 1 or sum(held) <= budget
+    parts = save_parts(entries, 1, budget)
+    assert len(parts) > 2 and len(save_parts(entries, 1, None)) == 1
+
+    def part_states():
+        for part in parts:
+            yield {MODEL: {e.name: model[e.name] for _, e in part if e.kind == MODEL}, OPTIM: {e.name: optim[e.name] for _, e in part if e.kind == OPTIM}}
+
+    streamed, whole = tmp_path / "parts", tmp_path / "whole"
+    write_in_parts(part_states(), streamed).result()
+    write_sharded({MODEL: model, OPTIM: optim}, whole).result()
+    assert state_problems(streamed) == []
+    assert len(list((streamed / "state").glob("*.distcp"))) == len(parts)
+    assert stored_keys(streamed) == stored_keys(whole)
+    keys = list(stored_keys(whole))
+    read = {key: value for batch in read_whole(streamed, keys, stored_keys(streamed)) for key, value in batch.items()}
+    expected = {key: value for batch in read_whole(whole, keys, stored_keys(whole)) for key, value in batch.items()}
+    assert read.keys() == expected.keys() and all(torch.equal(read[key], expected[key]) for key in keys)
+    into = {MODEL: {name: torch.zeros_like(t) for name, t in model.items()},
+            OPTIM: {name: {k: torch.zeros_like(v) for k, v in o.items()} for name, o in optim.items()}}
+    read_into(into, streamed)
+    assert all(torch.equal(into[MODEL][name], model[name]) for name in model)
+    assert all(torch.equal(into[OPTIM][name][k], optim[name][k]) for name in optim for k in optim[name])

@@ -157,7 +157,9 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     - build: a sharded strategy (fsdp, zero3) builds on the meta device and initialises or
       loads one module at a time, whole (accord.weights); DDP allocates its gradient
       buckets (gradients are views into them) when it wraps the model; DeepSpeed ZeRO-1/2
-      copies the parameters into flat fp32 groups and its master partition.
+      copies the parameters into flat fp32 groups and its master partition. ZeRO-3 then
+      copies its partitions into one flat buffer (both exist until the copy ends) and creates
+      AdamW's moments at initialisation, not at step 1.
     - train: gradients, AdamW's moments (created at step 1), the micro-batch's activations
       and what a sharded strategy gathers: the root's parameters (kept from forward to
       backward) and two layers' (the one running and the one prefetched), plus the running
@@ -165,6 +167,10 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
       at a time (one tensor's temporary); on a GPU its fused kernel needs none.
     - checkpoint: the state at rest (gradients are freed after each step) and one tensor
       being serialised; checkpoint.async first copies this rank's state to host memory.
+      DeepSpeed gathers each tensor whole and its owner keeps it in host memory until written:
+      a part of at most WRITE_BUFFER_BYTES (or one entry) per rank at a time, or under
+      checkpoint.async its whole share (12 bytes per parameter / world), which DCP's background
+      write copies once more where torch's async_save cannot be told not to.
     - export: the state at rest and the tensor being gathered; the writing rank's current
       safetensors shard (its tensors, and their bytes as they are written) is host memory.
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
@@ -194,15 +200,26 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         build = P + buckets
         train = P + G + O + max(activations, update)
         resume = build + O + (G - buckets) + largest  # measured: the zero step adds nothing beside DDP's buckets
-    elif sharded:
+    elif strategy == "fsdp":
         build = P + module_buffer
         train = P + G + O + M + max(activations + gathered, update)
         resume = build + O + M + G + largest
+    elif sharded:  # zero3
+        build = P + max(module_buffer, P, O)  # live bytes: the flattening copy, then AdamW beside the flat partitions
+        train = P + G + O + M + max(activations + gathered, update)
+        resume = P + O + M + G + largest
     else:  # DeepSpeed ZeRO-1/2: flat fp32 groups beside the module's parameters
         build = P + M + (P if compute == 4 else 0.0)
         train = P + G + O + M + max(activations, update)
         resume = build + O + G + largest
     staged = at_rest if recipe.checkpoint.async_ and cpu else 0.0
+    if strategy in ("zero2", "zero3") or (strategy == "zero1" and not _torch_zero1(recipe)):  # DeepSpeed
+        from accord.engine.state import ASYNC_WRITES_OWNED, WRITE_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
+
+        share = 3 * whole / world  # fp32 weights and both moments, each tensor kept by one rank
+        kept = share if recipe.checkpoint.async_ else min(share, max(WRITE_BUFFER_BYTES, 2 * largest))
+        copies = 2 if recipe.checkpoint.async_ and not ASYNC_WRITES_OWNED else 1  # DCP's staging copy
+        staged = copies * kept if cpu else 0.0
     checkpoint = max(train, at_rest + largest + staged)
     # The shard's tensors, and part of their bytes while safetensors writes them (1.36x the shard measured, on the CPU).
     export = at_rest + largest + (1.5 * min(SHARD_BYTES, whole) if cpu else 0.0)

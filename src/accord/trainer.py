@@ -185,8 +185,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         self.log.write(memory_record(self.step, "train", self.engine.device))
+        start = time.perf_counter()
         folder = self.schedule.save(self.run, self.step)
-        self.log.write({"kind": "checkpoint", "step": self.step, "path": str(folder)})
+        # How long training waited for it (with checkpoint.async: until the write went to the background).
+        blocked = time.perf_counter() - start
+        self.log.write({"kind": "checkpoint", "step": self.step, "path": str(folder), "seconds": round(blocked, 3)})
         self.log.write(memory_record(self.step, "checkpoint", self.engine.device))
         self.log.restart_clock()
         return folder

@@ -13,7 +13,7 @@ attribute and the installed version, instead of a checkpoint silently missing st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from torch import nn
 
 from accord import dist
 from accord.engine.base import unique_entries
-from accord.engine.state import MODEL, OPTIM, PendingWrite, load_schedule, read_whole, save_schedule, stored_keys, write_sharded
+from accord.engine.state import (
+    MODEL, OPTIM, WRITE_BUFFER_BYTES, PendingWrite, SaveEntry, load_schedule, read_whole, save_parts, save_schedule, stored_keys, write_in_parts, write_sharded,
+)
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # The DeepSpeed releases (major, minor) whose internals this module was written against.
@@ -82,36 +84,68 @@ class DeepSpeedState:
     def save(self, folder: Path, writer: bool, scheduler: torch.optim.lr_scheduler.LRScheduler, asynchronous: bool = False) -> PendingWrite | None:
         """Collective: the layout every strategy writes (engine.state), from DeepSpeed's
         partitions. DeepSpeed has no per-name shards, so each tensor is gathered whole, one at
-        a time, and kept only by the rank that writes it (round-robin by name): a rank holds
-        1/world of the whole model and its AdamW moments, and the ranks write in parallel."""
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        owner = _round_robin(rank, world)
-        model: dict[str, torch.Tensor] = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            value = self._full_param(tensor) if isinstance(tensor, nn.Parameter) else tensor
-            if owner():
-                model[name] = value.detach().float().cpu().clone() if isinstance(tensor, nn.Parameter) else value.detach().cpu().clone()
-            del value
-        optim: dict[str, dict[str, torch.Tensor]] = {}
+        a time, and kept only by the rank that writes it (round-robin by name), and the ranks
+        write in parallel. Synchronous: in parts of at most WRITE_BUFFER_BYTES per rank (or
+        one tensor), each written before the next is gathered. Asynchronous: training goes on
+        while the files are written, with every tensor gathered by then, so a rank holds its
+        whole share (12 bytes per parameter / world: weights and AdamW moments) until written
+        (once: DCP is told not to copy it again, where this torch can be)."""
         step = self._step_count()  # None before the first applied update (e.g. an fp16 overflow)
         if step is not None:
             self._link_optimizer_state()
-            params = dict(self.module.named_parameters())
-            for name in (name for names in self.group_names for name in names):
-                keep = owner()
-                entry = {"step": torch.tensor(step, dtype=torch.float32)}
-                for key in ADAM_STATE_KEYS:
-                    value = safe_get_full_optimizer_state(params[name], key)  # collective
-                    if keep:
-                        entry[key] = value.detach().float().cpu().clone()
-                    del value
-                if keep:
-                    optim[name] = entry
-        pending = write_sharded({MODEL: model, OPTIM: optim}, folder, asynchronous)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        tensors = self.module.state_dict(keep_vars=True)
+        entries = self._entries(tensors, with_optimizer=step is not None)
+        parts = save_parts(entries, world, None if asynchronous else WRITE_BUFFER_BYTES)
+        states = (self._gather(tensors, part, rank, step) for part in parts)
+        pending = write_sharded(next(states), folder, asynchronous=True, owned=True) if asynchronous else write_in_parts(states, folder)
         if writer:
             extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)
         return pending
+
+    def _entries(self, tensors: dict[str, torch.Tensor], with_optimizer: bool) -> list[SaveEntry]:
+        """What a checkpoint holds, in the order every rank gathers it: each state-dict entry,
+        then each trainable parameter's AdamW moments."""
+        entries = []
+        for name, tensor in tensors.items():
+            if isinstance(tensor, nn.Parameter):  # saved as fp32, whatever the working copy's dtype
+                entries.append(SaveEntry(MODEL, name, 4 * _numel(tensor)))
+            else:
+                entries.append(SaveEntry(MODEL, name, tensor.numel() * tensor.element_size()))
+        if with_optimizer:
+            params = dict(self.module.named_parameters())
+            entries += [SaveEntry(OPTIM, name, 4 * len(ADAM_STATE_KEYS) * _numel(params[name])) for names in self.group_names for name in names]
+        return entries
+
+    def _gather(self, tensors: dict[str, torch.Tensor], part: list[tuple[int, SaveEntry]], rank: int, step: float | None) -> dict:
+        """Collective: one part's tensors (of `tensors`, the state dict) gathered whole in
+        turn; this rank keeps those it owns."""
+        params = dict(self.module.named_parameters())
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for owner, entry in part:
+            keep = owner == rank
+            if entry.kind == MODEL:
+                tensor = tensors[entry.name]
+                if not isinstance(tensor, nn.Parameter):  # a buffer: never partitioned
+                    if keep:
+                        model[entry.name] = tensor.detach().cpu().clone()
+                    continue
+                value = self._full_param(tensor)  # collective
+                if keep:
+                    model[entry.name] = value.detach().float().cpu().clone()
+                del value
+                continue
+            state = {"step": torch.tensor(step, dtype=torch.float32)}
+            for key in ADAM_STATE_KEYS:
+                value = safe_get_full_optimizer_state(params[entry.name], key)  # collective
+                if keep:
+                    state[key] = value.detach().float().cpu().clone()
+                del value
+            if keep:
+                optim[entry.name] = state
+        return {MODEL: model, OPTIM: optim}
 
     def _step_count(self) -> float | None:
         for state in self.base.state.values():
@@ -234,7 +268,6 @@ def _written_for() -> str:
     return f"{low_major}.{low_minor} to {high_major}.{high_minor}.x"
 
 
-def _round_robin(rank: int, world: int) -> Callable[[], bool]:
-    """Called once per tensor, in the same order on every rank: True on the rank that keeps it."""
-    counter = iter(range(2**62))
-    return lambda: next(counter) % world == rank
+def _numel(param: nn.Parameter) -> int:
+    """Elements of the whole parameter (ZeRO-3 leaves an empty tensor in a partitioned one)."""
+    return int(getattr(param, "ds_numel", param.numel()))
