@@ -174,6 +174,19 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return (picked * mask).sum(-1)
 
 
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts, add_special_tokens=False)["input_ids"]`, faster: a fast tokenizer's
+    backend encodes ids only (`encode_batch_fast` computes no offsets, about half the time
+    of tokenizing), and no attention masks are built. The plain call where the backend lacks
+    it or is set up differently from what that call would set (truncation, padding, special
+    tokens split): the same ids either way."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None or backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [encoding.ids for encoding in fast(texts, add_special_tokens=False)]
+
+
 def text_prefix(tokenizer, policy: str = "auto") -> list[int]:
     """The ids accord puts in front of a text (data.add_bos): `auto` what the tokenizer's own
     policy puts there (`tokenizer(text)` minus `tokenizer(text, add_special_tokens=False)`:
