@@ -13,7 +13,9 @@ mixture of two JSONL sources weighted 1:3 — it runs, each as its own program:
 - `accord train` for one step on the prepared cache (2 CPU processes, a tiny Llama): seconds
   to the end of the first step and the largest process's peak RSS;
 - the data side of a resume at 90% of an epoch (rows, order, the global batch fetched);
-- datasets.map(num_proc=2) + TRL's pack_dataset (bfd) on the same corpus, as the baseline.
+- datasets.map(num_proc=2) + TRL's pack_dataset (bfd) on the same corpus (a mixture drawn
+  as accord draws it), as the baseline; MB per CPU second of each process tree, and each
+  side's throughput per core against the baseline's (target >= 0.8).
 Prints one Markdown table. Timings on a shared machine: quote the load average with them.
 """
 
