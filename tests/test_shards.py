@@ -199,15 +199,19 @@ def test_unpacked_rows_read_lengths_from_the_mapped_offsets_not_an_array_per_exa
     assert rows.lengths.sum() == 1000 and np.asarray(rows.lengths).tolist() == [16] * 62 + [8]
 
 
-def test_token_ids_are_the_plain_calls_ids_with_merges_specials_and_a_backend_left_truncating():
+def test_token_ids_are_the_plain_calls_ids_with_merges_specials_a_backend_left_truncating_and_an_own_encoding():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [_text(i, 40) + (" <|eos|> x" if i % 2 else "") for i in range(6)] + [""]
+    class Lowering(PreTrainedTokenizerFast):  # a model's tokenizer that encodes its own way
+        def _encode_plus(self, text, **kwargs):
+            return super()._encode_plus(text=[t.lower() for t in text], **kwargs)
+
+    texts = [_text(i, 40) + (" <|eos|> X" if i % 2 else "") for i in range(6)] + [""]
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|eos|>"], show_progress=False))
-    for tokenizer in (build_byte_tokenizer(), PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eos|>")):
+    for tokenizer in (build_byte_tokenizer(), PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eos|>"), Lowering(tokenizer_object=bpe)):
         plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
         assert token_ids(tokenizer, texts) == plain
         tokenizer.backend_tokenizer.enable_truncation(8)  # as a tokenizer.json saved with truncation
