@@ -20,7 +20,7 @@ from accord.data.shards import ShardWriter, TokenShards
 from accord.models import build_byte_tokenizer
 from accord.recipe import validate_recipe
 from accord.tasks import build_task
-from accord.tasks.base import IGNORE, text_prefix
+from accord.tasks.base import IGNORE, text_prefix, token_ids
 from conftest import TINY_RECIPE, write_recipe
 
 WORDS = "the of and to in a that was he she it with for as his her on be at by had not but from".split()
@@ -197,3 +197,22 @@ def test_unpacked_rows_read_lengths_from_the_mapped_offsets_not_an_array_per_exa
     assert not isinstance(rows.lengths, np.ndarray) and np.shares_memory(rows.targets, shards.num_targets)
     assert rows.lengths[np.array([0, 62])].tolist() == [16, 8] and rows.lengths[-1] == 8
     assert rows.lengths.sum() == 1000 and np.asarray(rows.lengths).tolist() == [16] * 62 + [8]
+
+
+def test_token_ids_are_the_plain_calls_ids_with_merges_specials_a_backend_left_truncating_and_an_own_encoding():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    class Lowering(PreTrainedTokenizerFast):  # a model's tokenizer that encodes its own way
+        def _encode_plus(self, text, **kwargs):
+            return super()._encode_plus(text=[t.lower() for t in text], **kwargs)
+
+    texts = [_text(i, 40) + (" <|eos|> X" if i % 2 else "") for i in range(6)] + [""]
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|eos|>"], show_progress=False))
+    for tokenizer in (build_byte_tokenizer(), PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eos|>"), Lowering(tokenizer_object=bpe)):
+        plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        assert token_ids(tokenizer, texts) == plain
+        tokenizer.backend_tokenizer.enable_truncation(8)  # as a tokenizer.json saved with truncation
+        assert token_ids(tokenizer, texts) == plain

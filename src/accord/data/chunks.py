@@ -236,26 +236,29 @@ def _encode_unit(payload: Any, path: Path) -> None:
 
 
 def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.ndarray]:
-    encoded = task.tokenizer([text for text, _, _ in pieces], add_special_tokens=False)["input_ids"]
+    from accord.tasks.base import token_ids
+
+    dtype = id_dtype(len(task.tokenizer))  # the shards' dtype: a chunk is a quarter of int64's bytes
+    prefix, eos = np.asarray(task.prefix, dtype=dtype), np.asarray([task.eos_id], dtype=dtype)
     parts, lengths = [], []
-    for ids, (_, starts, ends) in zip(encoded, pieces):
-        seq = (task.prefix if starts else []) + ids + ([task.eos_id] if ends else [])
-        parts.append(np.asarray(seq, dtype=np.int64))
-        lengths.append(len(seq))
+    for ids, (_, starts, ends) in zip(token_ids(task.tokenizer, [text for text, _, _ in pieces]), pieces):
+        ids = np.asarray(ids, dtype=dtype)  # one conversion per piece, not per token
+        parts += [prefix] * starts + [ids] + [eos] * ends
+        lengths.append(len(prefix) * starts + len(ids) + ends)
     flags = np.array([[s, e] for _, s, e in pieces], dtype=bool).reshape(-1, 2)
-    return {"tokens": np.concatenate(parts), "lengths": np.asarray(lengths, dtype=np.int64), "flags": flags}
+    return {"tokens": np.concatenate(parts) if parts else np.zeros(0, dtype=dtype), "lengths": np.asarray(lengths, dtype=np.int64), "flags": flags}
 
 
 def _encode_rows(task, batch: dict[str, list]) -> dict[str, np.ndarray]:
     from accord.tasks.base import IGNORE
 
     out = task.encode_batch(batch)
-    ids = [np.asarray(x, dtype=np.int64) for x in out["input_ids"]]
+    dtype = id_dtype(len(task.tokenizer))
+    ids = [np.asarray(x, dtype=dtype) for x in out["input_ids"]]
     labels = [np.asarray(x, dtype=np.int64) for x in out["labels"]]
-    empty = np.zeros(0, dtype=np.int64)
     return {
-        "tokens": np.concatenate(ids) if ids else empty,
-        "mask": np.concatenate(labels) != IGNORE if labels else empty.astype(bool),
+        "tokens": np.concatenate(ids) if ids else np.zeros(0, dtype=dtype),
+        "mask": np.concatenate(labels) != IGNORE if labels else np.zeros(0, dtype=bool),
         "lengths": np.asarray(out["length"], dtype=np.int64),
         "num_targets": np.asarray(out["num_targets"], dtype=np.int64),
         "over": np.asarray(out["over_length"], dtype=bool),

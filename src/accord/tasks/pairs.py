@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from accord.tasks.base import IGNORE, pad_rows
+from accord.tasks.base import IGNORE, pad_rows, token_ids
 
 
 def encode_pairs(tokenizer, batch: dict[str, list], prefix: list[int], ending: list[int], max_length: int, labels: bool) -> dict[str, list]:
@@ -19,7 +19,7 @@ def encode_pairs(tokenizer, batch: dict[str, list], prefix: list[int], ending: l
     `ending` per side, one pair a target. An over-long pair keeps the end of its prompt
     (what the answer follows) after the prefix, then cuts the answers. `labels`: also the
     answer tokens as labels (IGNORE over the prompt), for methods that score log-probabilities."""
-    tok = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    tok = lambda texts: token_ids(tokenizer, texts)  # noqa: E731
     sides = ("chosen", "rejected")
     columns = [f"{s}_input_ids" for s in sides] + ([f"{s}_labels" for s in sides] if labels else [])
     out: dict[str, list] = {k: [] for k in columns + ["num_targets", "length", "over_length"]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accord.tasks.base import IGNORE, text_prefix
+from accord.tasks.base import IGNORE, text_prefix, token_ids
 from accord.tasks.causal import CausalLMTask
 
 # Documents joined per group before cutting blocks: bounded memory, and only the last
@@ -35,7 +35,7 @@ class PretrainTask(CausalLMTask):
         return super().settings() | {"join_documents": self.join, "add_bos": self.add_bos, "prefix": self.prefix}
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
-        docs = [self.prefix + ids + [self.eos_id] for ids in self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
+        docs = [self.prefix + ids + [self.eos_id] for ids in token_ids(self.tokenizer, batch["text"])]
         if self.join:
             return {"input_ids": docs}  # blocks are cut in regroup()
         return _rows([d[: self.max_length] for d in docs], over=[len(d) > self.max_length for d in docs])

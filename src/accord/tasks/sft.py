@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from accord.data.sources import DataError, check_columns
-from accord.tasks.base import IGNORE, PADDING, text_prefix
+from accord.tasks.base import IGNORE, PADDING, text_prefix, token_ids
 from accord.tasks.causal import CausalLMTask
 
 
@@ -71,14 +71,14 @@ class SFTTask(CausalLMTask):
         ]
 
     def _tokens(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return token_ids(self.tokenizer, [text])[0]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         if self.chat:
             pairs = [self._encode_chat(messages) for messages in batch["messages"]]
         else:
-            prompts = self.tokenizer(batch["prompt"], add_special_tokens=False)["input_ids"]
-            completions = self.tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
+            prompts = token_ids(self.tokenizer, batch["prompt"])
+            completions = token_ids(self.tokenizer, batch["completion"])
             pairs = [self._encode_pair(p, c) for p, c in zip(prompts, completions)]
         out: dict[str, list] = {"input_ids": [], "labels": [], "num_targets": [], "length": [], "over_length": []}
         for ids, labels in pairs:
