@@ -271,6 +271,42 @@ def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
     assert encoded["prompt_ids"][0] == task.prefix + tokenizer(expected, add_special_tokens=False)["input_ids"]
 
 
+SEEN: list[tuple[str, str]] = []
+
+
+def record_completion(prompts, completions, **columns):
+    SEEN.extend(zip(prompts, completions))
+    return [0.0] * len(completions)
+
+
+def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone():
+    """Held-out prompts of one length share a generate call: each completion is the one greedy
+    decoding gives the prompt alone; padding rows (which keep ranks in step) are not scored."""
+    from accord.models import build_tokenizer
+    from accord.recipe import ModelConfig
+    from accord.tasks.base import PADDING
+
+    tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
+    model = _tiny_llama(vocab=len(tokenizer))
+    task = GRPOTask(tokenizer, _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}]))
+    prompts = ["1+2=", "13+4=", "5+6=", "99+9=", "7+8=", "40+1="]
+    rows = [{k: v[0] for k, v in task.encode_batch({"prompt": [p], "completion": ["0"]}).items()} for p in prompts]
+    rows.append({**rows[0], PADDING: True})
+
+    def alone(row) -> str:
+        ids = torch.tensor([row["prompt_ids"]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=task.pad_id, eos_token_id=task.eos_id, temperature=None, top_p=None, top_k=None)[0, ids.shape[1] :].tolist()
+        out = out[: out.index(task.eos_id)] if task.eos_id in out else out
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    SEEN.clear()
+    sums = task.evaluate_generation(model, rows, torch.device("cpu"), 6)
+    assert sums["count"] == len(prompts)
+    assert sorted(SEEN) == sorted((p, alone(row)) for p, row in zip(prompts, rows))
+    assert len({c for _, c in SEEN}) > 1, "a model that writes one completion for every prompt tests nothing"
+
+
 # ---------------------------------------------------------------- runs (slow tier)
 
 GRPO_RUN = {

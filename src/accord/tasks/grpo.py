@@ -312,22 +312,30 @@ class GRPOTask(Task):
 
     @torch.no_grad()
     def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
-        """Greedy completion of each held-out prompt, scored by each reward function (unweighted)."""
+        """Greedy completion of each held-out prompt, scored by each reward function (unweighted).
+        Prompts of one length share a `generate` call (no padding, so each row's completion is
+        its own, up to floating-point differences between batch shapes); under lockstep every
+        rank must call generate equally often, so there each row has its own call."""
         sums = {name: 0.0 for name in self.rewards.names} | {"count": 0.0}
-        for row in rows:
-            ids = torch.tensor([row["prompt_ids"]], device=device)
+        if lockstep:
+            calls = [[i] for i in range(len(rows))]
+        else:
+            scored = [i for i, row in enumerate(rows) if not row.get(PADDING)]  # padding rows only keep ranks in step
+            calls = [[scored[k] for k in call] for call in _same_length_calls([len(rows[i]["prompt_ids"]) for i in scored], EVAL_PROMPTS_PER_CALL)]
+        for call in calls:
+            ids = torch.tensor([rows[i]["prompt_ids"] for i in call], device=device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
                                  pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=lockstep, temperature=None, top_p=None, top_k=None)
-            if row.get(PADDING):
-                continue
-            completion = out[0, ids.shape[1] :].tolist()
-            completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
-            raw = json.loads(row[ROW])
-            text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
-            scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
-            for name, value in zip(self.rewards.names, scores[:, 0].tolist()):
-                sums[name] += value
-            sums["count"] += 1
+            for i, completion in zip(call, out[:, ids.shape[1] :].tolist()):
+                if rows[i].get(PADDING):
+                    continue
+                completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
+                raw = json.loads(rows[i][ROW])
+                text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
+                scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
+                for name, value in zip(self.rewards.names, scores[:, 0].tolist()):
+                    sums[name] += value
+                sums["count"] += 1
         return sums
 
     def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
@@ -370,11 +378,13 @@ def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
 
 # Prompts sampled in one `generate` call at most (their groups' KV caches exist together).
 PROMPTS_PER_CALL = 16
+# Held-out prompts completed greedily in one call (one sequence each, not a group).
+EVAL_PROMPTS_PER_CALL = 64
 
 
-def _same_length_calls(lengths: list[int]) -> list[list[int]]:
-    """Indices of prompts grouped by length, in order, at most PROMPTS_PER_CALL a call."""
+def _same_length_calls(lengths: list[int], per_call: int = PROMPTS_PER_CALL) -> list[list[int]]:
+    """Indices of prompts grouped by length, in order, at most `per_call` a call."""
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)
-    return [same[k : k + PROMPTS_PER_CALL] for same in by_length.values() for k in range(0, len(same), PROMPTS_PER_CALL)]
+    return [same[k : k + per_call] for same in by_length.values() for k in range(0, len(same), per_call)]
