@@ -198,16 +198,17 @@ class GRPOTask(Task):
                 temperature=c.temperature, top_p=c.top_p, eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
             )
             completions.update(zip(call, groups))
-        return [self._rollout(model, rows[i], completions[i]) for i in range(len(rows))]
-
-    def _rollout(self, model: nn.Module, row: dict, completions: list[list[int]]) -> Rollout:
-        c = self.cfg
-        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
-        rollout = Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
+        rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
         if c.num_iterations > 1 or self._has_reference:
-            old, rollout.ref_logps = self._logps(model, rollout)
-            rollout.old_logps = old if c.num_iterations > 1 else None
-        return rollout
+            # Several groups per forward pass (every rank holds the same number of prompts, so
+            # under lockstep every rank makes the same number of passes).
+            for k in range(0, len(rollouts), PROMPTS_PER_CALL):
+                self._add_logps(model, rollouts[k : k + PROMPTS_PER_CALL])
+        return rollouts
+
+    def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
+        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
+        return Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
 
     def _score(self, r: Rollout, row_id: int) -> None:
         r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id))
@@ -221,22 +222,27 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _logps(self, model: nn.Module, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probabilities of the group's completions under the sampling policy
-        and the reference, over completion positions (G, longest completion)."""
-        batch = self._collate_groups([rollout], with_logps=False)
-        plen, width = len(rollout.prompt_ids), max(len(c) for c in rollout.completions)
+    def _add_logps(self, model: nn.Module, rollouts: list[Rollout]) -> None:
+        """Per-token log-probabilities of these groups' completions, over each group's
+        completion positions (G, its longest completion): under the sampling policy when a
+        generation batch serves several steps (num_iterations > 1), under the reference when
+        beta > 0. One right-padded forward pass for all the groups."""
+        batch = self._collate_groups(rollouts, with_logps=False)
         ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
-        old = token_logprobs(model, ids, mask, self.cfg.temperature)[:, plen - 1 : plen - 1 + width].cpu()
+        old = token_logprobs(model, ids, mask, self.cfg.temperature).cpu() if self.cfg.num_iterations > 1 else None
         ref = None
         if self._has_reference:
             if self.reference is not None:
-                ref = token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+                ref = token_logprobs(self.reference, ids, mask, self.cfg.temperature).cpu()
             else:
                 with _adapters_off(model):
-                    ref = token_logprobs(model, ids, mask, self.cfg.temperature)
-            ref = ref[:, plen - 1 : plen - 1 + width].cpu()
-        return old, ref
+                    ref = token_logprobs(model, ids, mask, self.cfg.temperature).cpu()
+        row = 0
+        for r in rollouts:
+            plen, width, rows = len(r.prompt_ids), max(len(c) for c in r.completions), slice(row, row + len(r.completions))
+            r.old_logps = None if old is None else old[rows, plen - 1 : plen - 1 + width]
+            r.ref_logps = None if ref is None else ref[rows, plen - 1 : plen - 1 + width]
+            row += len(r.completions)
 
     @property
     def _device(self) -> torch.device:
