@@ -152,10 +152,11 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
     assert change[0] > 0 and bool((change[1:] < 0).all()), change
 
 
-def test_groups_share_a_log_prob_pass_and_each_gets_its_own_completion_positions():
-    """The sampling policy's and the reference's per-token log-probabilities of several groups
-    (prompts and completions of different lengths) come from one right-padded pass each:
-    every group's (G, its longest completion) rows equal the log-probs of its sequences alone."""
+def test_a_group_gets_the_policy_and_reference_log_probs_of_its_completion_positions():
+    """The sampling policy's (num_iterations > 1) and the reference's per-token log-probs of a
+    group (completions of different lengths, right-padded): its (G, longest completion) rows
+    equal the log-probs of each sequence alone; with one step per generation batch there is
+    no policy pass (the loss's ratio is 1)."""
     model = _tiny_llama()
     reference = _tiny_llama()
     torch.nn.init.normal_(reference.lm_head.weight)  # not the policy: each pass must read its own model
@@ -163,24 +164,23 @@ def test_groups_share_a_log_prob_pass_and_each_gets_its_own_completion_positions
     raw["data"]["add_bos"] = "never"
     task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
     task.policy, task.reference = model, reference
-    groups = [([1, 5, 9], [[11, 12, 2], [13, 2]]), ([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]), ([1, 7], [[19, 2], [20, 21, 2]])]
-    rollouts = [Rollout(prompt, completions, {}, []) for prompt, completions in groups]
-    task._add_logps(model, rollouts)
+    prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
+    rollout = Rollout(prompt, completions, {}, [])
+    task._add_logps(model, rollout)
 
-    def alone(m, prompt, completion) -> torch.Tensor:
+    def alone(m, completion) -> torch.Tensor:
         with torch.no_grad():
             logps = m(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
         return logps.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
-    for r, (prompt, completions) in zip(rollouts, groups):
-        assert r.old_logps.shape == r.ref_logps.shape == (2, max(map(len, completions)))
-        for j, c in enumerate(completions):
-            assert torch.allclose(r.old_logps[j, : len(c)], alone(model, prompt, c), atol=1e-5)
-            assert torch.allclose(r.ref_logps[j, : len(c)], alone(reference, prompt, c), atol=1e-5)
-            assert not torch.allclose(r.ref_logps[j, : len(c)], r.old_logps[j, : len(c)], atol=1e-3)
-    task.cfg.num_iterations = 1  # one step per generation batch: no policy pass (the loss's ratio is 1)
-    task._add_logps(model, rollouts)
-    assert rollouts[0].old_logps is None and rollouts[0].ref_logps is not None
+    assert rollout.old_logps.shape == rollout.ref_logps.shape == (2, 4)
+    for j, c in enumerate(completions):
+        assert torch.allclose(rollout.old_logps[j, : len(c)], alone(model, c), atol=1e-5)
+        assert torch.allclose(rollout.ref_logps[j, : len(c)], alone(reference, c), atol=1e-5)
+        assert not torch.allclose(rollout.ref_logps[j, : len(c)], rollout.old_logps[j, : len(c)], atol=1e-3)
+    task.cfg.num_iterations = 1
+    task._add_logps(model, rollout)
+    assert rollout.old_logps is None and rollout.ref_logps is not None
 
 
 # ---------------------------------------------------------------- rewards and bad input

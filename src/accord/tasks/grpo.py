@@ -200,10 +200,11 @@ class GRPOTask(Task):
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
         if c.num_iterations > 1 or self._has_reference:
-            # Several groups per forward pass (every rank holds the same number of prompts, so
-            # under lockstep every rank makes the same number of passes).
-            for k in range(0, len(rollouts), PROMPTS_PER_CALL):
-                self._add_logps(model, rollouts[k : k + PROMPTS_PER_CALL])
+            # One pass per group, not several groups padded together: a group's log-probs are
+            # then the same floats on any world size (batching them across groups moved the
+            # 1- vs 2-process parameters past the invariance test's 1e-5).
+            for rollout in rollouts:
+                self._add_logps(model, rollout)
         return rollouts
 
     def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
@@ -222,27 +223,22 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _add_logps(self, model: nn.Module, rollouts: list[Rollout]) -> None:
-        """Per-token log-probabilities of these groups' completions, over each group's
-        completion positions (G, its longest completion): under the sampling policy when a
-        generation batch serves several steps (num_iterations > 1), under the reference when
-        beta > 0. One right-padded forward pass for all the groups."""
-        batch = self._collate_groups(rollouts, with_logps=False)
+    def _add_logps(self, model: nn.Module, r: Rollout) -> None:
+        """Per-token log-probabilities of the group's completions over its completion positions
+        (G, longest completion): under the sampling policy when a generation batch serves
+        several steps (num_iterations > 1; with one step the loss's ratio is 1 and needs none),
+        under the reference when beta > 0."""
+        batch = self._collate_groups([r], with_logps=False)
         ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
-        old = token_logprobs(model, ids, mask, self.cfg.temperature).cpu() if self.cfg.num_iterations > 1 else None
-        ref = None
+        columns = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + max(len(c) for c in r.completions))
+        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu() if self.cfg.num_iterations > 1 else None
+        r.ref_logps = None
         if self._has_reference:
             if self.reference is not None:
-                ref = token_logprobs(self.reference, ids, mask, self.cfg.temperature).cpu()
+                r.ref_logps = token_logprobs(self.reference, ids, mask, self.cfg.temperature)[:, columns].cpu()
             else:
                 with _adapters_off(model):
-                    ref = token_logprobs(model, ids, mask, self.cfg.temperature).cpu()
-        row = 0
-        for r in rollouts:
-            plen, width, rows = len(r.prompt_ids), max(len(c) for c in r.completions), slice(row, row + len(r.completions))
-            r.old_logps = None if old is None else old[rows, plen - 1 : plen - 1 + width]
-            r.ref_logps = None if ref is None else ref[rows, plen - 1 : plen - 1 + width]
-            row += len(r.completions)
+                    r.ref_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
 
     @property
     def _device(self) -> torch.device:
