@@ -66,6 +66,14 @@ def test_missing_model_folder(tiny_recipe, tmp_path):
     assert_clean_error(proc, "model.path: folder not found")
 
 
+def test_a_missing_run_output_names_the_run_to_train_first(tiny_recipe, tmp_path):
+    """A model.path that is another run's final/ (a recipe continuing from the quickstart's):
+    without it, the line says which run's output.dir writes that folder."""
+    missing = tmp_path / "runs" / "quickstart" / "final"
+    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={missing}", HERE)
+    assert_clean_error(proc, f"model.path: folder not found: {missing} (the final model of an accord run: train the recipe whose output.dir is {missing.parent} first)")
+
+
 def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')

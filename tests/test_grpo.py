@@ -152,6 +152,37 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
     assert change[0] > 0 and bool((change[1:] < 0).all()), change
 
 
+def test_a_group_gets_the_policy_and_reference_log_probs_of_its_completion_positions():
+    """The sampling policy's (num_iterations > 1) and the reference's per-token log-probs of a
+    group (completions of different lengths, right-padded): its (G, longest completion) rows
+    equal the log-probs of each sequence alone; with one step per generation batch there is
+    no policy pass (the loss's ratio is 1)."""
+    model = _tiny_llama()
+    reference = _tiny_llama()
+    torch.nn.init.normal_(reference.lm_head.weight)  # not the policy: each pass must read its own model
+    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04, "num_iterations": 2}}))
+    raw["data"]["add_bos"] = "never"
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task.policy, task.reference = model, reference
+    prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
+    rollout = Rollout(prompt, completions, {}, [])
+    task._add_logps(model, rollout)
+
+    def alone(m, completion) -> torch.Tensor:
+        with torch.no_grad():
+            logps = m(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        return logps.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+    assert rollout.old_logps.shape == rollout.ref_logps.shape == (2, 4)
+    for j, c in enumerate(completions):
+        assert torch.allclose(rollout.old_logps[j, : len(c)], alone(model, c), atol=1e-5)
+        assert torch.allclose(rollout.ref_logps[j, : len(c)], alone(reference, c), atol=1e-5)
+        assert not torch.allclose(rollout.ref_logps[j, : len(c)], rollout.old_logps[j, : len(c)], atol=1e-3)
+    task.cfg.num_iterations = 1
+    task._add_logps(model, rollout)
+    assert rollout.old_logps is None and rollout.ref_logps is not None
+
+
 # ---------------------------------------------------------------- rewards and bad input
 
 
@@ -269,6 +300,42 @@ def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
     assert "2+2?" in expected and "SECRET" not in expected
     assert task.prompt_text(rows[0]) == expected
     assert encoded["prompt_ids"][0] == task.prefix + tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+SEEN: list[tuple[str, str]] = []
+
+
+def record_completion(prompts, completions, **columns):
+    SEEN.extend(zip(prompts, completions))
+    return [0.0] * len(completions)
+
+
+def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone():
+    """Held-out prompts of one length share a generate call: each completion is the one greedy
+    decoding gives the prompt alone; padding rows (which keep ranks in step) are not scored."""
+    from accord.models import build_tokenizer
+    from accord.recipe import ModelConfig
+    from accord.tasks.base import PADDING
+
+    tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
+    model = _tiny_llama(vocab=len(tokenizer))
+    task = GRPOTask(tokenizer, _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}]))
+    prompts = ["1+2=", "13+4=", "5+6=", "99+9=", "7+8=", "40+1="]
+    rows = [{k: v[0] for k, v in task.encode_batch({"prompt": [p], "completion": ["0"]}).items()} for p in prompts]
+    rows.append({**rows[0], PADDING: True})
+
+    def alone(row) -> str:
+        ids = torch.tensor([row["prompt_ids"]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=task.pad_id, eos_token_id=task.eos_id, temperature=None, top_p=None, top_k=None)[0, ids.shape[1] :].tolist()
+        out = out[: out.index(task.eos_id)] if task.eos_id in out else out
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    SEEN.clear()
+    sums = task.evaluate_generation(model, rows, torch.device("cpu"), 6)
+    assert sums["count"] == len(prompts)
+    assert sorted(SEEN) == sorted((p, alone(row)) for p, row in zip(prompts, rows))
+    assert len({c for _, c in SEEN}) > 1, "a model that writes one completion for every prompt tests nothing"
 
 
 # ---------------------------------------------------------------- runs (slow tier)

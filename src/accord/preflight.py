@@ -89,7 +89,9 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             if not folder.is_file():
                 problems.append(f"model.path: GGUF file not found: {folder}")
         elif not folder.is_dir():
-            problems.append(f"model.path: folder not found: {folder}")
+            # A run's `final/` (e.g. grpo-addition continues from the quickstart's): say which run writes it.
+            hint = f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)" if folder.name == "final" else ""
+            problems.append(f"model.path: folder not found: {folder}{hint}")
         elif not (folder / "config.json").is_file():
             problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
         else:

@@ -198,16 +198,18 @@ class GRPOTask(Task):
                 temperature=c.temperature, top_p=c.top_p, eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
             )
             completions.update(zip(call, groups))
-        return [self._rollout(model, rows[i], completions[i]) for i in range(len(rows))]
-
-    def _rollout(self, model: nn.Module, row: dict, completions: list[list[int]]) -> Rollout:
-        c = self.cfg
-        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
-        rollout = Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
+        rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
         if c.num_iterations > 1 or self._has_reference:
-            old, rollout.ref_logps = self._logps(model, rollout)
-            rollout.old_logps = old if c.num_iterations > 1 else None
-        return rollout
+            # One pass per group, not several groups padded together: a group's log-probs are
+            # then the same floats on any world size (batching them across groups moved the
+            # 1- vs 2-process parameters past the invariance test's 1e-5).
+            for rollout in rollouts:
+                self._add_logps(model, rollout)
+        return rollouts
+
+    def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
+        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
+        return Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
 
     def _score(self, r: Rollout, row_id: int) -> None:
         r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id))
@@ -221,22 +223,22 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _logps(self, model: nn.Module, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probabilities of the group's completions under the sampling policy
-        and the reference, over completion positions (G, longest completion)."""
-        batch = self._collate_groups([rollout], with_logps=False)
-        plen, width = len(rollout.prompt_ids), max(len(c) for c in rollout.completions)
+    def _add_logps(self, model: nn.Module, r: Rollout) -> None:
+        """Per-token log-probabilities of the group's completions over its completion positions
+        (G, longest completion): under the sampling policy when a generation batch serves
+        several steps (num_iterations > 1; with one step the loss's ratio is 1 and needs none),
+        under the reference when beta > 0."""
+        batch = self._collate_groups([r], with_logps=False)
         ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
-        old = token_logprobs(model, ids, mask, self.cfg.temperature)[:, plen - 1 : plen - 1 + width].cpu()
-        ref = None
+        columns = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + max(len(c) for c in r.completions))
+        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu() if self.cfg.num_iterations > 1 else None
+        r.ref_logps = None
         if self._has_reference:
             if self.reference is not None:
-                ref = token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+                r.ref_logps = token_logprobs(self.reference, ids, mask, self.cfg.temperature)[:, columns].cpu()
             else:
                 with _adapters_off(model):
-                    ref = token_logprobs(model, ids, mask, self.cfg.temperature)
-            ref = ref[:, plen - 1 : plen - 1 + width].cpu()
-        return old, ref
+                    r.ref_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
 
     @property
     def _device(self) -> torch.device:
@@ -312,22 +314,30 @@ class GRPOTask(Task):
 
     @torch.no_grad()
     def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
-        """Greedy completion of each held-out prompt, scored by each reward function (unweighted)."""
+        """Greedy completion of each held-out prompt, scored by each reward function (unweighted).
+        Prompts of one length share a `generate` call (no padding, so each row's completion is
+        its own, up to floating-point differences between batch shapes); under lockstep every
+        rank must call generate equally often, so there each row has its own call."""
         sums = {name: 0.0 for name in self.rewards.names} | {"count": 0.0}
-        for row in rows:
-            ids = torch.tensor([row["prompt_ids"]], device=device)
+        if lockstep:
+            calls = [[i] for i in range(len(rows))]
+        else:
+            scored = [i for i, row in enumerate(rows) if not row.get(PADDING)]  # padding rows only keep ranks in step
+            calls = [[scored[k] for k in call] for call in _same_length_calls([len(rows[i]["prompt_ids"]) for i in scored], EVAL_PROMPTS_PER_CALL)]
+        for call in calls:
+            ids = torch.tensor([rows[i]["prompt_ids"] for i in call], device=device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
                                  pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=lockstep, temperature=None, top_p=None, top_k=None)
-            if row.get(PADDING):
-                continue
-            completion = out[0, ids.shape[1] :].tolist()
-            completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
-            raw = json.loads(row[ROW])
-            text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
-            scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
-            for name, value in zip(self.rewards.names, scores[:, 0].tolist()):
-                sums[name] += value
-            sums["count"] += 1
+            for i, completion in zip(call, out[:, ids.shape[1] :].tolist()):
+                if rows[i].get(PADDING):
+                    continue
+                completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
+                raw = json.loads(rows[i][ROW])
+                text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
+                scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
+                for name, value in zip(self.rewards.names, scores[:, 0].tolist()):
+                    sums[name] += value
+                sums["count"] += 1
         return sums
 
     def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
@@ -370,11 +380,13 @@ def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
 
 # Prompts sampled in one `generate` call at most (their groups' KV caches exist together).
 PROMPTS_PER_CALL = 16
+# Held-out prompts completed greedily in one call (one sequence each, not a group).
+EVAL_PROMPTS_PER_CALL = 64
 
 
-def _same_length_calls(lengths: list[int]) -> list[list[int]]:
-    """Indices of prompts grouped by length, in order, at most PROMPTS_PER_CALL a call."""
+def _same_length_calls(lengths: list[int], per_call: int = PROMPTS_PER_CALL) -> list[list[int]]:
+    """Indices of prompts grouped by length, in order, at most `per_call` a call."""
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)
-    return [same[k : k + PROMPTS_PER_CALL] for same in by_length.values() for k in range(0, len(same), PROMPTS_PER_CALL)]
+    return [same[k : k + per_call] for same in by_length.values() for k in range(0, len(same), per_call)]
