@@ -4,6 +4,7 @@ batch, resume on another world size, and generation under fsdp and zero3."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import types
@@ -152,35 +153,47 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
     assert change[0] > 0 and bool((change[1:] < 0).all()), change
 
 
-def test_a_group_gets_the_policy_and_reference_log_probs_of_its_completion_positions():
-    """The sampling policy's (num_iterations > 1) and the reference's per-token log-probs of a
-    group (completions of different lengths, right-padded): its (G, longest completion) rows
-    equal the log-probs of each sequence alone; with one step per generation batch there is
-    no policy pass (the loss's ratio is 1)."""
+def test_a_group_gets_the_sampling_policys_log_probs_of_its_completion_positions():
+    """The sampling policy's per-token log-probs of a group (num_iterations > 1: the ratios'
+    denominator; completions of different lengths, right-padded): its (G, longest
+    completion) rows equal the log-probs of each sequence alone."""
     model = _tiny_llama()
-    reference = _tiny_llama()
-    torch.nn.init.normal_(reference.lm_head.weight)  # not the policy: each pass must read its own model
     raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04, "num_iterations": 2}}))
     raw["data"]["add_bos"] = "never"
     task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
-    task.policy, task.reference = model, reference
+    task.policy = model
     prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
     rollout = Rollout(prompt, completions, {}, [])
-    task._add_logps(model, rollout)
+    task._add_old_logps(model, rollout)
 
-    def alone(m, completion) -> torch.Tensor:
+    def alone(completion) -> torch.Tensor:
         with torch.no_grad():
-            logps = m(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+            logps = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
         return logps.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
-    assert rollout.old_logps.shape == rollout.ref_logps.shape == (2, 4)
+    assert rollout.old_logps.shape == (2, 4)
     for j, c in enumerate(completions):
-        assert torch.allclose(rollout.old_logps[j, : len(c)], alone(model, c), atol=1e-5)
-        assert torch.allclose(rollout.ref_logps[j, : len(c)], alone(reference, c), atol=1e-5)
-        assert not torch.allclose(rollout.ref_logps[j, : len(c)], rollout.old_logps[j, : len(c)], atol=1e-3)
-    task.cfg.num_iterations = 1
-    task._add_logps(model, rollout)
-    assert rollout.old_logps is None and rollout.ref_logps is not None
+        assert torch.allclose(rollout.old_logps[j, : len(c)], alone(c), atol=1e-5)
+
+
+def test_while_the_policy_is_the_reference_the_kl_term_adds_exactly_no_gradient():
+    """The reference's log-probs are taken in the loss over the loss's own batch (same shapes,
+    same floats). At the first step (policy = reference) the KL term's gradient is then
+    exactly zero: rounding noise there is what AdamW turns into full-size steps whose sign
+    depends on the split of the batch (1 and 2 processes ended 0.01 apart). Two groups of
+    different prompt lengths in one micro-batch, every advantage 0: no gradient at all."""
+    model = _tiny_llama()
+    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}}))
+    raw["data"]["add_bos"] = "never"
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task.policy, task.reference = model, copy.deepcopy(model).requires_grad_(False).eval()
+    groups = [Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []), Rollout([5, 9], [[20, 21, 22], [23]], {}, [])]
+    for g in groups:
+        g.advantages = torch.zeros(2)
+    out = task.loss(model, task._collate_groups(groups, with_logps=True))
+    out.loss_sum.backward()
+    assert float(out.metrics["kl"]) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 # ---------------------------------------------------------------- rewards and bad input

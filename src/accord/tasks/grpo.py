@@ -35,14 +35,13 @@ ROW = "row_json"  # the raw row (all its columns), for the rewards
 @dataclass
 class Rollout:
     """One prompt's group: its completions, advantages, and (when needed) per-token
-    log-probabilities of the sampling policy and of the reference, over completion tokens."""
+    log-probabilities of the sampling policy over completion tokens."""
 
     prompt_ids: list[int]
     completions: list[list[int]]
     row: dict[str, Any]  # the raw row (what the rewards read)
     texts: list[str]  # the decoded completions
     old_logps: torch.Tensor | None = None  # (G, longest completion)
-    ref_logps: torch.Tensor | None = None
     scores: torch.Tensor | None = None  # (reward functions, G), unweighted
     total: torch.Tensor | None = None  # (G,) weighted sum
     advantages: torch.Tensor | None = None  # (G,)
@@ -199,12 +198,12 @@ class GRPOTask(Task):
             )
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
-        if c.num_iterations > 1 or self._has_reference:
+        if c.num_iterations > 1:
             # One pass per group, not several groups padded together: a group's log-probs are
             # then the same floats on any world size (batching them across groups moved the
             # 1- vs 2-process parameters past the invariance test's 1e-5).
             for rollout in rollouts:
-                self._add_logps(model, rollout)
+                self._add_old_logps(model, rollout)
         return rollouts
 
     def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
@@ -223,22 +222,32 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _add_logps(self, model: nn.Module, r: Rollout) -> None:
-        """Per-token log-probabilities of the group's completions over its completion positions
-        (G, longest completion): under the sampling policy when a generation batch serves
-        several steps (num_iterations > 1; with one step the loss's ratio is 1 and needs none),
-        under the reference when beta > 0."""
+    def _add_old_logps(self, model: nn.Module, r: Rollout) -> None:
+        """Per-token log-probabilities of the group's completions under the sampling policy,
+        over its completion positions (G, longest completion): the ratios' denominator when a
+        generation batch serves several steps (with one step the ratio is 1 and needs none)."""
         batch = self._collate_groups([r], with_logps=False)
         ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
         columns = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + max(len(c) for c in r.completions))
-        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu() if self.cfg.num_iterations > 1 else None
-        r.ref_logps = None
-        if self._has_reference:
-            if self.reference is not None:
-                r.ref_logps = token_logprobs(self.reference, ids, mask, self.cfg.temperature)[:, columns].cpu()
-            else:
-                with _adapters_off(model):
-                    r.ref_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
+        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
+
+    @torch.no_grad()
+    def _reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The reference's log-probabilities, taken in the loss over the same group shapes as the
+        policy's (same shapes, same floats): at the first step (policy = reference) the KL
+        term's gradient is then exactly zero, not rounding noise, which AdamW would turn into
+        full-size steps whose sign depends on how the batch was split (1 vs 2 processes: 0.01
+        apart at lr 3e-3 on an embedding row no reward moved)."""
+        if self.reference is not None:
+            return token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+        assert self.policy is not None, "setup() first"
+        was_training = self.policy.training
+        self.policy.eval()  # as the frozen copy is
+        try:
+            with _adapters_off(self.policy):
+                return token_logprobs(self.policy, ids, mask, self.cfg.temperature)
+        finally:
+            self.policy.train(was_training)
 
     @property
     def _device(self) -> torch.device:
@@ -292,23 +301,43 @@ class GRPOTask(Task):
         begin, count = torch.tensor(starts)[:, None], torch.tensor(lengths)[:, None]
         batch["completion_mask"] = ((positions >= begin) & (positions < begin + count)).float()
         batch["advantages"] = torch.cat([g.advantages for g in groups])
-        for name in ("old_logps", "ref_logps"):
-            if getattr(groups[0], name) is not None:
-                batch[name] = _place([row for g in groups for row in getattr(g, name)], starts, width - 1)
+        if groups[0].old_logps is not None:
+            batch["old_logps"] = _place([row for g in groups for row in g.old_logps], starts, width - 1)
         return batch
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         mask = batch["completion_mask"]
-        logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], self.cfg.temperature)
+        # The reference's passes first: forwards without gradients before the training ones,
+        # not between them and their backward (sharded strategies track the forward's order).
+        ref = self._group_logps(self._reference_logps, batch) if self._has_reference else None
+        logps = self._group_logps(lambda ids, m: token_logprobs(model, ids, m, self.cfg.temperature), batch)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
         advantages = batch["advantages"][:, None]
-        per_token, ratio = grpo_token_loss(logps, old, advantages, batch.get("ref_logps"), self.cfg.beta, self.cfg.epsilon)
+        per_token, ratio = grpo_token_loss(logps, old, advantages, ref, self.cfg.beta, self.cfg.epsilon)
         eps = self.cfg.epsilon
         clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
         metrics = {"clip_fraction": (clipped.float() * mask).sum()}
-        if "ref_logps" in batch:
-            metrics["kl"] = (kl_k3(logps.detach(), batch["ref_logps"]) * mask).sum()
+        if ref is not None:
+            metrics["kl"] = (kl_k3(logps.detach(), ref) * mask).sum()
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
+
+    def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`logprobs(ids, mask)` of the micro-batch, one group (G rows) at a time, each cut to
+        its own longest sequence, then laid out as the batch is (B, L-1). A group's floats are
+        then those of its own shapes whatever else shares its micro-batch (the micro batch
+        size differs with the world size), as the sampling policy's were (_add_old_logps), so
+        the update is the same on any number of processes: padded together, rounding differed
+        by ~1e-7, which AdamW turns into steps of up to its full size where a gradient is
+        that small."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        size, width = self.cfg.group_size, ids.shape[1]
+        out = []
+        for start in range(0, ids.shape[0], size):
+            rows = slice(start, start + size)
+            longest = int(mask[rows].sum(1).max())
+            part = logprobs(ids[rows, :longest], mask[rows, :longest])
+            out.append(torch.nn.functional.pad(part, (0, width - longest)))
+        return torch.cat(out)
 
     # ---------------------------------------------------------------- evaluation
 
