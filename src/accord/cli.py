@@ -194,10 +194,11 @@ def entry() -> None:
     if dist is not None and dist.left_a_group():  # a worker ran in this process (under torchrun, accelerate launch, srun ...)
         dist.exit_after_shutdown(code)
     launch = sys.modules.get("accord.launch")
-    if launch is not None and launch.ran_workers():
-        # The launcher, its workers ended: the lock is released, the run's folder removed and
-        # nothing else is open but stdout/stderr. The interpreter's teardown (torch's modules
-        # and C++ objects) would take seconds more on a busy machine (4-5 s at load 20).
+    if launch is not None and (launch.ran_workers() or launch.trained_here()):
+        # The launcher, its workers ended (or it trained as the only worker, ending as a worker
+        # process does): the lock is released, the run's folder removed and nothing else is
+        # open but stdout/stderr. The interpreter's teardown (torch's modules and C++ objects)
+        # would take seconds more on a busy machine (4-5 s at load 20; ~1 s idle on 1 process).
         dist.exit_after_shutdown(code)
     sys.exit(code)
 

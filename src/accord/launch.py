@@ -79,7 +79,10 @@ def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks |
     if not starts_workers(recipe.engine, topology):
         from accord.worker import train_worker  # this process is the (only) worker
 
-        return train_worker(data)["status"]
+        global _trained_here
+        status = train_worker(data)["status"]
+        _trained_here = True
+        return status
     if topology.hosts_rank_zero:
         from accord.observe.progress import announce
 
@@ -242,6 +245,16 @@ _workers_ran = False
 def ran_workers() -> bool:
     """Whether this process started training workers (and they have ended once it returned)."""
     return _workers_ran
+
+
+_trained_here = False
+
+
+def trained_here() -> bool:
+    """Whether this process trained as a worker itself (engine.processes=1, or under an outer
+    launcher) and that training has ended as a worker process's does (train_worker: files
+    closed, threads joined)."""
+    return _trained_here
 
 
 def _run_agent(config, worker_args: list[str]) -> str:
