@@ -144,3 +144,27 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
     assert node1.returncode == 2
     assert err.strip() == "accord: error: output.dir: out0 already holds a run"
     assert store.add(refusals.SEEN, 0) == 1
+
+
+def test_the_agent_keeps_its_worker_files_in_the_runs_folder_and_leaves_nothing_behind(monkeypatch, tmp_path):
+    """torch's agent makes a /tmp/torchelastic_* folder per launch by default and never removes
+    it; accord's launches give it a folder inside the run's private one, removed with it."""
+    import tempfile
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from accord import launch
+    from accord.cluster import Topology
+
+    seen = []
+
+    def agent(config, entrypoint):
+        seen.append(config.logs_specs.root_log_dir)
+        assert os.path.isdir(seen[-1])
+        return lambda *args: {}
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launcher_api, "elastic_launch", agent)
+    assert launch._elastic_launch("{}", 2, 0, Topology(), None) == "completed"
+    assert len(seen) == 1 and seen[0].startswith(str(tmp_path / "accord-run-"))
+    assert os.listdir(tmp_path) == []  # the run's folder and the agent's went together

@@ -170,23 +170,24 @@ def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: T
     exit, where a function worker would wait for the agent to collect its return value."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    config = LaunchConfig(
-        min_nodes=topology.nnodes,
-        max_nodes=topology.nnodes,
-        nproc_per_node=nproc,
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-        **_rendezvous(topology),
-        # The agent forwards these to the workers, which finish their step, checkpoint
-        # and exit; SIGUSR1 is what SLURM sends before the time limit.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-    )
     _quiet_agent()
     from accord.worker_start import GO, WorkerChecks, open_gate
 
     with tempfile.TemporaryDirectory(prefix="accord-run-") as folder:
+        config = LaunchConfig(
+            min_nodes=topology.nnodes,
+            max_nodes=topology.nnodes,
+            nproc_per_node=nproc,
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            **_rendezvous(topology),
+            # The agent forwards these to the workers, which finish their step, checkpoint
+            # and exit; SIGUSR1 is what SLURM sends before the time limit.
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            logs_specs=_agent_logs(folder),
+        )
         recipe_path, gate = os.path.join(folder, "recipe.json"), os.path.join(folder, "gate")
         with open(recipe_path, "w", encoding="utf-8") as f:
             f.write(recipe_json)
@@ -290,14 +291,24 @@ def run_module(module: str, args: list[str], cfg: EngineConfig, topology: Topolo
 
     nproc = local_world_size(cfg)
     _set_worker_environment(cfg, nproc, topology)
-    config = LaunchConfig(min_nodes=topology.nnodes, max_nodes=topology.nnodes, nproc_per_node=nproc, max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn", **_rendezvous(topology))
     _quiet_agent()
-    try:
-        elastic_launch(config, sys.executable)("-m", module, *args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        raise WorkerFailed(f"{module} rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
+    with tempfile.TemporaryDirectory(prefix="accord-run-") as folder:
+        config = LaunchConfig(min_nodes=topology.nnodes, max_nodes=topology.nnodes, nproc_per_node=nproc, max_restarts=0,
+                              monitor_interval=0.1, start_method="spawn", logs_specs=_agent_logs(folder), **_rendezvous(topology))
+        try:
+            elastic_launch(config, sys.executable)("-m", module, *args)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            raise WorkerFailed(f"{module} rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
+
+
+def _agent_logs(folder: str):
+    """The agent's per-worker files (error files, redirected output) inside the run's private
+    folder, removed with it: by default torch makes a /tmp/torchelastic_* folder per launch and
+    leaves it behind (thousands after a few days of runs)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    return DefaultLogsSpecs(log_dir=os.path.join(folder, "agent"))
 
 
 def _quiet_agent() -> None:
