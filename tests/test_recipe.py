@@ -146,3 +146,9 @@ def test_new_fields_name_bad_values_in_one_line(override, expected):
     with pytest.raises(RecipeError) as e:
         validate_recipe(raw)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_more_generated_sums_than_can_be_drawn_distinct_is_one_line_before_any_work():
+    raw = {**TINY_RECIPE, "data": {"generate": {"kind": "addition", "train_examples": 4000, "eval_examples": 20000, "max_digits": 2}}}
+    with pytest.raises(RecipeError, match=r"data.generate: 4000 train \+ 20000 eval examples asked for, but at most 5000 distinct sums"):
+        validate_recipe(raw)

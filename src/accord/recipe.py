@@ -76,6 +76,23 @@ class GeneratedData(Section):
     eval_examples: int = Field(200, ge=0, description="Number of held-out examples (never seen in training).")
     max_digits: int = Field(3, ge=1, le=9, description="Largest number of digits of an operand.")
 
+    @model_validator(mode="after")
+    def _enough_distinct_sums(self) -> GeneratedData:
+        # Held-out sums must never occur in training, so every example is a distinct pair of
+        # operands; drawing more than half of the pairs would take ever longer.
+        most = addition_capacity(self.max_digits)
+        if self.train_examples + self.eval_examples > most:
+            raise ValueError(
+                f"data.generate: {self.train_examples} train + {self.eval_examples} eval examples asked for, but at most {most} distinct "
+                f"sums of numbers up to {self.max_digits} digits are drawn; raise max_digits or ask for fewer"
+            )
+        return self
+
+
+def addition_capacity(max_digits: int) -> int:
+    """How many distinct addition examples may be drawn (half of the operand pairs)."""
+    return (10**max_digits) ** 2 // 2
+
 
 SOURCE_FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "arrow", "chatterbot", "contrastive")
 

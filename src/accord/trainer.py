@@ -18,7 +18,7 @@ from accord.assemble import RunSetup
 from accord.batches import fetch, to_device
 from accord.checkpoint import latest_checkpoint, seed_for
 from accord.checkpointing import CheckpointSchedule, restore_run
-from accord.evaluate import Evaluator
+from accord.evaluate import EvaluationStopped, Evaluator
 from accord.export import export_final
 from accord.nonfinite import NonFiniteGuard
 from accord.observe.memory import memory_record
@@ -126,7 +126,7 @@ class Trainer:
             if self.step >= run.total_steps:
                 dist.print0(f"accord: the run is already complete at step {self.step}")
             if cfg.eval_on_start and self.step == 0 and self.evaluator is not None:
-                self._evaluate(progress)
+                self._evaluate(progress, stop)
             while self.step < run.total_steps:
                 stats = self.train_step()
                 if stats.step == start_step + 1:
@@ -139,7 +139,7 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or at_end or eval_due:
                     self._flush(progress)
                 if eval_due:
-                    final_eval = self._evaluate(progress)
+                    final_eval = self._evaluate(progress, stop)
                 # One small collective per step: did any rank get a stop signal, is a
                 # timed checkpoint due (rank 0's clock decides)?
                 heartbeat.phase("stop/checkpoint flags", self.step)
@@ -169,9 +169,14 @@ class Trainer:
                 proven()
             progress.show(logged[-1].loss, logged[-1].stats.lr, tokens_per_s)
 
-    def _evaluate(self, progress: Progress) -> dict[str, float]:
+    def _evaluate(self, progress: Progress, stop: StopRequest | None) -> dict[str, float]:
         heartbeat.phase("eval", self.step)
-        results = self.evaluator.evaluate()
+        try:
+            results = self.evaluator.evaluate(stop)
+        except EvaluationStopped:  # the loop's next stop check writes the checkpoint and exits
+            progress.write(f"accord: step {self.step}: evaluation left unfinished (stop requested)")
+            self.log.restart_clock()
+            return {}
         self.log.write({"kind": "eval", "step": self.step, **results})
         progress.write(f"accord: step {self.step}: {self.task.format_eval(results)}")
         self.log.restart_clock()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from accord.recipe import GeneratedData
+from accord.recipe import GeneratedData, addition_capacity
 
 Rows = list[dict[str, str]]
 
@@ -25,13 +25,8 @@ def _addition(cfg: GeneratedData, seed: int) -> tuple[Rows, Rows]:
         digits = rng.randint(1, cfg.max_digits)
         return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
-    capacity = (10**cfg.max_digits) ** 2
     wanted = cfg.train_examples + cfg.eval_examples
-    if wanted > capacity // 2:
-        raise ValueError(
-            f"data.generate: {wanted} addition examples requested but only {capacity} distinct sums of "
-            f"{cfg.max_digits}-digit numbers exist; raise data.generate.max_digits or ask for fewer"
-        )
+    assert wanted <= addition_capacity(cfg.max_digits)  # the recipe's validation refuses more
     seen: set[tuple[int, int]] = set()
     rows: Rows = []
     while len(rows) < wanted:
