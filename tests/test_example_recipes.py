@@ -62,3 +62,23 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]  # the baseline, then the end
     assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.slow  # two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's, the missing-start line test_recipe's
+def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
+    """The shipped two-stage chain, shortened: addition-sft writes the final model that
+    grpo-addition starts from (model.path pointed at it, as the recipe does with its own
+    runs/), which then samples, scores, updates and scores its held-out sums greedily."""
+    short = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "checkpoint.every_steps=null"]
+    sft = tmp_path / "addition-sft"
+    assert_ok(run_accord("train", REPO / "recipes" / "addition-sft.yaml", *short, "train.eval_generate=8", f"output.dir={sft}", timeout=600))
+    out = tmp_path / "grpo-addition"
+    proc = run_accord("train", REPO / "recipes" / "grpo-addition.yaml", *short, "train.eval_generate=8", f"model.path={sft / 'final'}",
+                      f"output.dir={out}", timeout=600)
+    assert_ok(proc)
+    records = read_metrics(out)
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert all("reward_exact_match" in r for r in records if r["kind"] == "train")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["generated"] == 8 for r in evals)
+    assert (out / "final" / "config.json").is_file()

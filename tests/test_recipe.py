@@ -22,6 +22,24 @@ def test_every_shipped_recipe_loads_and_validates(path: Path):
     BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, recipe.engine.processes)
 
 
+def test_a_shipped_recipe_missing_its_starting_run_names_the_recipe_to_train_first(monkeypatch, tmp_path):
+    """grpo-addition starts from addition-sft's final/: without it, the one line says which
+    shipped recipe writes that folder (found by its output.dir), not only the folder."""
+    import shutil
+
+    from accord.preflight import check_model_source
+
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")  # a fresh checkout: no runs/ yet
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(REPO / "recipes" / "grpo-addition.yaml")
+    assert recipe.model.path == f"{load_recipe(REPO / 'recipes' / 'addition-sft.yaml').output.dir}/final"
+    (line,) = check_model_source(recipe.model)
+    assert line == (f"model.path: folder not found: {recipe.model.path} "
+                    "(the final model of recipes/addition-sft.yaml: run `accord train recipes/addition-sft.yaml` first)")
+    (line,) = check_model_source(load_recipe(REPO / "recipes" / "grpo-addition.yaml", ["model.path=runs/no-such-run/final"]).model)
+    assert line.endswith("(the final model of an accord run: train the recipe whose output.dir is runs/no-such-run first)")
+
+
 def test_overrides_take_precedence_over_the_file(tmp_path):
     path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
     recipe = load_recipe(path, ["batch.micro_batch_size=4", "optim.lr=1e-3", "engine.devices=[0,1]", "output.dir=elsewhere"])

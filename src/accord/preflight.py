@@ -76,6 +76,22 @@ def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> li
     return [f"only {counted} but batch.global_batch_size={needed}; lower the global batch or add data"]
 
 
+def _recipe_writing(out_dir: Path) -> str | None:
+    """The recipe under ./recipes whose output.dir is `out_dir` (a shipped recipe that starts
+    from another's final model names it in the error), if exactly one is."""
+    import yaml
+
+    found = []
+    for path in sorted(Path("recipes").glob("*.yaml")):
+        try:
+            output = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("output") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(output, dict) and output.get("dir") and Path(str(output["dir"])).resolve() == out_dir.resolve():
+            found.append(path.as_posix())
+    return found[0] if len(found) == 1 else None
+
+
 def check_model_source(cfg: ModelConfig) -> list[str]:
     """Problems with the model section that can be seen without loading anything."""
     problems = []
@@ -89,8 +105,12 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             if not folder.is_file():
                 problems.append(f"model.path: GGUF file not found: {folder}")
         elif not folder.is_dir():
-            # A run's `final/` (e.g. grpo-addition continues from the quickstart's): say which run writes it.
-            hint = f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)" if folder.name == "final" else ""
+            # A run's `final/` (e.g. grpo-addition continues from addition-sft's): say which run writes it.
+            hint = ""
+            if folder.name == "final":
+                writer = _recipe_writing(folder.parent)
+                hint = (f" (the final model of {writer}: run `accord train {writer}` first)" if writer
+                        else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)")
             problems.append(f"model.path: folder not found: {folder}{hint}")
         elif not (folder / "config.json").is_file():
             problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
