@@ -26,6 +26,7 @@ from typing import Any
 from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.chunks import default_workers, tokenise_share, write_shards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
+from accord.data.packing import rows_folder, write_rows
 from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
 from accord.data.streams import check_task, is_stream, read_into_arrow
@@ -138,6 +139,8 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
         tmp.mkdir()
         if task.token_shards:
             train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers, quiet=shared)
+            if task.row_capacity:  # packed once here, mapped by every rank (packing.py)
+                write_rows(TokenShards(tmp / "train"), task.row_capacity, rows_folder(tmp / "train", task.row_capacity))
         else:
             train, train_report = _encode(train, task, recipe, "train")
             train.save_to_disk(str(tmp / "train"))
