@@ -96,7 +96,8 @@ class ColumnWriter:
             ends = self._ends[name] + np.cumsum(lengths[keep], dtype=np.int64)
             self._files[f"{name}.offsets.bin"].write(ends.tobytes())
             self._ends[name] = int(ends[-1]) if len(ends) else self._ends[name]
-            self.tokens += int(lengths[keep].sum())
+            if name.endswith("input_ids"):  # tokens the model reads (an encoder's token types are not more tokens)
+                self.tokens += int(lengths[keep].sum())
         index = {"length": chunk["lengths"], "num_targets": chunk["num_targets"]}
         for name, kind in {**self.schema.values, **_INDEX}.items():
             values = index[name] if name in index else chunk[name]
