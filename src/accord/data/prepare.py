@@ -6,8 +6,9 @@ The launcher (or `accord prepare`) prepares before any worker starts, so bad dat
 the run early with one line; under an outer launcher local rank 0 prepares and the other
 ranks wait (with data.prepare_timeout_s, not a silent collective timeout), then everyone
 memory-maps the same files: token shards (shards.py; columns.py for classify, dpo and
-reward), Arrow for grpo (its rewards read raw columns) and sft's held-out rows. A preparation that is killed keeps its finished chunks in
-`<cache>.partial` and the next one continues from them (chunks.py).
+reward), Arrow for grpo (its rewards read raw columns) and sft's held-out rows. A
+preparation that is killed keeps its finished chunks in `<cache>.partial` and the next one
+continues from them (chunks.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from accord.recipe import Recipe
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
 # 5: causal-LM training data as token shards, pre-training blocks cut from one stream;
 # 6: a text file is read in pieces of PIECE_CHARS, which a held-out cut may now fall between;
-# 7: classify, dpo and reward as multi-column token shards).
+# 7: classify, dpo and reward as multi-column token shards, sft's packed rows stored with its shards).
 FORMAT_VERSION = 7
 _DONE = "done.json"
 _ANNOUNCED: set[Path] = set()  # caches this process said it reuses (the checks, then the run)
