@@ -1,7 +1,7 @@
 """Data preparation at scale: throughput, memory, cache size, first step and resume.
 
     python benchmarks/data_scale.py [--sizes 0.2,1] [--shapes small,huge,mixture] [--workers 1,2]
-                                    [--scratch DIR] [--limit S] [--no-trl] [--no-train]
+                                    [--scratch DIR] [--limit S] [--no-trl] [--no-train] [--task dpo|reward]
 
 For each corpus size (GB of text, generated once under --scratch, deleted at the end) and
 shape — many small documents (JSONL rows of 1-20 kB), a few huge ones (4 .txt files), a
@@ -16,6 +16,9 @@ mixture of two JSONL sources weighted 1:3 — it runs, each as its own program:
 - datasets.map(num_proc=2) + TRL's pack_dataset (bfd) on the same corpus (a mixture drawn
   as accord draws it), as the baseline; MB per CPU second of each process tree, and each
   side's throughput per core against the baseline's (target >= 0.8).
+`--task dpo` (or reward) prepares preference pairs instead (shape `pairs`: JSONL rows of
+prompt / chosen / rejected, max_length PAIR_LENGTH, over-long pairs truncated); its baseline
+is datasets.map(num_proc=2) tokenising the three columns, without packing.
 Prints one Markdown table. Timings on a shared machine: quote the load average with them.
 """
 
@@ -40,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the of and to in a that was he she it with for as his her on be at by had not but from this which "
          "Elizabeth Darcy letter sister would could very said much every man moment house").split()
 BLOCK = 256
+PAIR_LENGTH = 1024  # max_length of the preference-pair tasks (byte tokens)
 
 
 def make_corpus(folder: Path, gb: float, shape: str) -> list[dict]:
@@ -54,6 +58,11 @@ def make_corpus(folder: Path, gb: float, shape: str) -> list[dict]:
         for i in range(4):
             _write(folder / f"doc{i}.txt", total // 4, pool, rng)
         return [{"path": str(folder)}]
+    if shape == "pairs":
+        pool = [json.dumps({"prompt": _words(rng, int(a)), "chosen": _words(rng, int(b)), "rejected": _words(rng, int(c))}) + "\n"
+                for a, b, c in rng.integers([10, 5, 5], [200, 120, 120], (4_000, 3))]
+        _write(folder / "pairs.jsonl", total, pool, rng)
+        return [{"path": str(folder / "pairs.jsonl")}]
     pool = [json.dumps({"text": _words(rng, int(n))}) + "\n" for n in rng.integers(200, 3500, 1_400)]
     parts = [("a", 0.25, 1.0), ("b", 0.75, 3.0)] if shape == "mixture" else [("all", 1.0, 1.0)]
     sources = []
@@ -77,13 +86,14 @@ def _write(path: Path, size: int, pool: list[str], rng: np.random.Generator) -> 
             written += len(block)
 
 
-def recipe(folder: Path, sources: list[dict], cache: Path) -> Path:
+def recipe(folder: Path, sources: list[dict], cache: Path, task: str = "pretrain") -> Path:
+    length = BLOCK if task == "pretrain" else PAIR_LENGTH
     text = json.dumps({
         "seed": 7,
         "model": {"config": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": BLOCK}, "tokenizer": "byte"},
-        "task": "pretrain",
-        "data": {"train": sources, "max_length": BLOCK, "cache_dir": str(cache)},
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": length}, "tokenizer": "byte"},
+        "task": task,
+        "data": {"train": sources, "max_length": length, "cache_dir": str(cache)} | ({} if task == "pretrain" else {"truncation": "truncate"}),
         "batch": {"global_batch_size": 16},
         "engine": {"device": "cpu", "processes": 2},
         "train": {"max_steps": 1, "log_every": 1},
@@ -162,10 +172,18 @@ def _chunk_mb(cache: Path) -> float:
     return len(list(cache.glob("*.partial/train/chunk-*.npz"))) * UNIT_CHARS / 1e6
 
 
-def cache_facts(cache: Path) -> tuple[float, int]:
-    """(bytes per token of the training shards, tokens)."""
-    meta = json.loads(next(cache.glob("*/train/shards.json")).read_text())
+def cache_facts(cache: Path) -> tuple[float | None, int | None]:
+    """(bytes per token of the training shards, tokens); (None, None) for an Arrow cache
+    (the code before preference pairs were token shards)."""
+    found = next(cache.glob("*/train/shards.json"), None) or next(cache.glob("*/train/columns.json"), None)
+    if found is None:
+        return None, None
+    meta = json.loads(found.read_text())
     return sum(meta["bytes"].values()) / meta["tokens"], meta["tokens"]
+
+
+def cache_mb(cache: Path) -> float:
+    return sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 1e6
 
 
 def resume_seconds(recipe_path: Path) -> float:
@@ -186,6 +204,24 @@ print(time.perf_counter() - t)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+PAIRS_BASELINE = """
+import datasets
+from accord.models import build_byte_tokenizer
+datasets.disable_progress_bars()
+tok = build_byte_tokenizer()
+ds = datasets.load_dataset("json", data_files={file!r}, split="train", cache_dir={cache!r})
+ds = ds.map(lambda b: {{k + "_ids": tok(b[k])["input_ids"] for k in ("prompt", "chosen", "rejected")}}, batched=True, num_proc=2, remove_columns=ds.column_names)
+print(len(ds))
+"""
+
+
+def pairs_baseline(sources: list[dict], folder: Path) -> tuple[float, float, float]:
+    """(seconds, peak RSS MB, CPU seconds) of datasets.map(num_proc=2) tokenising the three
+    columns of the pairs (what TRL's DPOTrainer does before its collator)."""
+    wall, rss, _, cpu = timed([sys.executable, "-c", PAIRS_BASELINE.format(file=sources[0]["path"], cache=str(folder / "hf"))])
+    return wall, rss, cpu
 
 
 def trl_baseline(sources: list[dict], folder: Path) -> tuple[float, float, float]:
@@ -274,10 +310,13 @@ def main() -> None:
                         "what it tokenised by then and its peak RSS; the other columns need a whole cache")
     parser.add_argument("--no-trl", action="store_true", help="skip the datasets.map + TRL packing baseline")
     parser.add_argument("--no-train", action="store_true", help="skip the one-step training run")
+    parser.add_argument("--task", default="pretrain", choices=["pretrain", "dpo", "reward"], help="dpo or reward: preference pairs "
+                        "(shape pairs, the default shape then)")
     parser.add_argument("--plan-rows", type=int, default=0, help="also measure the memory a rank adds for the plan of this many "
                         "256-token rows (e.g. 16000000: a 4 GB byte-level corpus), stored permutation against the bijection")
     args = parser.parse_args()
     scratch = Path(args.scratch)
+    shapes = "pairs" if args.task != "pretrain" and args.shapes == parser.get_default("shapes") else args.shapes
     if args.plan_rows:
         for r in plan_memory(scratch / "plan", args.plan_rows):
             print(f"| plan of {r['rows']} rows: {r['plan']} | +{r['MB']:.0f} MB peak RSS | {r['s']:.2f} s |")
@@ -286,7 +325,7 @@ def main() -> None:
     rows = []
     try:
         for gb in (float(x) for x in args.sizes.split(",") if x):  # --sizes "": only --plan-rows
-            for shape in args.shapes.split(","):
+            for shape in shapes.split(","):
                 folder = scratch / f"{shape}-{gb:g}GB"
                 sources = make_corpus(folder / "corpus", gb, shape)
                 mb = sum(f.stat().st_size for f in (folder / "corpus").rglob("*") if f.is_file()) / 1e6
@@ -294,7 +333,7 @@ def main() -> None:
                 finished = True
                 for workers in map(int, args.workers.split(",")):
                     cache = folder / f"cache-{workers}"
-                    path = recipe(folder, sources, cache)
+                    path = recipe(folder, sources, cache, args.task)
                     wall, rss, finished, cpu = timed(accord("prepare", str(path), f"data.prepare_workers={workers}"), env, args.limit)
                     done = mb if finished else _chunk_mb(cache)
                     row[f"prep MB/s ({workers}w)"] = done / wall
@@ -309,12 +348,13 @@ def main() -> None:
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     continue
                 row["cache bytes/token"], row["tokens"] = cache_facts(cache)
+                row["cache MB"] = cache_mb(cache)
                 row["resume at 90% (s)"] = resume_seconds(path)
                 if not args.no_train:
                     wall, rss, _, _ = timed(accord("train", str(path), "--overwrite"), env)
                     row["first step (s)"], row["train peak RSS MB"] = wall, rss
                 if not args.no_trl:
-                    wall, rss, cpu = trl_baseline(sources, folder)
+                    wall, rss, cpu = (trl_baseline if args.task == "pretrain" else pairs_baseline)(sources, folder)
                     row["datasets.map(2)+TRL MB/s"], row["datasets.map(2)+TRL MB/CPU-s"], row["datasets.map(2)+TRL peak RSS MB"] = mb / wall, mb / cpu, rss
                     for workers in map(int, args.workers.split(",")):  # the target: >= 0.8 on both
                         row[f"per core vs baseline, wall ({workers}w)"] = (row[f"prep MB/s ({workers}w)"] / workers) / (mb / wall / 2)

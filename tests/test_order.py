@@ -58,3 +58,26 @@ def test_the_order_looks_random_to_its_position():
     assert abs(np.corrcoef(order[:-1], order[1:])[0, 1]) < 0.05
     halves = order[: n // 2] < n // 2  # the first half of the epoch draws evenly from both halves of the data
     assert abs(halves.mean() - 0.5) < 0.03
+
+
+class _CountedLengths:
+    """Example lengths that count how many of them were read."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths, self.read = lengths, 0
+
+    def __getitem__(self, index):
+        self.read += np.size(index)
+        return self.lengths[index]
+
+
+def test_a_length_grouped_batch_reads_one_window_of_lengths_whatever_the_corpus_size():
+    from accord.data.order import GROUP_WINDOW, same_order
+
+    lengths = _CountedLengths(np.random.default_rng(0).integers(1, 500, 1_000_000))
+    order = GlobalOrder(1_000_000, 16, seed=1, group_lengths=lengths)
+    batch = order.batch(order.steps_per_epoch - 7)
+    assert lengths.read <= GROUP_WINDOW * 16 and len(set(batch.tolist())) == 16
+    assert np.ptp(lengths.lengths[batch]) < 0.1 * np.ptp(lengths.lengths)  # one sorted stretch of its window
+    # A checkpoint of the grouped order before (a stored permutation of its batches) is another order.
+    assert same_order(order.version, True, grouped=True) and not same_order("feistel-1", True, grouped=True)

@@ -74,3 +74,16 @@ def test_length_grouped_order_is_global_seeded_and_groups_lengths():
     spread = np.mean([np.ptp(lengths[a.batch(s)]) for s in range(100)])
     plain = GlobalOrder(1000, 10, seed=3)
     assert spread < 0.3 * np.mean([np.ptp(lengths[plain.batch(s)]) for s in range(100)])
+
+
+def test_rows_written_window_by_window_and_mapped_are_the_rows_built_in_memory(tmp_path):
+    from accord.data.packing import PACK_WINDOW, write_rows
+
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 300, 2 * PACK_WINDOW + 123)
+    train = {"length": lengths, "num_targets": rng.integers(0, 10, len(lengths))}
+    write_rows(train, 512, tmp_path / "rows")
+    mapped, built = Rows.load(tmp_path / "rows"), Rows.build(train["length"], train["num_targets"], 512)
+    assert isinstance(mapped.targets, np.memmap) and len(mapped) == len(built)
+    assert list(mapped.members) == list(built.members)
+    assert mapped.targets.tolist() == built.targets.tolist() and mapped.lengths.tolist() == built.lengths.tolist()

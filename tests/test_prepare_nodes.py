@@ -90,6 +90,23 @@ def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one
     assert not folder.with_name(folder.name + ".partial").exists()
 
 
+def test_pairs_tokenised_by_two_nodes_give_the_one_node_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunks, "UNIT_ROWS", 4)  # 7 units of pairs
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)} for i in range(30)])
+    data = {"train": str(tmp_path / "pairs.jsonl"), "eval_fraction": 0.1, "max_length": 16, "prepare_workers": 1}
+    one, shared = (validate_recipe(TINY_RECIPE | {"task": "dpo", "data": data | {"cache_dir": str(tmp_path / c)}}) for c in ("one", "shared"))
+    prepare(one, NodeShare())
+    tokenizer = build_byte_tokenizer()
+    task = build_task(shared, tokenizer)
+    train, _ = task.fit(*load_split(shared.data, shared.seed, task.text_fields))
+    folder = cache_folder(shared, tokenizer, task)
+    work = folder.with_name(folder.name + ".partial") / "train"
+    tokenise_share(train, task, "train", work, 1, NodeShare(1, 2), lambda: False, rest=False)
+    assert sorted(int(p.stem[-7:]) for p in work.glob("chunk-*.npz")) == [1, 3, 5]  # node 1's share of 7 units
+    prepare(shared, NodeShare(0, 2))
+    assert folder_bytes(shared) == folder_bytes(one) and any(name.endswith("columns.json") for name in folder_bytes(one))
+
+
 def test_a_node_alone_on_its_own_cache_prepares_everything(tmp_path, small_units):
     one, alone = recipe(tmp_path, "one"), recipe(tmp_path, "node-local")
     prepare(one, NodeShare())

@@ -14,7 +14,7 @@ from accord.batching import BatchPlan
 from accord.cli import main
 from accord.data import chunks
 from accord.data.order import GlobalOrder
-from accord.data.packing import training_rows
+from accord.data.packing import Rows, training_rows
 from accord.data.prepare import cache_folder, prepare_data
 from accord.data.shards import ShardWriter, TokenShards
 from accord.models import build_byte_tokenizer
@@ -122,6 +122,8 @@ def test_packed_shard_rows_give_every_world_size_the_same_global_batches(tmp_pat
     data, _ = _prepare(_recipe(tmp_path, "sft", sources))
     assert isinstance(data.train, TokenShards)
     rows = training_rows(data.train, 64)
+    assert isinstance(rows.targets, np.memmap)  # packed by the preparation, mapped here
+    assert list(rows.members) == list(Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), 64).members)
     order = GlobalOrder(len(rows), 8, seed=7)
 
     def seen(world: int, micro: int, steps: range) -> list[list[int]]:

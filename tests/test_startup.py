@@ -112,7 +112,8 @@ def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
     no_held_out = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
     assert reads()  # generated addition data keeps 32 held-out examples with their raw columns
     assert not reads(data=no_held_out)  # token shards only
-    assert reads(data=no_held_out, task="classify")  # classify keeps its rows as a datasets.Dataset
+    assert not reads(task="classify") and not reads(task="dpo")  # held-out pairs and labels are token shards too
+    assert reads(data=no_held_out, task="grpo")  # grpo keeps its rows as a datasets.Dataset (its rewards read raw columns)
 
 
 def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimizer_when_the_run_needs_neither(tmp_path):

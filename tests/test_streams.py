@@ -76,6 +76,17 @@ def test_a_streamed_source_gives_the_tokens_of_the_same_rows_from_a_file(tmp_pat
         assert_same(prepare(recipe(tmp_path / str(len(str(source))), task, train=[source])), from_file)
 
 
+def test_streamed_dpo_pairs_and_their_eval_give_the_shards_of_the_same_rows_from_a_file(tmp_path, data_module, monkeypatch):
+    rows = [{"prompt": f"{i}+{i % 7}=", "chosen": str(i + i % 7), "rejected": str(i)} for i in range(23)]
+    write_jsonl(data_module, rows)
+    monkeypatch.setattr(chunks, "UNIT_ROWS", 8)  # 3 units
+    from_file = prepare(recipe(tmp_path / "a", "dpo", train=str(data_module), eval=str(data_module)))
+    streamed = prepare(recipe(tmp_path / "b", "dpo", train=[{"function": "streamdata:iterable"}], eval=[{"path": str(data_module), "streaming": True}]))
+    for split in ("train", "eval"):
+        a, b = getattr(from_file, split), getattr(streamed, split)
+        assert len(a) == len(b) == len(rows) and a[list(range(len(a)))] == b[list(range(len(b)))]
+
+
 def test_streamed_chat_rows_in_several_units_and_workers_match_the_file(tmp_path, data_module, monkeypatch):
     write_jsonl(data_module, CHAT_ROWS)
     monkeypatch.setattr(chunks, "UNIT_ROWS", 4)  # 3 units, tokenised by 2 forked workers
@@ -103,7 +114,7 @@ def test_a_source_needs_a_path_or_a_function_not_both():
         ({"function": "streamdata:not_rows"}, {}, "sft", r"returned int; return a datasets IterableDataset"),
         ({"function": "nosuchmodule:rows"}, {}, "sft", r"cannot import 'nosuchmodule'"),
         ({"function": "streamdata:iterable"}, {"eval_fraction": 0.1}, "sft", r"eval_fraction=0.1: a streamed source has no random access"),
-        ({"function": "streamdata:iterable"}, {}, "classify", r"task classify: a streamed data source .* only sft and pretrain"),
+        ({"function": "streamdata:iterable"}, {}, "classify", r"task classify: a streamed data source .* only sft, pretrain and dpo"),
     ],
 )
 def test_bad_streamed_sources_are_one_line(tmp_path, data_module, source, extra, task, message):

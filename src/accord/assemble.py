@@ -22,7 +22,7 @@ from accord.engine import Engine, build_engine
 from accord.models import apply_lora, build_model, build_tokenizer
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe import Recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, groups_by_length
 from accord.tasks.base import Task
 from accord.tasks.sequence_shards import SequenceShards
 
@@ -68,7 +68,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
     plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel)
     rows = training_rows(data.train, task.row_capacity)
-    grouped = rows.lengths if recipe.data.group_by_length and not task.packing else None
+    grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
     total_steps = _total_steps(recipe, order, task.steps_per_batch)
 

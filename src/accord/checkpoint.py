@@ -431,13 +431,15 @@ def order_change(folder: Path, recipe: Recipe) -> str | None:
     """The line refusing a checkpoint taken in another global data order (an older accord's):
     the same steps would see other examples, so the run would not continue where it was."""
     from accord.data.order import order_version, same_order
+    from accord.tasks import groups_by_length
 
     saved = read_state(folder).data_order
-    if same_order(saved, recipe.data.shuffle):
+    grouped = groups_by_length(recipe)
+    if same_order(saved, recipe.data.shuffle, grouped):
         return None
     return (
         f"resume: {folder} was written in another data order ({saved or 'the stored permutation of checkpoints that do not record their order'}; "
-        f"this accord shuffles with {order_version(recipe.data.shuffle)}), so the steps after it would see other examples; "
+        f"this accord shuffles with {order_version(recipe.data.shuffle, grouped)}), so the steps after it would see other examples; "
         f"finish that run with the accord that wrote it, or start a new run in another output.dir"
     )
 

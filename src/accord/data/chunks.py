@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from accord.data.columns import ColumnWriter, encode_columns
 from accord.data.nodeshare import NodeShare
 from accord.data.shards import ShardWriter, id_dtype
 from accord.data.sources import DataError, row_origin
@@ -53,12 +54,20 @@ def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_
     units = _text_units(ds) if streams else _row_units(ds)
     total = _text_bytes(ds)
     _tokenise_missing(units, task, work, _workers(ds, streams, total, workers), total=total, desc=f"tokenize {split}", quiet=quiet)
-    writer = ShardWriter(out, id_dtype(len(task.tokenizer)), block_length=task.max_length if streams and task.join else None)
+    writer = _writer(task, out, streams)
     counts = _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
     if writer.examples == 0:
         raise DataError(f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})")
     writer.close(tokenizer_id, {"split": split})
     return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
+
+
+def _writer(task, out: Path, streams: bool) -> ShardWriter | ColumnWriter:
+    dtype = id_dtype(len(task.tokenizer))
+    schema = task.shard_schema()
+    if schema is not None:
+        return ColumnWriter(out, schema, dtype)
+    return ShardWriter(out, dtype, block_length=task.max_length if streams and task.join else None)
 
 
 def tokenise_share(ds, task, split: str, work: Path, workers: int, share: NodeShare, sealed: Callable[[], bool], rest: bool = True) -> None:
@@ -254,6 +263,9 @@ def _encode_rows(task, batch: dict[str, list]) -> dict[str, np.ndarray]:
 
     out = task.encode_batch(batch)
     dtype = id_dtype(len(task.tokenizer))
+    schema = task.shard_schema()
+    if schema is not None:
+        return encode_columns(schema, out, dtype)
     ids = [np.asarray(x, dtype=dtype) for x in out["input_ids"]]
     labels = [np.asarray(x, dtype=np.int64) for x in out["labels"]]
     return {
@@ -305,7 +317,7 @@ def _join_documents(work: Path, writer: ShardWriter, task, split: str) -> dict[s
     return {f"{split}_over_length": over, f"{split}_dropped": 0} if over else {}
 
 
-def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str) -> dict[str, int]:
+def _join_examples(work: Path, writer: ShardWriter | ColumnWriter, task, recipe, ds, split: str) -> dict[str, int]:
     """Examples in row order, with data.truncation applied: over-long ones dropped under
     `drop`, refused under `error`; an example with no target left is dropped when truncation
     took them, refused otherwise."""
@@ -325,8 +337,7 @@ def _join_examples(work: Path, writer: ShardWriter, task, recipe, ds, split: str
         if policy == "drop":
             keep &= ~over
         dropped += int((~keep).sum())
-        token_keep = np.repeat(keep, lengths)
-        writer.add_examples(chunk["tokens"][token_keep], chunk["mask"][token_keep], lengths[keep], targets[keep])
+        writer.add_chunk(chunk, keep)
         row += len(lengths)
     if over_count and policy == "error":
         raise DataError(

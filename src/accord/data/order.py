@@ -22,8 +22,12 @@ from accord.errors import UserInputError
 # What checkpoints record of the order they were taken in: a run resumed under another
 # order would see other examples at the same steps. "" is a checkpoint from before this was
 # recorded (a stored numpy permutation); the unshuffled order ("file") never changed.
+# data.group_by_length adds GROUPED (2: batches permuted by a bijection, not a stored
+# permutation of the epoch's batches).
 ORDER_VERSION = "feistel-1"
+GROUPED = "+length-2"
 ROUNDS = 6
+GROUP_WINDOW = 50  # global batches sorted by length together (group_by_length)
 
 
 @dataclass(frozen=True)
@@ -49,18 +53,20 @@ class GlobalOrder:
         # The tail that does not fill a whole global batch is left out of that epoch
         # (a different tail every epoch when shuffling), so every step sees G examples.
         self.steps_per_epoch = num_examples // global_batch_size
-        self._cached_epoch = -1
-        self._cached_order: np.ndarray | None = None  # group_by_length only: its windows are sorted
+        self._windows: dict[tuple[int, int], np.ndarray] = {}  # group_by_length: a few sorted windows
 
     @property
     def version(self) -> str:
-        return order_version(self.shuffle)
+        return order_version(self.shuffle, self.group_lengths is not None)
 
     def examples_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The examples at `positions` of epoch `epoch`'s order."""
         positions = np.asarray(positions, dtype=np.int64)
         if self.group_lengths is not None:
-            return self._grouped(epoch)[positions]
+            return self._grouped(epoch, positions)
+        return self._shuffled(epoch, positions)
+
+    def _shuffled(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.shuffle:
             return positions
         return Bijection(self.num_examples, self.seed, epoch)(positions)
@@ -69,25 +75,32 @@ class GlobalOrder:
         """The whole epoch's order (O(n): for tests and small data; batches never need it)."""
         return self.examples_at(epoch, np.arange(self.num_examples))
 
-    def _grouped(self, epoch: int) -> np.ndarray:
-        if epoch != self._cached_epoch:
-            order = Bijection(self.num_examples, self.seed, epoch)(np.arange(self.num_examples)) if self.shuffle else np.arange(self.num_examples)
-            self._cached_order = self._group_by_length(order, np.random.default_rng([self.seed, epoch]))
-            self._cached_epoch = epoch
-        assert self._cached_order is not None
-        return self._cached_order
-
-    def _group_by_length(self, order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Sort windows of 50 global batches by length, then shuffle whole batches: each
-        batch holds similar lengths (less padding) and the order is still global and seeded."""
-        assert self.group_lengths is not None
+    def _grouped(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """group_by_length: windows of GROUP_WINDOW global batches of the shuffled order are
+        each sorted by length (longest first), then whole batches are permuted by a seeded
+        bijection: each batch holds similar lengths (less padding), the order is still global
+        and seeded, and a batch costs one window's sort, whatever the corpus size. Positions
+        past the epoch's whole batches (its tail) keep their grouped place."""
         g = self.global_batch_size
-        window = 50 * g
-        chunks = [order[i : i + window] for i in range(0, len(order), window)]
-        grouped = np.concatenate([c[np.argsort(-self.group_lengths[c], kind="stable")] for c in chunks])
-        usable = self.steps_per_epoch * g
-        batches = grouped[:usable].reshape(self.steps_per_epoch, g)
-        return np.concatenate([batches[rng.permutation(self.steps_per_epoch)].reshape(-1), grouped[usable:]])
+        batch, within = np.divmod(positions, g)
+        permuted = Bijection(self.steps_per_epoch, self.seed, epoch, salt=1)(np.minimum(batch, self.steps_per_epoch - 1))
+        grouped = np.where(batch < self.steps_per_epoch, permuted * g + within, positions)
+        window = GROUP_WINDOW * g
+        out = np.empty_like(grouped)
+        for w in np.unique(grouped // window):
+            here = grouped // window == w
+            out[here] = self._sorted_window(epoch, int(w))[grouped[here] - w * window]
+        return out
+
+    def _sorted_window(self, epoch: int, w: int) -> np.ndarray:
+        key = (epoch, w)
+        if key not in self._windows:
+            window = GROUP_WINDOW * self.global_batch_size
+            members = self._shuffled(epoch, np.arange(w * window, min((w + 1) * window, self.num_examples)))
+            if len(self._windows) >= 4:  # a batch needs one window; a few kept for evaluation's sweeps
+                self._windows.pop(next(iter(self._windows)))
+            self._windows[key] = members[np.argsort(-np.asarray(self.group_lengths[members]), kind="stable")]
+        return self._windows[key]
 
     def position(self, step: int) -> Position:
         epoch, batch = divmod(step, self.steps_per_epoch)
@@ -99,13 +112,13 @@ class GlobalOrder:
         return self.examples_at(pos.epoch, np.arange(pos.index, pos.index + self.global_batch_size))
 
 
-def order_version(shuffle: bool) -> str:
-    return ORDER_VERSION if shuffle else "file"
+def order_version(shuffle: bool, grouped: bool = False) -> str:
+    return (ORDER_VERSION if shuffle else "file") + (GROUPED if grouped else "")
 
 
-def same_order(saved: str, shuffle: bool) -> bool:
+def same_order(saved: str, shuffle: bool, grouped: bool = False) -> bool:
     """Whether a checkpoint that recorded order `saved` continues in this recipe's order."""
-    return saved == order_version(shuffle) or (saved == "" and not shuffle)
+    return saved == order_version(shuffle, grouped) or (saved == "" and not shuffle and not grouped)
 
 
 class Bijection:
@@ -115,10 +128,11 @@ class Bijection:
     inside the cycle it started on, so it returns a value < n and the map stays a
     bijection of [0, n); the domain is < 4n, so fewer than 4 passes are expected)."""
 
-    def __init__(self, n: int, seed: int, epoch: int):
+    def __init__(self, n: int, seed: int, epoch: int, salt: int = 0):
         self.n = n
         self.half = max(1, (int(n - 1).bit_length() + 1) // 2)
-        self.keys = np.random.default_rng([seed, epoch]).bit_generator.random_raw(ROUNDS).astype(np.uint64)
+        key = [seed, epoch] + ([salt] if salt else [])  # a salt: another permutation for the same (seed, epoch)
+        self.keys = np.random.default_rng(key).bit_generator.random_raw(ROUNDS).astype(np.uint64)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         y = self._feistel(np.asarray(x, dtype=np.uint64))

@@ -5,9 +5,10 @@ workers) while the others wait for it.
 The launcher (or `accord prepare`) prepares before any worker starts, so bad data stops
 the run early with one line; under an outer launcher local rank 0 prepares and the other
 ranks wait (with data.prepare_timeout_s, not a silent collective timeout), then everyone
-memory-maps the same files: token shards (shards.py) for the causal-LM tasks' training
-data, Arrow otherwise. A preparation that is killed keeps its finished chunks in
-`<cache>.partial` and the next one continues from them (chunks.py).
+memory-maps the same files: token shards (shards.py; columns.py for classify, dpo and
+reward), Arrow for grpo (its rewards read raw columns) and sft's held-out rows. A
+preparation that is killed keeps its finished chunks in `<cache>.partial` and the next one
+continues from them (chunks.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.chunks import default_workers, tokenise_share, write_shards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
+from accord.data.packing import rows_folder, write_rows
 from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
 from accord.data.streams import check_task, is_stream, read_into_arrow
@@ -34,15 +37,16 @@ from accord.recipe import Recipe
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
 # 5: causal-LM training data as token shards, pre-training blocks cut from one stream;
-# 6: a text file is read in pieces of PIECE_CHARS, which a held-out cut may now fall between).
-FORMAT_VERSION = 6
+# 6: a text file is read in pieces of PIECE_CHARS, which a held-out cut may now fall between;
+# 7: classify, dpo and reward as multi-column token shards, sft's packed rows stored with its shards).
+FORMAT_VERSION = 7
 _DONE = "done.json"
 _ANNOUNCED: set[Path] = set()  # caches this process said it reuses (the checks, then the run)
 
 
 @dataclass
 class PreparedData:
-    train: Any  # TokenShards (causal-LM tasks) or datasets.Dataset of encoded examples
+    train: Any  # TokenShards (causal-LM tasks), ColumnShards (classify, dpo, reward) or a datasets.Dataset
     eval: Any | None
     report: dict[str, Any]  # counts (examples, truncated, dropped) and the task's learned state
 
@@ -94,9 +98,17 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
 
 def _tokenizer_identity(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    body = _backend_json(backend) if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     extra = {"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map, "chat": tokenizer.chat_template}
     return hashlib.sha256((body + json.dumps(extra, sort_keys=True, default=str)).encode()).hexdigest()
+
+
+def _backend_json(backend) -> str:
+    """The backend's description without its truncation and padding state, which a call
+    such as `tokenizer(texts, truncation=True)` (classify's encoding) leaves set on it."""
+    state = json.loads(backend.to_str())
+    state["truncation"] = state["padding"] = None
+    return json.dumps(state, sort_keys=True)
 
 
 def _source_files(path: Path) -> list[Path]:
@@ -128,10 +140,12 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
         tmp.mkdir()
         if task.token_shards:
             train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers, quiet=shared)
+            if task.row_capacity:  # packed once here, mapped by every rank (packing.py)
+                write_rows(TokenShards(tmp / "train"), task.row_capacity, rows_folder(tmp / "train", task.row_capacity))
         else:
             train, train_report = _encode(train, task, recipe, "train")
             train.save_to_disk(str(tmp / "train"))
-        if eval_ds is not None and getattr(task, "streams_text", False):  # no raw columns needed: shards too
+        if eval_ds is not None and task.eval_shards:  # no raw columns needed: shards too
             eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers, quiet=shared)
             eval_count = eval_report["eval_examples"]
         elif eval_ds is not None:
@@ -165,7 +179,7 @@ def _tokenise_share(folder: Path, work: Path, train, eval_ds, task, workers: int
         return (folder / _DONE).exists() or _failed(folder).exists()
 
     tokenise_share(train, task, "train", work / "train", workers, share, sealed)
-    if eval_ds is not None and getattr(task, "streams_text", False):
+    if eval_ds is not None and task.eval_shards:
         tokenise_share(eval_ds, task, "eval", work / "eval", workers, share, sealed)
     return not sealed() and claim_seal(work)
 
@@ -242,6 +256,8 @@ def _load_split(folder: Path, tokenizer):
     (seconds of a resume that token shards do not need)."""
     if (folder / META).exists():
         return TokenShards(folder, _tokenizer_identity(tokenizer))
+    if (folder / COLUMNS_META).exists():
+        return ColumnShards(folder, _tokenizer_identity(tokenizer))
     if not folder.exists():
         return None
     import datasets
@@ -254,4 +270,4 @@ def reads_datasets(recipe: Recipe, task_class) -> bool:
     datasets, or held-out data (kept with its raw columns unless the task streams text)."""
     data = recipe.data
     held_out = data.eval is not None or data.eval_fraction > 0 or (data.generate is not None and data.generate.eval_examples > 0)
-    return not task_class.token_shards or (held_out and not getattr(task_class, "streams_text", False))
+    return not task_class.token_shards or (held_out and not task_class.eval_shards)

@@ -40,8 +40,8 @@ class ShardWriter:
     def __init__(self, folder: Path, dtype: np.dtype, block_length: int | None = None):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.dtype, self.block_length = folder, dtype, block_length
-        self._files = {name: open(folder / name, "wb") for name in (_TOKENS, _TARGETS, _OFFSETS, _NUM_TARGETS)}
-        self._carry = np.zeros(0, dtype=bool)  # mask bits not yet a whole byte
+        self._files = {name: open(folder / name, "wb") for name in (_TOKENS, _OFFSETS, _NUM_TARGETS)}
+        self._bits = BitFile(folder / _TARGETS)
         self.tokens = 0
         self.examples = 0
         self._blocks_end = 0  # where the last written block ends (stream mode)
@@ -54,6 +54,12 @@ class ShardWriter:
         self._files[_OFFSETS].write(ends.astype(np.int64).tobytes())
         self._files[_NUM_TARGETS].write(num_targets.astype(np.int32).tobytes())
         self.examples += len(lengths)
+
+    def add_chunk(self, chunk: dict[str, np.ndarray], keep: np.ndarray) -> None:
+        """The kept examples of a tokenised chunk (data/chunks.py)."""
+        lengths = chunk["lengths"]
+        token_keep = np.repeat(keep, lengths)
+        self.add_examples(chunk["tokens"][token_keep], chunk["mask"][token_keep], lengths[keep], chunk["num_targets"][keep])
 
     def add_stream(self, tokens: np.ndarray) -> None:
         """Tokens that continue the stream; a block ends at every multiple of block_length
@@ -76,27 +82,68 @@ class ShardWriter:
 
     def _append(self, tokens: np.ndarray, mask: np.ndarray) -> None:
         self._files[_TOKENS].write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        bits = np.concatenate([self._carry, mask.astype(bool)])
-        whole = len(bits) - len(bits) % 8
-        self._files[_TARGETS].write(np.packbits(bits[:whole]).tobytes())
-        self._carry = bits[whole:]
+        self._bits.write(mask)
         self.tokens += len(tokens)
 
     def close(self, tokenizer_id: str, extra: dict | None = None) -> dict:
         if self.block_length is not None and self.tokens - self._blocks_end > 1:
             self._write_blocks(np.array([self.tokens], dtype=np.int64))  # the last, shorter block
-        self._files[_TARGETS].write(np.packbits(self._carry).tobytes())
+        self._bits.close()
         for f in self._files.values():
             f.close()
-        meta = {
-            "dtype": self.dtype.name,
-            "examples": self.examples,
-            "tokens": self.tokens,
-            "tokenizer": tokenizer_id,
-            "bytes": {name: (self.folder / name).stat().st_size for name in self._files},
-        } | (extra or {})
-        (self.folder / META).write_text(json.dumps(meta))
-        return meta
+        meta = {"dtype": self.dtype.name, "examples": self.examples, "tokens": self.tokens}
+        return write_meta(self.folder / META, meta | (extra or {}), tokenizer_id, [*self._files, _TARGETS])
+
+
+class BitFile:
+    """A file of bits appended in pieces of any length (numpy packbits order); memory is the
+    piece plus fewer than 8 carried bits."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "wb")
+        self._carry = np.zeros(0, dtype=bool)  # bits not yet a whole byte
+
+    def write(self, bits: np.ndarray) -> None:
+        bits = np.concatenate([self._carry, bits.astype(bool)])
+        whole = len(bits) - len(bits) % 8
+        self._file.write(np.packbits(bits[:whole]).tobytes())
+        self._carry = bits[whole:]
+
+    def close(self) -> None:
+        self._file.write(np.packbits(self._carry).tobytes())
+        self._file.close()
+
+
+def read_bits(bits: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Bits [a, b) of a memory-mapped BitFile, as booleans."""
+    first = a // 8
+    return np.unpackbits(bits[first : (b + 7) // 8])[a - 8 * first : b - 8 * first].astype(bool)
+
+
+def write_meta(path: Path, meta: dict, tokenizer_id: str, files: list[str]) -> dict:
+    """The meta file, written last: the tokenizer's identity and every file's size, which
+    read_meta checks."""
+    meta = meta | {"tokenizer": tokenizer_id, "bytes": {name: (path.parent / name).stat().st_size for name in files}}
+    path.write_text(json.dumps(meta))
+    return meta
+
+
+def read_meta(path: Path, tokenizer_id: str | None) -> dict:
+    """A prepared split's meta file, once its files are checked whole and from this tokenizer."""
+    folder = path.parent
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise DataError(f"{path}: missing or unreadable; delete {folder.parent} to prepare the data again") from None
+    if tokenizer_id is not None and meta.get("tokenizer") != tokenizer_id:
+        raise DataError(f"{folder}: these token shards were prepared with another tokenizer; delete {folder.parent} to prepare the data again")
+    for name, size in meta["bytes"].items():
+        actual = (folder / name).stat().st_size if (folder / name).exists() else -1
+        if actual != size:
+            raise DataError(
+                f"{folder / name}: truncated or damaged ({max(actual, 0)} bytes, expected {size}); delete {folder.parent} to prepare the data again"
+            )
+    return meta
 
 
 class TokenShards:
@@ -108,24 +155,11 @@ class TokenShards:
 
     def __init__(self, folder: Path, tokenizer_id: str | None = None):
         self.folder = folder
-        meta_path = folder / META
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError):
-            raise DataError(f"{meta_path}: missing or unreadable; delete {folder.parent} to prepare the data again") from None
-        if tokenizer_id is not None and meta.get("tokenizer") != tokenizer_id:
-            raise DataError(f"{folder}: these token shards were prepared with another tokenizer; delete {folder.parent} to prepare the data again")
-        for name, size in meta["bytes"].items():
-            actual = (folder / name).stat().st_size if (folder / name).exists() else -1
-            if actual != size:
-                raise DataError(
-                    f"{folder / name}: truncated or damaged ({max(actual, 0)} bytes, expected {size}); delete {folder.parent} to prepare the data again"
-                )
-        self.meta = meta
-        self.tokens = _map(folder / _TOKENS, np.dtype(meta["dtype"]))
-        self.bits = _map(folder / _TARGETS, np.dtype(np.uint8))
-        self.offsets = _map(folder / _OFFSETS, np.dtype(np.int64))
-        self.num_targets = _map(folder / _NUM_TARGETS, np.dtype(np.int32))
+        self.meta = meta = read_meta(folder / META, tokenizer_id)
+        self.tokens = map_file(folder / _TOKENS, np.dtype(meta["dtype"]))
+        self.bits = map_file(folder / _TARGETS, np.dtype(np.uint8))
+        self.offsets = map_file(folder / _OFFSETS, np.dtype(np.int64))
+        self.num_targets = map_file(folder / _NUM_TARGETS, np.dtype(np.int32))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -147,9 +181,7 @@ class TokenShards:
         """(ids, labels) of example i as int64 arrays."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = self.tokens[a:b].astype(np.int64)
-        first = a // 8
-        mask = np.unpackbits(self.bits[first : (b + 7) // 8])[a - 8 * first : b - 8 * first].astype(bool)
-        return ids, np.where(mask, ids, IGNORE)
+        return ids, np.where(read_bits(self.bits, a, b), ids, IGNORE)
 
     def __getitem__(self, key):
         if isinstance(key, str):
@@ -205,7 +237,7 @@ class Lengths:
         return np.asarray(self).tolist()
 
 
-def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+def map_file(path: Path, dtype: np.dtype) -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

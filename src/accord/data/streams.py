@@ -8,8 +8,8 @@ counts and random access come from the shards written. Rows get the same `__sour
 `__row` columns as file sources, and their checks run row by row as the stream is read,
 so a bad row still stops preparation with one line naming it.
 
-Only tasks that prepare token shards (sft, pretrain) take streams: the others' Arrow
-encoding needs the whole table. `eval_fraction` needs random access; a streamed
+Only sft, pretrain and dpo take streams: the others read their whole table before
+tokenising (classify its label set, reward its row format, grpo its raw rows). `eval_fraction` needs random access; a streamed
 `data.eval` is read into Arrow for sft (its generation metrics read raw rows).
 """
 
@@ -41,10 +41,10 @@ def has_streams(cfg: DataConfig) -> bool:
 
 def check_task(cfg: DataConfig, task) -> None:
     """Refuse streams for a task whose preparation needs the whole table, before any reading."""
-    if has_streams(cfg) and not task.token_shards:
+    if has_streams(cfg) and not task.takes_streams:
         raise DataError(
-            f"task {task.name}: a streamed data source (streaming: true or function:) is prepared into token shards, "
-            f"which only sft and pretrain use; read this source without streaming"
+            f"task {task.name}: a streamed data source (streaming: true or function:) is read once, in order, "
+            f"which only sft, pretrain and dpo take (this task reads its whole table first); read this source without streaming"
         )
 
 

@@ -34,3 +34,10 @@ def task_class(recipe: Recipe) -> type[Task]:
 
 def build_task(recipe: Recipe, tokenizer) -> Task:
     return task_class(recipe)(tokenizer, recipe)
+
+
+def groups_by_length(recipe: Recipe) -> bool:
+    """Whether the global order groups examples by length (data.group_by_length applies to
+    unpacked rows only)."""
+    cls = task_class(recipe)
+    return recipe.data.group_by_length and not (cls.packable and recipe.data.packing is not False)

@@ -38,9 +38,14 @@ class Task:
     text_fields: tuple[str, ...] = ()  # string columns every row must have
     model_kind = "causal_lm"  # or "sequence_classification"
     packable = False  # may several examples share one row (sft)?
-    # Training data prepared as token shards (ids + target bits, data/shards.py) instead of
-    # Arrow columns: for tasks whose examples are just `input_ids` and `labels`.
+    # Training data prepared as token shards (data/shards.py: ids + target bits, or with
+    # shard_schema() several token and value columns, data/columns.py) instead of Arrow.
     token_shards = False
+    # Held-out data prepared as token shards too: evaluation reads no raw text columns (sft's
+    # generation metrics do, so its held-out rows stay Arrow with them).
+    eval_shards = False
+    # Sources streamed (never materialised) are taken: fit() needs no whole table.
+    takes_streams = False
     # Online methods (grpo) make their training batches each step from their rows (the
     # prompts): the trainer calls rollout() and rollout_batch() instead of collate().
     online = False
@@ -82,6 +87,11 @@ class Task:
         """Columns for a batch of rows: at least `num_targets`, `length` and `over_length`
         (the untruncated length exceeded max_length)."""
         raise NotImplementedError
+
+    def shard_schema(self):
+        """The encode_batch columns kept in multi-column token shards (a data.columns.Schema),
+        or None: the causal layout of `input_ids` and `labels`. Called after fit()."""
+        return None
 
     def regroup(self, ds):
         """A dataset-level step after encoding (pretraining joins documents into blocks)."""

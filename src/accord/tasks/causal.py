@@ -15,6 +15,7 @@ from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_lo
 class CausalLMTask(Task):
     packable = True
     token_shards = True
+    takes_streams = True
     eval_hidden = ("perplexity", "generated")
 
     def __init__(self, tokenizer, recipe):

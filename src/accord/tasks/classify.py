@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accord.data.columns import Schema
 from accord.data.sources import DataError, row_origin
 from accord.tasks.base import LossOutput, Task, pad_rows
 
@@ -18,6 +19,7 @@ class ClassifyTask(Task):
     name = "classify"
     text_fields = ("text",)
     model_kind = "sequence_classification"
+    token_shards = eval_shards = True
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
@@ -60,6 +62,11 @@ class ClassifyTask(Task):
             "id2label": dict(enumerate(self.labels)),
             "label2id": {label: i for i, label in enumerate(self.labels)},
         }
+
+    def shard_schema(self) -> Schema:
+        # An encoder's tokenizer gives token types too (the text pair's segments).
+        types = ("token_type_ids",) if "token_type_ids" in self.tokenizer.model_input_names else ()
+        return Schema(("input_ids", *types), values={"label_id": "int32"})
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         assert self.labels is not None

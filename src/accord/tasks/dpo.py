@@ -19,14 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from accord.batches import fetch, to_device
+from accord.data.columns import Schema
 from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
-from accord.tasks.pairs import collate_pairs, encode_pairs
+from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
 
 
 class DPOTask(Task):
     name = "dpo"
     text_fields = ("prompt", "chosen", "rejected")
+    token_shards = eval_shards = True
+    takes_streams = True  # pairs are encoded as they come: nothing reads the whole table first
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
@@ -94,13 +97,16 @@ class DPOTask(Task):
             with engine.autocast():
                 logps = self.reference_logps(batch).float().cpu().numpy()
             values[indices, 0], values[indices, 1] = logps[: len(indices)], logps[len(indices) :]
-        return ds.add_column("ref_logp", values.tolist())
+        return ds.add_column("ref_logp", values)
 
     def describe(self) -> list[str]:
         lines = plain_loss_note(self.plain_loss_reason)
         if not self.precomputed:
             return lines
         return lines + [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
+
+    def shard_schema(self) -> Schema:
+        return pair_schema(labels=True)
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         return encode_pairs(self.tokenizer, batch, self.prefix, [self.eos_id], self.max_length, labels=True)

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from accord.data.columns import Schema
 from accord.tasks.base import IGNORE, pad_rows, token_ids
+
+
+def pair_schema(labels: bool) -> Schema:
+    """The token shard columns of encode_pairs (data/columns.py)."""
+    sides = ("chosen", "rejected")
+    return Schema(tuple(f"{s}_input_ids" for s in sides), labels={f"{s}_labels": f"{s}_input_ids" for s in sides} if labels else {})
 
 
 def encode_pairs(tokenizer, batch: dict[str, list], prefix: list[int], ending: list[int], max_length: int, labels: bool) -> dict[str, list]:

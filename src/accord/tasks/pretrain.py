@@ -22,6 +22,7 @@ class PretrainTask(CausalLMTask):
     text_fields = ("text",)
     packable = False  # blocks are already full rows; nothing is packed after them
     streams_text = True  # prepared from pieces of text, never a whole document at once (data/chunks.py)
+    eval_shards = True
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

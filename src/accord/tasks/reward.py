@@ -23,14 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accord.data.columns import Schema
 from accord.data.sources import DataError, check_columns, row_origin
 from accord.tasks.base import LossOutput, Task, text_prefix, text_suffix
-from accord.tasks.pairs import collate_pairs, encode_pairs
+from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
 
 
 class RewardTask(Task):
     name = "reward"
     model_kind = "sequence_classification"
+    token_shards = eval_shards = True
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
@@ -86,6 +88,9 @@ class RewardTask(Task):
         # the id batches are padded with here, and it is saved with final/ so that plain
         # transformers pools the same token.
         model.config.pad_token_id = self.pad_id
+
+    def shard_schema(self) -> Schema:
+        return pair_schema(labels=False)
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
         # A rendered conversation starts as the template renders it (as sft's chat rows do).
