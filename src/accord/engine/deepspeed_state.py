@@ -58,7 +58,7 @@ class DeepSpeedState:
 
     def _needed(self) -> list[str]:
         """The ZeRO optimizer's attributes this stage and precision use below."""
-        needed = ["fp32_partitioned_groups_flat"] if self.stage == 3 else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
+        needed = ["fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"] if self.stage == 3 else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
         if self.precision == "fp16":
             needed.append("loss_scale")
         return needed
@@ -281,6 +281,15 @@ class DeepSpeedState:
                 f"DeepSpeed {deepspeed.__version__}: {type(self._zero).__name__} holds no fp32 partitions to load optimizer state into"
             )
         return flats
+
+    def unlisted_master_bytes(self) -> int:
+        """Bytes of ZeRO-3's fp32 master partitions, which its base optimizer's groups list only
+        while it steps (0 under ZeRO-1/2, whose groups always list them). A partition that is
+        the parameters' own flat partition is not a copy and is not counted."""
+        if self.stage != 3:
+            return 0
+        own = {flat.untyped_storage().data_ptr() for flat in _internal(self._zero, "fp16_partitioned_groups_flat") if flat is not None}
+        return sum(flat.numel() * flat.element_size() for flat in self._flat_params() if flat.untyped_storage().data_ptr() not in own)
 
     def _link_optimizer_state(self) -> None:
         """ZeRO-1/2 read and write the optimizer state through per-parameter views of the
