@@ -129,6 +129,7 @@ def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
         pytest.param("ddp", 2, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="ddp-2-to-zero3-2"),
         pytest.param("zero3", 1, "fsdp", marks=[needs_deepspeed, pytest.mark.slow], id="zero3-2-to-fsdp-1"),
         pytest.param("fsdp", 1, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="fsdp-2-to-zero3-1"),
+        pytest.param("zero3-offload", 1, "zero3-offload", marks=[needs_deepspeed, pytest.mark.slow], id="zero3offload-2-to-zero3offload-1"),
     ],
 )
 def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, tmp_path, written_by, processes, resumed_with):
