@@ -39,8 +39,9 @@ RUNS = {
     "ddp-long": ["engine.strategy=ddp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
     "fsdp-long": ["engine.strategy=fsdp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
     "zero3-long": ["engine.strategy=zero3", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
+    "zero3-lora": ["engine.strategy=zero3", "lora.r=4"],
 }
-DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac", "zero3-long"}
+DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac", "zero3-long", "zero3-lora"}
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +193,26 @@ def test_resume_chain_fsdp4_zero3_2_ddp1_matches_the_uninterrupted_run(run, reci
         diff = max_param_diff(final_params(reference), final_params(out))
         print(f"{out.name}: max |Δparam| vs uninterrupted ddp-2 {diff:.2e}; max |Δloss| {loss_diff:.2e}")
         assert diff <= TOLERANCE and loss_diff <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@needs_deepspeed
+def test_a_zero3_lora_run_checkpoints_after_evaluating_and_resumes_on_one_process(run, recipe, tmp_path):
+    """The frozen (LoRA base) weights are gathered whole for the final checkpoint although the
+    evaluation before it left some gathered or in flight (GatheredParameters refused those),
+    and a 1-process zero3 run resumed from the middle checkpoint, each rank reading its
+    partitions, ends with the uninterrupted run's parameters and losses."""
+    whole, _ = run("zero3-lora")
+    assert (whole / "checkpoints" / f"step-{STEPS:06d}").is_dir()
+    out = tmp_path / "resumed"
+    assert_ok(run_accord("train", recipe, *RUNS["zero3-lora"], "engine.processes=1", f"resume={whole / 'checkpoints' / f'step-{MID:06d}'}", f"output.dir={out}"))
+    diff = max_param_diff(final_params(whole), final_params(out))
+    losses, original = step_losses(out), step_losses(whole)
+    assert sorted(losses) == list(range(MID + 1, STEPS + 1))
+    loss_diff = max(abs(losses[s] - original[s]) for s in losses)
+    print(f"zero3 LoRA x2 -> x1: max |Δparam| {diff:.2e}; max |Δloss| {loss_diff:.2e}")
+    assert diff <= TOLERANCE and loss_diff <= TOLERANCE
 
 
 # ---------------------------------------------------------------- activation checkpointing

@@ -51,6 +51,7 @@ class DeepSpeedState:
         self.precision = precision
         self.device = device
         self.group_names = group_names
+        self._engine = engine
         self._zero = engine.optimizer  # DeepSpeed's ZeRO optimizer, around the base optimizer
         self.base: torch.optim.Optimizer = _internal(engine, "basic_optimizer")  # holds the AdamW state
         for name in self._needed():
@@ -68,6 +69,7 @@ class DeepSpeedState:
     def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Collective: each state-dict entry as a whole fp32 CPU tensor (the fp32 master weights
         where DeepSpeed keeps them), one at a time; only `writer` keeps them."""
+        self._release_gathered()
         params = {id(p) for p in self.module.parameters()}
         for name, tensor in unique_entries(self.module):
             if id(tensor) in params:
@@ -96,6 +98,7 @@ class DeepSpeedState:
         while the files are written, with every tensor gathered by then, so a rank holds its
         whole share (12 bytes per parameter / world: weights and AdamW moments) until written
         (once: DCP is told not to copy it again, where this torch can be)."""
+        self._release_gathered()
         step = self._step_count()  # None before the first applied update (e.g. an fp16 overflow)
         if step is not None:
             self._link_optimizer_state()
@@ -109,6 +112,14 @@ class DeepSpeedState:
             extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)
         return pending
+
+    def _release_gathered(self) -> None:
+        """ZeRO-3: partition again what a forward left gathered or still being gathered (an
+        evaluation's forward prefetches parameters no backward releases), which
+        GatheredParameters refuses to gather (frozen parameters, e.g. under LoRA, go
+        through it). The next forward gathers what it needs."""
+        if self.stage == 3:
+            self._engine.empty_partition_cache()
 
     def _entries(self, tensors: dict[str, torch.Tensor], with_optimizer: bool) -> list[SaveEntry]:
         """What a checkpoint holds, in the order every rank gathers it: each state-dict entry,
