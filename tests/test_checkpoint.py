@@ -287,3 +287,48 @@ def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
     read_into(into, streamed)
     assert all(torch.equal(into[MODEL][name], model[name]) for name in model)
     assert all(torch.equal(into[OPTIM][name][k], optim[name][k]) for name in optim for k in optim[name])
+
+
+def test_a_zero3_rank_reads_the_rows_around_its_partition_in_bounded_batches(tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3's load: each rank asks for its flat partition of every tensor
+    (read_flat_ranges) and gets exactly those elements, reading only the rows that cover them,
+    a batch of at most READ_BUFFER_BYTES (or one range) at a time."""
+    import math
+
+    import torch
+
+    from accord.engine import state as engine_state
+    from accord.engine.state import MODEL, read_flat_ranges, stored_keys, write_sharded
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"embed": (13, 16), "a": (16, 16), "norm": (16,), "conv": (5, 3, 4), "tiny": (2,)}
+    model = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    write_sharded({MODEL: model}, tmp_path).result()
+    stored = stored_keys(tmp_path)
+    budget = 4 * 16 * 16
+    monkeypatch.setattr(engine_state, "READ_BUFFER_BYTES", budget)
+    batches: list[dict[str, torch.Size]] = []
+    real_read = engine_state._read
+    monkeypatch.setattr(engine_state, "_read", lambda folder, batch, planner=None: batches.append({k: v.shape for k, v in batch.items()}) or real_read(folder, batch, planner))
+    for world in (1, 3, 4):
+        pieces: dict[str, list[torch.Tensor]] = {name: [] for name in model}
+        for rank in range(world):
+            ranges = {}
+            for name, tensor in model.items():
+                size = -(-tensor.numel() // world)  # DeepSpeed's partition (the last one padded)
+                start = min(rank * size, tensor.numel())
+                if min(start + size, tensor.numel()) > start:
+                    ranges[f"{MODEL}.{name}"] = (start, min(start + size, tensor.numel()))
+            batches.clear()
+            for batch in read_flat_ranges(tmp_path, ranges, stored):
+                for key, value in batch.items():
+                    pieces[key.removeprefix(f"{MODEL}.")].append(value)
+            for batch in batches:
+                held = [4 * math.prod(shape) for shape in batch.values()]
+                assert len(held) == 1 or sum(held) <= budget
+                for key, shape in batch.items():  # the rows around the range: at most one partial row each side
+                    start, stop = ranges[key]
+                    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+                    assert shape[1:] == model[key.removeprefix(f"{MODEL}.")].shape[1:] and shape[0] * row <= stop - start + 2 * (row - 1)
+        for name, tensor in model.items():
+            assert torch.equal(torch.cat(pieces[name]), tensor.flatten()), (world, name)

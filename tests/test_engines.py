@@ -116,6 +116,7 @@ ZERO_INTERNALS = {
     "_hp_optimizer_states_linked": False,
     "_lazy_init_hp_params_optimizer_state": lambda self: None,
     "fp32_partitioned_groups_flat": [],
+    "fp16_partitioned_groups_flat": [],
     "loss_scale": 1.0,
 }
 

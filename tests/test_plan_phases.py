@@ -16,6 +16,7 @@ the runs here set it and RSS then measures live memory (README: memory on the CP
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from conftest import assert_ok, run_accord, write_recipe
 # (a plan that promises less than a rank takes is the harmful error), and at most 25% over
 # plus 0.03 GiB (the allocator's slack and small buffers the plan leaves out).
 UNDER, OVER, SLACK_GIB = 0.15, 0.25, 0.03
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 
 
 def _recipe(folder: Path, name: str, hidden: int, layers: int, **engine) -> Path:
@@ -103,10 +105,10 @@ def test_plan_phase_peaks_match_an_fsdp_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero3", marks=needs_deepspeed)])
 def test_plan_phase_peaks_match_runs_and_their_resume(tmp_path, strategy):
-    """Every phase, the resume included, of ddp (whole model and gradient buckets per rank)
-    and fsdp (shards) runs peaks where `accord plan` says."""
+    """Every phase, the resume included, of ddp (whole model and gradient buckets per rank),
+    fsdp (shards) and DeepSpeed zero3 (partitions) runs peaks where `accord plan` says."""
     baseline, measured, planned = _measure(tmp_path, strategy, resume=True)
     assert set(measured) == set(PHASES)
     _assert_close(strategy, baseline, measured, planned)

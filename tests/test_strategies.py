@@ -39,8 +39,9 @@ RUNS = {
     "ddp-long": ["engine.strategy=ddp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
     "fsdp-long": ["engine.strategy=fsdp", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
     "zero3-long": ["engine.strategy=zero3", "engine.activation_checkpointing=offload", "engine.tiled_mlp=3"],
+    "zero3-lora": ["engine.strategy=zero3", "lora.r=4"],
 }
-DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac", "zero3-long"}
+DEEPSPEED_RUNS = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-ac", "zero3-long", "zero3-lora"}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,7 @@ def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
         pytest.param("ddp", 2, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="ddp-2-to-zero3-2"),
         pytest.param("zero3", 1, "fsdp", marks=[needs_deepspeed, pytest.mark.slow], id="zero3-2-to-fsdp-1"),
         pytest.param("fsdp", 1, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="fsdp-2-to-zero3-1"),
+        pytest.param("zero3-offload", 1, "zero3-offload", marks=[needs_deepspeed, pytest.mark.slow], id="zero3offload-2-to-zero3offload-1"),
     ],
 )
 def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, tmp_path, written_by, processes, resumed_with):
@@ -139,11 +141,16 @@ def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, t
     proc = run_accord("train", recipe, *RUNS[resumed_with], f"engine.processes={processes}", f"resume={checkpoint}", f"output.dir={out}")
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {MID} " in proc.stderr
+    _compare_resumed(reference, out, f"{written_by}×2 -> {resumed_with}×{processes} vs uninterrupted ddp")
+
+
+def _compare_resumed(reference: Path, out: Path, label: str) -> None:
+    """A run resumed at MID ends with the reference's parameters and step losses."""
     diff = max_param_diff(final_params(reference), final_params(out))
     resumed, original = step_losses(out), step_losses(reference)
     assert sorted(resumed) == list(range(MID + 1, STEPS + 1))
     loss_diff = max(abs(resumed[s] - original[s]) for s in resumed)
-    print(f"max |Δparam| {written_by}×2 -> {resumed_with}×{processes} vs uninterrupted ddp: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
+    print(f"max |Δparam| {label}: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
     assert diff <= TOLERANCE and loss_diff <= TOLERANCE
 
 
@@ -191,6 +198,21 @@ def test_resume_chain_fsdp4_zero3_2_ddp1_matches_the_uninterrupted_run(run, reci
         diff = max_param_diff(final_params(reference), final_params(out))
         print(f"{out.name}: max |Δparam| vs uninterrupted ddp-2 {diff:.2e}; max |Δloss| {loss_diff:.2e}")
         assert diff <= TOLERANCE and loss_diff <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@needs_deepspeed
+def test_a_zero3_lora_run_checkpoints_after_evaluating_and_resumes_on_one_process(run, recipe, tmp_path):
+    """The frozen (LoRA base) weights are gathered whole for the final checkpoint although the
+    evaluation before it left some gathered or in flight (GatheredParameters refused those),
+    and a 1-process zero3 run resumed from the middle checkpoint, each rank reading its
+    partitions, ends with the uninterrupted run's parameters and losses."""
+    whole, _ = run("zero3-lora")
+    assert (whole / "checkpoints" / f"step-{STEPS:06d}").is_dir()
+    out = tmp_path / "resumed"
+    assert_ok(run_accord("train", recipe, *RUNS["zero3-lora"], "engine.processes=1", f"resume={whole / 'checkpoints' / f'step-{MID:06d}'}", f"output.dir={out}"))
+    _compare_resumed(whole, out, "zero3 LoRA×2 -> ×1 vs uninterrupted")
 
 
 # ---------------------------------------------------------------- activation checkpointing

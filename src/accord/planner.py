@@ -86,14 +86,15 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
         shard = local(trainable)
         return {"params": weight * local(params), "grads": weight * shard, "optimizer": adam(shard), "master": 0.0}
     # DeepSpeed ZeRO: parameters in fp32 (bf16 is autocast, as under DDP/FSDP) or fp16
-    # (DeepSpeed's loss-scaled fp16 mode); AdamW state (and an fp32 master copy unless ZeRO-3
-    # already partitions fp32 parameters) of this rank's partition of each flat parameter
-    # group (weights decayed / not decayed).
+    # (DeepSpeed's loss-scaled fp16 mode); AdamW state and an fp32 master copy of this rank's
+    # partition of each flat parameter group (weights decayed / not decayed). ZeRO-3 keeps that
+    # copy even of fp32 parameters: its test for reusing their flat partition compares a
+    # torch.device with a device name, never equal (DeepSpeed 0.19.8; measured: 3 x 4 bytes
+    # per parameter of the partition after the build, the gradient partitions the third).
     stage = int(strategy[-1])
     compute = 2 if precision == "fp16" else 4
     groups = [sum(p.numel() for p in trainable if p.ndim >= 2), sum(p.numel() for p in trainable if p.ndim < 2)]
     partition = sum(math.ceil(n / world) for n in groups if n)
-    keeps_master = stage < 3 or compute != 4
     # One AdamW step count per flat group; ZeRO-3 splits each group into layer-sized sub-groups.
     steps = sum(1 for n in groups if n)
     if stage == 3:
@@ -104,7 +105,7 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
         "params": compute * (math.ceil(total / world) if stage == 3 else total),
         "grads": compute * (partition if stage >= 2 else trained),
         "optimizer": 2 * 4 * partition + 4 * steps,
-        "master": 4 * partition if keeps_master else 0.0,
+        "master": 4 * partition,
     }
     if offload != "none":
         state["optimizer"] = state["master"] = 0.0
@@ -157,9 +158,9 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     - build: a sharded strategy (fsdp, zero3) builds on the meta device and initialises or
       loads one module at a time, whole (accord.weights); DDP allocates its gradient
       buckets (gradients are views into them) when it wraps the model; DeepSpeed ZeRO-1/2
-      copies the parameters into flat fp32 groups and its master partition. ZeRO-3 then
-      copies its partitions into one flat buffer (both exist until the copy ends) and creates
-      AdamW's moments at initialisation, not at step 1.
+      copies the parameters into flat fp32 groups and its master partition. ZeRO-3 allocates
+      its fp32 master copy of the partitions, its flat gradient partitions and its gradient
+      bucket at initialisation (they stay; AdamW's moments come at step 1).
     - train: gradients, AdamW's moments (created at step 1), the micro-batch's activations
       and what a sharded strategy gathers: the root's parameters (kept from forward to
       backward) and two layers' (the one running and the one prefetched), plus the running
@@ -174,7 +175,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     - export: the state at rest and the tensor being gathered; the writing rank's current
       safetensors shard (its tensors, and their bytes as they are written) is host memory.
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
-      but for DDP's already in its buckets), and the checkpoint read into it one tensor at a time.
+      but for DDP's already in its buckets), and the checkpoint read into it one tensor at a
+      time (ZeRO-3: a batch of the rows around its partitions, READ_BUFFER_BYTES at most).
     Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
     """
     compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
@@ -205,9 +207,25 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         train = P + G + O + M + max(activations + gathered, update)
         resume = build + O + M + G + largest
     elif sharded:  # zero3
-        build = P + max(module_buffer, P, O)  # live bytes: the flattening copy, then AdamW beside the flat partitions
-        train = P + G + O + M + max(activations + gathered, update)
-        resume = P + O + M + G + largest
+        from accord.engine.state import READ_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
+
+        # Built: the partitions, their fp32 master copy and the flat gradient partitions (all
+        # three at initialisation), DeepSpeed's gradient bucket, and transiently one module
+        # (materialised whole on rank 0) or one unpartitioned sub-group's fp32 gradient buffer
+        # (initialize_optimizer_states). AdamW's moments come at the first step.
+        held = P + M + G + 4 * _reduce_bucket(model)
+        at_rest = held + O  # the gradient partitions and bucket stay allocated between steps
+        build = held + max(module_buffer, 4 * unit)
+        # The step's temporaries on the CPU: one sub-group's flattened gradient and AdamW's
+        # (foreach) intermediates, about three partitions of one layer.
+        step = 3 * 4 * unit / world if cpu else 0.0
+        train = at_rest + max(activations + gathered, step)
+        # Built, AdamW's state created to load into, and the read, in host memory: a batch of
+        # the rows around this rank's partitions (at most READ_BUFFER_BYTES, or its whole share
+        # of the moments), one stored tensor while DCP reads it and the rows of the one that
+        # overflows the batch. On a GPU only one partition at a time is copied to it.
+        read = min(READ_BUFFER_BYTES, 2 * whole / world) + 2 * largest if cpu else largest
+        resume = max(build, at_rest + read)
     else:  # DeepSpeed ZeRO-1/2: flat fp32 groups beside the module's parameters
         build = P + M + (P if compute == 4 else 0.0)
         train = P + G + O + M + max(activations, update)
@@ -224,6 +242,15 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     # The shard's tensors, and part of their bytes while safetensors writes them (1.36x the shard measured, on the CPU).
     export = at_rest + largest + (1.5 * min(SHARD_BYTES, whole) if cpu else 0.0)
     return {"build": build, "train": train, "checkpoint": checkpoint, "export": export, "resume": resume}
+
+
+def _reduce_bucket(model) -> int:
+    """Elements of DeepSpeed's gradient bucket as accord sizes it (deepspeed_config), or
+    DeepSpeed's default where the model names no hidden size."""
+    from accord.engine.wrapping import hidden_size
+
+    width = hidden_size(model)
+    return width * width if width else 500_000_000
 
 
 def _torch_zero1(recipe: Recipe) -> bool:

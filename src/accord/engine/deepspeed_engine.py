@@ -168,6 +168,11 @@ class DeepSpeedEngine(Engine):
     def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
         return self._state.save(folder, writer, self.scheduler, asynchronous)
 
+    def model_state_bytes(self) -> dict[str, int]:
+        held = super().model_state_bytes()
+        held["master"] += self._state.unlisted_master_bytes()
+        return held
+
     def load_state(self, folder: Path) -> None:
         self._state.load(folder, self.scheduler)
 

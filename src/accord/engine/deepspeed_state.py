@@ -3,7 +3,9 @@ parameter name), so a run written under ZeRO resumes under any strategy on any n
 processes (DeepSpeed's own checkpoints are laid out by stage and world size).
 
 DeepSpeed's public helpers (deepspeed.utils.safe_get/set_full_*) read and write one
-parameter's whole weights and optimizer state. What they leave out goes through attributes
+parameter's whole weights and optimizer state, and under ZeRO-3 safe_set_local_* this rank's
+partition of them (with the ZeRO-3 parameter's own `ds_tensor`, `ds_status`, `partition` and
+`all_gather`, which DeepSpeed's partitioned parameters carry). What they leave out goes through attributes
 of DeepSpeed's internals: the base optimizer and the flat fp32 partitions it keys its state
 by, creating that state before the first update, relinking ZeRO-1/2's per-parameter views of
 it, and the fp16 loss scale. Those were read from DeepSpeed 0.16 to 0.19. Every one this run
@@ -19,14 +21,18 @@ from typing import Any
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import (
+    safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
+)
 from packaging.version import Version
 from torch import nn
 
 from accord import dist
 from accord.engine.base import unique_entries
 from accord.engine.state import (
-    MODEL, OPTIM, WRITE_BUFFER_BYTES, PendingWrite, SaveEntry, load_schedule, read_whole, save_parts, save_schedule, stored_keys, write_in_parts, write_sharded,
+    MODEL, OPTIM, WRITE_BUFFER_BYTES, PendingWrite, SaveEntry, load_schedule, read_flat_ranges, read_whole, save_parts, save_schedule, stored_keys, write_in_parts, write_sharded,
 )
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -45,6 +51,7 @@ class DeepSpeedState:
         self.precision = precision
         self.device = device
         self.group_names = group_names
+        self._engine = engine
         self._zero = engine.optimizer  # DeepSpeed's ZeRO optimizer, around the base optimizer
         self.base: torch.optim.Optimizer = _internal(engine, "basic_optimizer")  # holds the AdamW state
         for name in self._needed():
@@ -52,7 +59,7 @@ class DeepSpeedState:
 
     def _needed(self) -> list[str]:
         """The ZeRO optimizer's attributes this stage and precision use below."""
-        needed = ["fp32_partitioned_groups_flat"] if self.stage == 3 else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
+        needed = ["fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"] if self.stage == 3 else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
         if self.precision == "fp16":
             needed.append("loss_scale")
         return needed
@@ -62,6 +69,7 @@ class DeepSpeedState:
     def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Collective: each state-dict entry as a whole fp32 CPU tensor (the fp32 master weights
         where DeepSpeed keeps them), one at a time; only `writer` keeps them."""
+        self._release_gathered()
         params = {id(p) for p in self.module.parameters()}
         for name, tensor in unique_entries(self.module):
             if id(tensor) in params:
@@ -90,6 +98,7 @@ class DeepSpeedState:
         while the files are written, with every tensor gathered by then, so a rank holds its
         whole share (12 bytes per parameter / world: weights and AdamW moments) until written
         (once: DCP is told not to copy it again, where this torch can be)."""
+        self._release_gathered()
         step = self._step_count()  # None before the first applied update (e.g. an fp16 overflow)
         if step is not None:
             self._link_optimizer_state()
@@ -103,6 +112,14 @@ class DeepSpeedState:
             extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)
         return pending
+
+    def _release_gathered(self) -> None:
+        """ZeRO-3: partition again what a forward left gathered or still being gathered (an
+        evaluation's forward prefetches parameters no backward releases), which
+        GatheredParameters refuses to gather (frozen parameters, e.g. under LoRA, go
+        through it). The next forward gathers what it needs."""
+        if self.stage == 3:
+            self._engine.empty_partition_cache()
 
     def _entries(self, tensors: dict[str, torch.Tensor], with_optimizer: bool) -> list[SaveEntry]:
         """What a checkpoint holds, in the order every rank gathers it: each state-dict entry,
@@ -156,32 +173,42 @@ class DeepSpeedState:
     # ------------------------------------------------------------------ load
 
     def load(self, folder: Path, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Collective: restore what any strategy's save_state wrote, on any world size. Each
-        rank reads whole tensors a bounded batch at a time and keeps its partition of them."""
+        """Collective: restore what any strategy's save_state wrote, on any world size, a
+        bounded batch at a time. Under ZeRO-3 each rank reads only the rows around its
+        partition of each tensor (_load_partitions); ZeRO-1/2 ranks hold every parameter and
+        read whole tensors, each keeping its part of the flat master and AdamW state."""
         stored = stored_keys(folder)
         params = dict(self.module.named_parameters())
         missing = sorted(name for name in params if f"{MODEL}.{name}" not in stored)
         if missing:
             raise RuntimeError(f"{folder}: the checkpoint has no weights for {', '.join(missing[:5])}")
         buffers = [f"{MODEL}.{name}" for name, _ in self.module.named_buffers() if f"{MODEL}.{name}" in stored]
-        for batch in read_whole(folder, [f"{MODEL}.{name}" for name in params] + buffers, stored):
+        weights = buffers if self.stage == 3 else [f"{MODEL}.{name}" for name in params] + buffers
+        for batch in read_whole(folder, weights, stored):
             self._load_weights({key[len(MODEL) + 1 :]: value for key, value in batch.items()})
+            batch.clear()  # before the next batch is read
+        if self.stage == 3:
+            self._load_partitions(folder, stored, {f"{MODEL}.{name}": (param, None) for name, param in params.items()})
+            self._gather_again()
         trainable = [name for names in self.group_names for name in names]
         optim_keys = [f"{OPTIM}.{name}.{key}" for name in trainable for key in ADAM_STATE_KEYS if f"{OPTIM}.{name}.{key}" in stored]
         if optim_keys:
             (step,) = next(read_whole(folder, [f"{OPTIM}.{trainable[0]}.step"], stored)).values()
             self._create_optimizer_state(float(step))
+        if optim_keys and self.stage == 3:
+            self._load_partitions(folder, stored, {key: (params[key[len(OPTIM) + 1 :].rsplit(".", 1)[0]], key.rsplit(".", 1)[1]) for key in optim_keys})
+        elif optim_keys:
             for batch in read_whole(folder, optim_keys, stored):
-                for key, value in batch.items():
+                for key in list(batch):
                     name, state_key = key[len(OPTIM) + 1 :].rsplit(".", 1)
-                    safe_set_full_optimizer_state(params[name], value.to(self.device), state_key)
+                    safe_set_full_optimizer_state(params[name], batch.pop(key).to(self.device), state_key)
         extra = load_schedule(folder, scheduler)
         if self.precision == "fp16" and LOSS_SCALE_KEY in extra:
             self._zero.loss_scale = extra[LOSS_SCALE_KEY]
 
     def _load_weights(self, values: dict[str, torch.Tensor]) -> None:
-        """Whole tensors by name (a batch of them): the fp32 master weights (partitioned:
-        each rank keeps its part) and the working copy the forward uses."""
+        """Whole tensors by name (a batch of them): buffers, and under ZeRO-1/2 the fp32
+        master weights (each rank keeps its part of the flat groups) and the working copy."""
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         with torch.no_grad():
@@ -189,15 +216,51 @@ class DeepSpeedState:
                 if name in buffers and name not in params:
                     buffers[name].copy_(value.to(buffers[name].device, buffers[name].dtype))
                     continue
-                param = params[name]
+                param = params[name]  # ZeRO-1/2 (ZeRO-3's parameters: _load_partitions)
                 if param.requires_grad:
                     safe_set_full_fp32_param(param, value.to(self.device))
-                if self.stage == 3:
-                    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                        if dist.is_main():
-                            param.data.copy_(value.to(param.device, param.dtype))
-                else:
-                    param.data.copy_(value.to(param.device, param.dtype))
+                param.data.copy_(value.to(param.device, param.dtype))
+
+    def _load_partitions(self, folder: Path, stored: dict, keys: dict[str, tuple[nn.Parameter, str | None]]) -> None:
+        """ZeRO-3: each rank reads only the elements of its partition of each tensor (by `keys`:
+        the parameter, and the AdamW state key or None for the weights), a bounded batch at a
+        time, into the fp32 master partition or that state's, and the weights also into the
+        working partition the forward gathers. No collective."""
+        rank = torch.distributed.get_rank()
+        ranges = {}
+        for key, (param, _) in keys.items():
+            size = param.ds_tensor.ds_numel  # one rank's partition (the last one padded)
+            start = min(rank * size, _numel(param))
+            ranges[key] = (start, min(start + size, _numel(param)))
+        for batch in read_flat_ranges(folder, {key: span for key, span in ranges.items() if span[1] > span[0]}, stored):
+            for key in list(batch):  # emptied as it goes: nothing of it is held when the next batch is read
+                self._set_partition(*keys[key], batch.pop(key))
+        for key, (start, stop) in ranges.items():
+            if stop == start:  # a parameter too small for every rank to hold some: padding only
+                self._set_partition(*keys[key], torch.zeros(0))
+
+    def _gather_again(self) -> None:
+        """Collective, after the weights' partitions were loaded: the parameters DeepSpeed holds
+        gathered (its persistent ones, small) still hold the old weights: dropped, and
+        gathered from the new partitions."""
+        with torch.no_grad():
+            gathered = [p for p in self.module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE]
+            if gathered:
+                gathered[0].partition(param_list=gathered, has_been_updated=False)
+                gathered[0].all_gather(gathered)
+
+    def _set_partition(self, param: nn.Parameter, state_key: str | None, value: torch.Tensor) -> None:
+        """This rank's elements of one tensor (`value`, as many as it owns) into its partition,
+        padded as DeepSpeed pads the last one."""
+        piece = torch.zeros(param.ds_tensor.ds_numel, dtype=torch.float32)
+        piece[: value.numel()] = value
+        if state_key is not None:
+            safe_set_local_optimizer_state(param, piece.to(self.device), state_key)
+            return
+        if param.requires_grad:
+            safe_set_local_fp32_param(param, piece.to(self.device))
+        with torch.no_grad():
+            param.ds_tensor.copy_(piece.to(param.ds_tensor.device, param.ds_tensor.dtype))
 
     def _create_optimizer_state(self, step: float) -> None:
         """AdamW creates its state at the first update; a resumed run needs it before, to
@@ -229,6 +292,15 @@ class DeepSpeedState:
                 f"DeepSpeed {deepspeed.__version__}: {type(self._zero).__name__} holds no fp32 partitions to load optimizer state into"
             )
         return flats
+
+    def unlisted_master_bytes(self) -> int:
+        """Bytes of ZeRO-3's fp32 master partitions, which its base optimizer's groups list only
+        while it steps (0 under ZeRO-1/2, whose groups always list them). A partition that is
+        the parameters' own flat partition is not a copy and is not counted."""
+        if self.stage != 3:
+            return 0
+        own = {flat.untyped_storage().data_ptr() for flat in _internal(self._zero, "fp16_partitioned_groups_flat") if flat is not None}
+        return sum(flat.numel() * flat.element_size() for flat in self._flat_params() if flat.untyped_storage().data_ptr() not in own)
 
     def _link_optimizer_state(self) -> None:
         """ZeRO-1/2 read and write the optimizer state through per-parameter views of the

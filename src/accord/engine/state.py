@@ -21,6 +21,7 @@ rate of each group is the scheduler's last one, restored from it.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import shutil
 import threading
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, Metadata, SavePlan
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter, LoadPlan, Metadata, SavePlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -44,8 +47,9 @@ MODEL, OPTIM = "model", "optim"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 # The single-file format of earlier accord versions (converted on resume: convert_legacy).
 LEGACY_FILES = ("model.safetensors", "optimizer.pt")
-# How many bytes of whole tensors a rank reads at once where it needs whole tensors (DeepSpeed's load).
-READ_BUFFER_BYTES = 256 * 2**20
+# How many bytes a rank reads at once where it reads tensors itself (DeepSpeed's load): whole
+# tensors under ZeRO-1/2, the rows around its partition of each under ZeRO-3.
+READ_BUFFER_BYTES = 64 * 2**20
 # How many bytes of gathered whole tensors a rank keeps before writing them (DeepSpeed's save,
 # write_in_parts). At 64 MiB a 150M-parameter zero3 checkpoint stayed within the training peak
 # on the CPU at worlds 1, 2 and 4; at 256 MiB it added 0.34 GiB at world 1 (README).
@@ -130,6 +134,7 @@ def write_in_parts(parts: Iterable[dict], folder: Path) -> PendingWrite:
     for part in parts:
         dcp.save(part, storage_writer=writer, no_dist=not tdist.is_initialized())
         writer.part += 1
+        del part  # before the next part is made: one part held at a time, not two
     writer.write_index()
     done: Future = Future()
     done.set_result(None)
@@ -262,7 +267,8 @@ def stored_keys(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
 def read_whole(folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
     """Whole tensors for `keys`, read by this rank alone (no collective), in batches of
     at most READ_BUFFER_BYTES (or one tensor): the bounded buffer of a rank that needs whole
-    tensors to keep its part of them (DeepSpeed's partitions)."""
+    tensors to keep its part of them (DeepSpeed's partitions). The caller empties each batch
+    before asking for the next (else two are held)."""
     batch: dict[str, torch.Tensor] = {}
     size = 0
     for key in keys:
@@ -277,9 +283,56 @@ def read_whole(folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size
         yield _read(folder, batch)
 
 
-def _read(folder: Path, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    dcp.load(batch, storage_reader=FileSystemReader(folder / STATE_DIR), no_dist=True)
+def _read(folder: Path, batch: dict[str, torch.Tensor], planner: DefaultLoadPlanner | None = None) -> dict[str, torch.Tensor]:
+    dcp.load(batch, storage_reader=FileSystemReader(folder / STATE_DIR), planner=planner, no_dist=True)
     return batch
+
+
+def read_flat_ranges(folder: Path, ranges: dict[str, tuple[int, int]], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Elements [start, stop) of each tensor of `ranges` as if flattened (a DeepSpeed ZeRO-3
+    partition), read by this rank alone, in batches of at most READ_BUFFER_BYTES (or one
+    range). DCP reads a stored piece and copies out the rows that cover a range (the first
+    dimension's), so a rank holds the rows around its partition, not the whole tensor,
+    plus one stored piece while it is read (a whole tensor where DeepSpeed wrote it). The
+    caller empties each batch before asking for the next (else two are held)."""
+    batch: dict[str, torch.Tensor] = {}
+    chunks: dict[str, ChunkStorageMetadata] = {}
+    cuts: dict[str, tuple[int, int]] = {}
+    size = 0
+    for key, (start, stop) in ranges.items():
+        shape, dtype = stored[key]
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        first, last = (start // row, -(-stop // row)) if shape else (0, 1)
+        rows = torch.empty((last - first, *shape[1:]) if shape else (), dtype=dtype)
+        if batch and size + rows.nbytes > READ_BUFFER_BYTES:
+            yield _cut(_read(folder, batch, _ChunkPlanner(chunks)), cuts)
+            batch, chunks, cuts, size = {}, {}, {}, 0
+        batch[key] = rows
+        chunks[key] = ChunkStorageMetadata(offsets=torch.Size((first, *[0] * (len(shape) - 1))) if shape else torch.Size(), sizes=rows.shape)
+        cuts[key] = (start - first * row, stop - start)
+        size += rows.nbytes
+    if batch:
+        yield _cut(_read(folder, batch, _ChunkPlanner(chunks)), cuts)
+
+
+def _cut(batch: dict[str, torch.Tensor], cuts: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    return {key: rows.reshape(-1).narrow(0, *cuts[key]) for key, rows in batch.items()}
+
+
+class _ChunkPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading each tensor of the state dict as the piece of the stored
+    tensor that `chunks` places (offsets and sizes in the stored tensor) instead of whole."""
+
+    def __init__(self, chunks: dict[str, ChunkStorageMetadata]):
+        super().__init__()
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        return LoadPlan([item for key, chunk in self.chunks.items() for item in create_read_items_for_chunk_list(key, stored[key], [chunk])])
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the piece itself (DCP's lookup takes an offset for a ShardedTensor's)
 
 
 # ------------------------------------------------------------------ checking a checkpoint's files
