@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from accord.data.columns import ColumnWriter, encode_columns
+from accord.data.mapped_pages import released_as_read
 from accord.data.nodeshare import NodeShare
 from accord.data.shards import ShardWriter, id_dtype
 from accord.data.sources import DataError, row_origin
@@ -51,7 +52,7 @@ def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_
     """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then); returns counts."""
     work.mkdir(parents=True, exist_ok=True)
     streams = getattr(task, "streams_text", False)
-    units = _text_units(ds) if streams else _row_units(ds)
+    units = released_as_read(_text_units(ds) if streams else _row_units(ds), ds)
     total = _text_bytes(ds)
     _tokenise_missing(units, task, work, _workers(ds, streams, total, workers), total=total, desc=f"tokenize {split}", quiet=quiet)
     writer = _writer(task, out, streams)
@@ -82,7 +83,7 @@ def tokenise_share(ds, task, split: str, work: Path, workers: int, share: NodeSh
     workers = _workers(ds, streams, total, workers)
     try:
         for owned in (True, False) if rest else (True,):
-            units = _text_units(ds) if streams else _row_units(ds)
+            units = released_as_read(_text_units(ds) if streams else _row_units(ds), ds)
             mine = (unit for unit in units if not sealed() and (share.owns(unit.index) or not owned))
             _tokenise_missing(mine, task, work, workers, total=None, desc=f"tokenize {split} (node {share.node} of {share.nodes})", quiet=True)
     except OSError:
