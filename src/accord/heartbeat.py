@@ -98,6 +98,7 @@ def start(hang_timeout_s: float | None, rank: int, local_rank: int, world_size: 
         f.seek(IDENTITY_AT)
         f.write(identity[: FILE_SIZE - IDENTITY_AT])
         f.flush()
+        _beat.seq = _beat.ticks = 0  # this file's record starts here (not from an earlier in-process run)
         _beat.mapped = mmap.mmap(f.fileno(), FILE_SIZE)
 
 
