@@ -129,6 +129,18 @@ def test_integer_labels_keep_their_ids_and_can_be_named(tmp_path):
     assert task.labels == ["9", "10"] and ids == [1, 0]  # numbers written as text: numeric order
 
 
+def test_labels_are_read_a_batch_at_a_time_and_a_bad_one_names_its_own_row(tmp_path, monkeypatch):
+    from accord.tasks import classify
+
+    monkeypatch.setattr(classify, "LABEL_BATCH_ROWS", 4)  # 11 rows: three batches
+    rows = [{"text": f"t{i}", "label": i % 3} for i in range(11)]
+    task, ids = classify_fit(tmp_path, rows)
+    assert task.labels == ["0", "1", "2"] and ids == [i % 3 for i in range(11)]
+    rows[9]["label"] = 5
+    with pytest.raises(DataError, match=r"row 10: label 5 is not in the label set ids 0=different, 1=same, 2=other"):
+        classify_fit(tmp_path, rows, labels=["different", "same", "other"])
+
+
 def test_a_save_to_disk_folder_with_a_class_label_column_brings_its_names(tmp_path):
     import datasets
 

@@ -4,6 +4,7 @@ or decoder model and a classification head (AutoModelForSequenceClassification).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 from accord.data.columns import Schema
 from accord.data.sources import DataError, row_origin
 from accord.tasks.base import LossOutput, Task, pad_rows
+
+LABEL_BATCH_ROWS = 65536  # labels read at a time when the label set is found and checked
 
 
 class ClassifyTask(Task):
@@ -43,9 +46,10 @@ class ClassifyTask(Task):
         for ds in (train, eval_ds):
             if ds is None:
                 continue
-            for i, value in enumerate(ds["label"]):
-                if value is None or str(value) not in self.ids:
-                    raise DataError(f"{row_origin(ds[i])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)")
+            for start, values in _label_batches(ds):
+                for k, value in enumerate(values):
+                    if value is None or str(value) not in self.ids:
+                        raise DataError(f"{row_origin(ds[start + k])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)")
         return train, eval_ds
 
     def state(self) -> dict[str, Any]:
@@ -141,7 +145,8 @@ def label_set(train, eval_ds, given: list[str] | None) -> tuple[list[str], dict[
     import datasets
 
     feature = train.features["label"]
-    values = [v for ds in (train, eval_ds) if ds is not None for v in ds["label"] if v is not None]
+    in_train = _distinct_labels(train)
+    values = in_train | (_distinct_labels(eval_ds) if eval_ds is not None else set())
     if isinstance(feature, datasets.ClassLabel):
         names = given or list(feature.names)
         return names, {str(i): i for i in range(len(names))}
@@ -154,10 +159,23 @@ def label_set(train, eval_ds, given: list[str] | None) -> tuple[list[str], dict[
         return [str(v) for v in numbers], {str(v): i for i, v in enumerate(numbers)}
     if given:
         return given, {name: i for i, name in enumerate(given)}
-    names = sorted({str(v) for v in train["label"] if v is not None})
+    names = sorted({str(v) for v in in_train})
     if all(re.fullmatch(r"-?\d+", name) for name in names):
         names.sort(key=int)
     return names, {name: i for i, name in enumerate(names)}
+
+
+def _label_batches(ds) -> Iterator[tuple[int, list]]:
+    """(first row, labels) of `ds` a batch at a time: the label column is read in pieces, never
+    as one list of every row's label (which would grow with the corpus)."""
+    start = 0
+    for batch in ds.select_columns(["label"]).iter(batch_size=LABEL_BATCH_ROWS):
+        yield start, batch["label"]
+        start += len(batch["label"])
+
+
+def _distinct_labels(ds) -> set:
+    return {v for _, values in _label_batches(ds) for v in values if v is not None}
 
 
 def _shown(labels: list[str], ids: dict[str, int]) -> str:
