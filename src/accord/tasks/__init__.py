@@ -39,5 +39,4 @@ def build_task(recipe: Recipe, tokenizer) -> Task:
 def groups_by_length(recipe: Recipe) -> bool:
     """Whether the global order groups examples by length (data.group_by_length applies to
     unpacked rows only)."""
-    cls = task_class(recipe)
-    return recipe.data.group_by_length and not (cls.packable and recipe.data.packing is not False)
+    return recipe.data.group_by_length and not task_class(recipe).packs(recipe)

@@ -59,8 +59,13 @@ class Task:
         self.recipe = recipe
         self.max_length = recipe.data.max_length
         self.pad_id = tokenizer.pad_token_id
-        # Packing is the task's to decide (data.packing only turns it off), before any row is built.
-        self.packing = self.packable and recipe.data.packing is not False
+        self.packing = self.packs(recipe)
+
+    @classmethod
+    def packs(cls, recipe) -> bool:
+        """Whether several examples share a row: the task's to decide (data.packing only turns
+        it off), before any row is built (and before a task exists: a checkpoint's order)."""
+        return cls.packable and recipe.data.packing is not False
 
     @property
     def row_capacity(self) -> int | None:
