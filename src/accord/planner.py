@@ -86,11 +86,11 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
         shard = local(trainable)
         return {"params": weight * local(params), "grads": weight * shard, "optimizer": adam(shard), "master": 0.0}
     # DeepSpeed ZeRO: parameters in fp32 (bf16 is autocast, as under DDP/FSDP) or fp16
-    # (DeepSpeed's loss-scaled fp16 mode); AdamW state and an fp32 master copy of this rank's
-    # partition of each flat parameter group (weights decayed / not decayed). ZeRO-3 keeps that
-    # copy even of fp32 parameters: its test for reusing their flat partition compares a
-    # torch.device with a device name, never equal (DeepSpeed 0.19.8; measured: 3 x 4 bytes
-    # per parameter of the partition after the build, the gradient partitions the third).
+    # (DeepSpeed's loss-scaled fp16 mode); AdamW state and an fp32 master partition of each
+    # flat parameter group (weights decayed / not decayed). ZeRO-1/2 copy it from the
+    # parameters whatever their dtype; ZeRO-3 over fp32 parameters steps the parameters' own
+    # partition (accord makes DeepSpeed's reuse test work: deepspeed_engine), so only fp16
+    # parameters have a master copy there.
     stage = int(strategy[-1])
     compute = 2 if precision == "fp16" else 4
     groups = [sum(p.numel() for p in trainable if p.ndim >= 2), sum(p.numel() for p in trainable if p.ndim < 2)]
@@ -105,7 +105,7 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
         "params": compute * (math.ceil(total / world) if stage == 3 else total),
         "grads": compute * (partition if stage >= 2 else trained),
         "optimizer": 2 * 4 * partition + 4 * steps,
-        "master": 4 * partition,
+        "master": 0.0 if stage == 3 and compute == 4 else 4 * partition,
     }
     if offload != "none":
         state["optimizer"] = state["master"] = 0.0
@@ -159,8 +159,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
       loads one module at a time, whole (accord.weights); DDP allocates its gradient
       buckets (gradients are views into them) when it wraps the model; DeepSpeed ZeRO-1/2
       copies the parameters into flat fp32 groups and its master partition. ZeRO-3 allocates
-      its fp32 master copy of the partitions, its flat gradient partitions and its gradient
-      bucket at initialisation (they stay; AdamW's moments come at step 1).
+      its flat gradient partitions, its gradient bucket (and under fp16 an fp32 master copy
+      of the partitions) at initialisation (they stay; AdamW's moments come at step 1).
     - train: gradients, AdamW's moments (created at step 1), the micro-batch's activations
       and what a sharded strategy gathers: the root's parameters (kept from forward to
       backward) and two layers' (the one running and the one prefetched), plus the running
@@ -209,8 +209,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     elif sharded:  # zero3
         from accord.engine.state import READ_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
 
-        # Built: the partitions, their fp32 master copy and the flat gradient partitions (all
-        # three at initialisation), DeepSpeed's gradient bucket, and transiently one module
+        # Built: the partitions (with fp16, also their fp32 master copy) and the flat gradient
+        # partitions (at initialisation), DeepSpeed's gradient bucket, and transiently one module
         # (materialised whole on rank 0) or one unpartitioned sub-group's fp32 gradient buffer
         # (initialize_optimizer_states). AdamW's moments come at the first step.
         held = P + M + G + 4 * _reduce_bucket(model)
