@@ -1,6 +1,6 @@
 """Per-rank memory of the sharded strategies as the world grows: does every phase shrink?
 
-    python benchmarks/memory_scaling.py [--layers 18] [--strategies fsdp zero3] [--worlds 1 2 4]
+    python benchmarks/memory_scaling.py [--layers 18] [--strategies fsdp zero3] [--worlds 1 2 4] [--release-host-memory]
 
 For each strategy and world size it trains a ~0.5B-parameter Llama built from a config on
 the CPU (2 steps, a checkpoint, the export to final/), then resumes it for one more step,
@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["fsdp", "zero3"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--work", type=Path, default=None, help="folder for runs (default: a temporary one)")
+    parser.add_argument("--release-host-memory", action="store_true",
+                        help="engine.release_host_memory=true in every run (baselines too): RSS follows live tensors")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="accord-memory-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -114,12 +116,14 @@ def main() -> None:
     tiny = write_recipe(work, "baseline", model_config(128, 1))
     big = write_recipe(work, "big", config)
     print(f"model: Llama hidden {args.hidden} x {args.layers} layers, {n / 1e6:.0f}M parameters; "
-          f"unsharded training state (16 B/param) {state_gib:.2f} GiB; runs in {work}", flush=True)
+          f"unsharded training state (16 B/param) {state_gib:.2f} GiB; runs in {work}"
+          f"{'; engine.release_host_memory' if args.release_host_memory else ''}", flush=True)
 
     rows = []
     for strategy in args.strategies:
         for world in args.worlds:
-            common = [f"engine.strategy={strategy}", f"engine.processes={world}"]
+            common = [f"engine.strategy={strategy}", f"engine.processes={world}",
+                      f"engine.release_host_memory={str(args.release_host_memory).lower()}"]
             base_out = work / f"baseline-{strategy}-{world}"
             accord("train", str(tiny), *common, f"output.dir={base_out}", "--overwrite")
             baseline = max(peaks(base_out)["build"])

@@ -9,9 +9,9 @@ it, not the interpreter and libraries (~0.45 GiB per process), makes the differe
 
 The plan counts live bytes (what a GPU's allocator reports). On the CPU, glibc's heap keeps
 freed blocks of the sizes FSDP gathers and frees layer after layer: by default a 38M fsdp
-rank's RSS peaks about 0.8 GiB above the empty process where its live tensors take 0.37. A
-fixed mmap threshold (MALLOC_MMAP_THRESHOLD_) returns every freed large block at once, so
-the runs here set it and RSS then measures live memory (README: memory on the CPU).
+rank's RSS peaks about 0.8 GiB above the empty process where its live tensors take 0.37.
+`engine.release_host_memory` returns every freed large block at once, so the runs here set
+it and RSS then measures live memory (README: memory on the CPU).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _recipe(folder: Path, name: str, hidden: int, layers: int, **engine) -> Path
         "data": {"generate": {"kind": "addition", "train_examples": 64, "eval_examples": 0, "max_digits": 2}, "max_length": 32},
         "batch": {"global_batch_size": 4, "micro_batch_size": 1},
         "train": {"max_steps": 2, "log_every": 1},
-        "engine": {"device": "cpu", "processes": 2, **engine},
+        "engine": {"device": "cpu", "processes": 2, "release_host_memory": True, **engine},
         "checkpoint": {"keep_last": 1},
         "output": {"dir": str(folder / name)},
     })
@@ -54,11 +54,6 @@ def _recipe(folder: Path, name: str, hidden: int, layers: int, **engine) -> Path
 def _peaks(out: Path) -> dict[str, float]:
     """The largest rank's recorded peak (GiB) at the end of each phase; a resumed run's build is `resume`."""
     return phase_peaks(out / "metrics.jsonl")
-
-
-@pytest.fixture(autouse=True)
-def _live_rss(monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # the workers inherit it
 
 
 def _measure(folder: Path, strategy: str, resume: bool = False) -> tuple[float, dict[str, float], dict[str, float]]:

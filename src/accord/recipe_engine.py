@@ -50,6 +50,12 @@ class EngineConfig(Section):
         description="zero strategies: keep the optimizer state (and with zero3 also the parameters) in CPU memory "
         "(DeepSpeed ZeRO-Offload). On a CPU-only run this changes nothing but the code path.",
     )
+    release_host_memory: bool = Field(
+        False,
+        description="Return host memory to the OS as soon as a tensor of 1 MiB or more is freed (glibc's malloc with a "
+        "fixed mmap threshold, as MALLOC_MMAP_THRESHOLD_=1048576 does). On CPU runs under fsdp or zero3 a rank's peak RSS "
+        "then follows its live tensors (about 30-40% lower, see README) for ~25-30% more CPU time; a GPU's memory is not affected.",
+    )
     activation_checkpointing: bool | Literal["offload"] = Field(
         False,
         description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more compute); "

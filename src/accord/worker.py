@@ -17,6 +17,7 @@ from typing import Any
 from accord import dist, heartbeat
 from accord.checkpoint import CHECKPOINTS, CheckpointError, disk_space_warning, incomplete_checkpoints, verified_resume_source
 from accord.engine.device import select_device
+from accord.host_memory import release_freed_memory
 from accord.outputs import discard_earlier_run, prepare_output_dir
 from accord.recipe import Recipe
 from accord.stopping import EXIT_CODES, StopRequest
@@ -52,6 +53,8 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     recipe = Recipe.model_validate(recipe_data)
     info = dist.env_info()
     _quiet_libraries(info)
+    if recipe.engine.release_host_memory and not release_freed_memory():
+        dist.print0("accord: warning: engine.release_host_memory: this C library is not glibc's; host memory is managed as usual")
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
