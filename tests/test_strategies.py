@@ -423,5 +423,7 @@ def test_plan_cli_recommends_and_refuses(tiny_recipe):
     assert data["advice"].startswith("recommended: engine.strategy=ddp with batch.micro_batch_size=16")
     tight = run_accord_here("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "0.0001GB")
     assert tight.returncode == 0 and "nothing fits in" in tight.stdout
+    on_cpu = run_accord_here("plan", tiny_recipe)  # no GPU here: the recipe's CPU processes
+    assert on_cpu.returncode == 0 and "unless engine.release_host_memory=true" in on_cpu.stdout
     bad = run_accord_here("plan", tiny_recipe, "--gpus", "3", "--gpu-memory", "1GB")
     assert bad.returncode == 2 and "cannot be split over 3 processes" in bad.stderr

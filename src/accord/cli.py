@@ -290,6 +290,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"peak per {result.device} in each phase of a run (GiB above an empty process's):")
     print(format_phases(result.rows))
     print(f"accord: {result.advice}")
+    if result.device != "GPU":
+        print("accord: on the CPU these are live bytes; a process's RSS can exceed them by what glibc's heap keeps "
+              "(under fsdp/zero3 up to ~1.5x) unless engine.release_host_memory=true (README: Memory on the CPU)")
     return 0
 
 

@@ -177,7 +177,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
       but for DDP's already in its buckets), and the checkpoint read into it one tensor at a
       time (ZeRO-3: a batch of the rows around its partitions, READ_BUFFER_BYTES at most).
-    Host memory on the CPU is counted as live bytes: glibc's heap can keep more (see README).
+    Host memory on the CPU is counted as live bytes: glibc's heap can keep more unless
+    engine.release_host_memory is on (see README).
     """
     compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
     params = list(model.parameters())
