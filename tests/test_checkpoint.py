@@ -332,3 +332,41 @@ def test_a_zero3_rank_reads_the_rows_around_its_partition_in_bounded_batches(tmp
                     assert shape[1:] == model[key.removeprefix(f"{MODEL}.")].shape[1:] and shape[0] * row <= stop - start + 2 * (row - 1)
         for name, tensor in model.items():
             assert torch.equal(torch.cat(pieces[name]), tensor.flatten()), (world, name)
+
+
+def test_streamed_export_writes_each_tensor_as_it_arrives_in_every_dtype(tmp_path):
+    """The shard writer keeps no tensor once it has written it (its memory is one tensor,
+    not one shard), and the files read back bit-exactly through safetensors in every dtype,
+    a scalar and an empty tensor included."""
+    import gc
+    import weakref
+
+    import torch
+    from safetensors.torch import load_file
+
+    from accord.outputs import SHARD_INDEX
+    from accord.safetensors_stream import ShardedSafetensorsWriter
+
+    expected = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False, True]), "u8": torch.arange(9, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6).t(),
+    }
+    writer = ShardedSafetensorsWriter(tmp_path, shard_bytes=64)
+    handed = []
+    for name, value in expected.items():
+        tensor = value.clone()
+        handed.append(weakref.ref(tensor))
+        writer.add(name, tensor)
+        del tensor
+        gc.collect()
+        assert all(ref() is None for ref in handed), f"the writer still holds a tensor after {name}"
+    writer.close()
+    index = json.loads((tmp_path / SHARD_INDEX).read_text())
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expected.values())
+    loaded = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        loaded |= load_file(tmp_path / shard)
+    assert set(loaded) == set(expected) and not list(tmp_path.glob(".*"))  # no data file left behind
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ from accord.recipe import Recipe, recipe_to_yaml
 RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
 # Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
-# The final model's safetensors shards: at most this many bytes each (the exporting rank's buffer).
+# The final model's safetensors shards: at most this many bytes of tensors each.
 SHARD_BYTES = 2**30
 SHARD_INDEX = "model.safetensors.index.json"
 # Where --overwrite moves an earlier run's artefacts until the new run has completed a step
@@ -128,11 +127,13 @@ def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = N
 
 def save_streamed_model(tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES) -> None:
     """A save_pretrained folder from whole tensors handed over one at a time: transformers'
-    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json),
-    each shard written once it holds `shard_bytes` and then freed, so the writer never holds
-    more than one shard. `model` gives the config (and generation config) only."""
+    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json) of
+    at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one
+    tensor at a time. `model` gives the config (and generation config) only."""
+    from accord.safetensors_stream import ShardedSafetensorsWriter
+
     with _replacing(final) as tmp:
-        shards = _ShardWriter(tmp, shard_bytes)
+        shards = ShardedSafetensorsWriter(tmp, shard_bytes)
         for name, tensor in tensors:
             shards.add(name, tensor)
         shards.close()
@@ -150,44 +151,6 @@ def _model_class(model) -> type:
     from torch.distributed.fsdp import FSDPModule
 
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
-
-
-class _ShardWriter:
-    def __init__(self, folder: Path, shard_bytes: int):
-        self.folder, self.shard_bytes = folder, shard_bytes
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.parts: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self.buffer and self.size + tensor.nbytes > self.shard_bytes:
-            self._flush()
-        self.buffer[name] = tensor
-        self.size += tensor.nbytes
-        self.total += tensor.nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        from accord.engine.state import unshared
-
-        path = self.folder / f".part-{len(self.parts):05d}.safetensors"
-        save_file(unshared(self.buffer), path, metadata={"format": "pt"})
-        self.parts.append((path, list(self.buffer)))
-        self.buffer, self.size = {}, 0
-
-    def close(self) -> None:
-        if self.buffer or not self.parts:
-            self._flush()
-        count = len(self.parts)
-        weight_map = {}
-        for k, (path, names) in enumerate(self.parts, start=1):
-            name = f"model-{k:05d}-of-{count:05d}.safetensors"
-            path.rename(self.folder / name)
-            weight_map |= dict.fromkeys(names, name)
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / SHARD_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import torch
 from accord.batching import BatchPlan, divisors
 from accord.engine.long_rows import mlp_tiles
 from accord.errors import UserInputError
-from accord.outputs import SHARD_BYTES
 from accord.recipe import Recipe
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
@@ -172,8 +171,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
       a part of at most WRITE_BUFFER_BYTES (or one entry) per rank at a time, or under
       checkpoint.async its whole share (12 bytes per parameter / world), which DCP's background
       write copies once more where torch's async_save cannot be told not to.
-    - export: the state at rest and the tensor being gathered; the writing rank's current
-      safetensors shard (its tensors, and their bytes as they are written) is host memory.
+    - export: the state at rest and the tensor being gathered; the writing rank writes each
+      whole tensor to its safetensors shard as it arrives (one at a time, in host memory).
     - resume: the build, then the optimizer state, created by a zero step (with gradients,
       but for DDP's already in its buckets), and the checkpoint read into it one tensor at a
       time (ZeRO-3: a batch of the rows around its partitions, READ_BUFFER_BYTES at most).
@@ -240,8 +239,8 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         copies = 2 if recipe.checkpoint.async_ and not ASYNC_WRITES_OWNED else 1  # DCP's staging copy
         staged = copies * kept if cpu else 0.0
     checkpoint = max(train, at_rest + largest + staged)
-    # The shard's tensors, and part of their bytes while safetensors writes them (1.36x the shard measured, on the CPU).
-    export = at_rest + largest + (1.5 * min(SHARD_BYTES, whole) if cpu else 0.0)
+    # The tensor being gathered and, in host memory, the whole copy being written (one at a time).
+    export = at_rest + largest + (largest if cpu else 0.0)
     return {"build": build, "train": train, "checkpoint": checkpoint, "export": export, "resume": resume}
 
 

@@ -417,17 +417,3 @@ def _fit_groups(state: dict, groups: int) -> dict:
         if isinstance(values, list) and values and len(values) != groups:
             state[key] = [values[0]] * groups
     return state
-
-
-# ------------------------------------------------------------------ whole tensors for export
-
-
-def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): copy the repeats."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        ptr = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if ptr in seen else tensor.contiguous()
-        seen.add(ptr)
-    return out
