@@ -289,10 +289,10 @@ def _plan(args: argparse.Namespace) -> int:
     print(format_table(result.rows, result.gpu_memory_gib))
     print(f"peak per {result.device} in each phase of a run (GiB above an empty process's):")
     print(format_phases(result.rows))
-    print(f"accord: {result.advice}")
     if result.device != "GPU":
         print("accord: on the CPU these are live bytes; a process's RSS can exceed them by what glibc's heap keeps "
               "(under fsdp/zero3 up to ~1.5x) unless engine.release_host_memory=true (README: Memory on the CPU)")
+    print(f"accord: {result.advice}")  # last: the answer
     return 0
 
 
