@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,16 @@ def peaks(out: Path) -> dict[str, list[float]]:
     return found
 
 
+def finished(out: Path) -> bool:
+    """Whether `out` holds whole runs: each (the first and the resumed one; a baseline's
+    one) recorded its export."""
+    if not (out / "metrics.jsonl").is_file():
+        return False
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    exports = sum(1 for r in records if r["kind"] == "memory" and r["phase"] == "export")
+    return exports >= (1 if out.name.startswith("baseline-") else 2)
+
+
 def checkpoint_wait(out: Path) -> tuple[float, float] | None:
     """The first checkpoint's blocking time (s, from its record) and the training step before
     it (s): a ratio within one run, comparable between loaded runs."""
@@ -105,6 +116,8 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["fsdp", "zero3"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--work", type=Path, default=None, help="folder for runs (default: a temporary one)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take the peaks of runs already finished in --work instead of running them again")
     parser.add_argument("--release-host-memory", action="store_true",
                         help="engine.release_host_memory=true in every run (baselines too): RSS follows live tensors")
     args = parser.parse_args()
@@ -125,14 +138,18 @@ def main() -> None:
             common = [f"engine.strategy={strategy}", f"engine.processes={world}",
                       f"engine.release_host_memory={str(args.release_host_memory).lower()}"]
             base_out = work / f"baseline-{strategy}-{world}"
-            accord("train", str(tiny), *common, f"output.dir={base_out}", "--overwrite")
-            baseline = max(peaks(base_out)["build"])
             out = work / f"{strategy}-{world}"
-            seconds = accord("train", str(big), *common, f"output.dir={out}", "--overwrite")
-            seconds += accord("train", str(big), *common, f"output.dir={out}", "train.max_steps=3", "--resume")
-            found = peaks(out)
-            rows.append((strategy, world, baseline, found, out))
-            print(f"  {strategy} x{world}: done in {seconds:.0f} s", flush=True)
+            if args.reuse and finished(base_out) and finished(out):
+                print(f"  {strategy} x{world}: reusing the runs in {out} and {base_out}", flush=True)
+            else:
+                accord("train", str(tiny), *common, f"output.dir={base_out}", "--overwrite")
+                seconds = accord("train", str(big), *common, f"output.dir={out}", "--overwrite")
+                seconds += accord("train", str(big), *common, f"output.dir={out}", "train.max_steps=3", "--resume")
+                print(f"  {strategy} x{world}: done in {seconds:.0f} s", flush=True)
+            for folder in (base_out, out):  # the table needs metrics.jsonl only; a 0.5B run writes ~8 GB
+                for written in ("checkpoints", "final"):
+                    shutil.rmtree(folder / written, ignore_errors=True)
+            rows.append((strategy, world, max(peaks(base_out)["build"]), peaks(out), out))
 
     header = f"{'strategy':8} {'world':>5} {'baseline':>9} " + " ".join(f"{p + ' max':>14} {'total':>7}" for p in PHASES) + f" {'vs state+base':>13}"
     print(header)
