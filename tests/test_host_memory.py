@@ -42,10 +42,11 @@ def test_release_host_memory_returns_a_freed_block_that_glibc_would_keep():
     assert _kept_mib("release") < 1.0
 
 
-def test_release_host_memory_is_a_recipe_setting_off_by_default():
-    from accord.recipe import validate_recipe
+def test_release_host_memory_is_off_by_default_and_a_bad_value_is_one_recipe_line():
+    from accord.recipe import RecipeError, validate_recipe
     from conftest import TINY_RECIPE
 
     assert validate_recipe(TINY_RECIPE).engine.release_host_memory is False
-    on = validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"release_host_memory": True}})
-    assert on.engine.release_host_memory is True
+    with pytest.raises(RecipeError, match="engine.release_host_memory") as e:
+        validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"release_host_memory": "sometimes"}})
+    assert len(str(e.value).splitlines()) == 1

@@ -44,7 +44,7 @@ class ShardedSafetensorsWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"{name}: safetensors has no dtype {tensor.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if self.entries and self.size + nbytes > self.shard_bytes:
             self._flush()
         if self.data is None:
