@@ -12,7 +12,7 @@ the whole training state (weights + AdamW moments) repeatedly, alternating:
   dcp           accord's checkpoint now: every rank writes its shards (torch.distributed.checkpoint)
   dcp-async     the same with checkpoint.async: training is blocked only while the shards are
                 copied to host memory; the files are written in the background
-  dcp-manifest  dcp plus what a checkpoint records for verification (accord.checkpoint_verify):
+  dcp-manifest  dcp plus what a checkpoint records for verification (accord.checkpoint.manifest):
                 each rank hashes its own files (sha256), rank 0 gathers the entries, hashes
                 its small files and writes MANIFEST.json
   dcp-async-manifest  the same, hashing in the background writer thread
@@ -20,7 +20,7 @@ the whole training state (weights + AdamW moments) repeatedly, alternating:
 and then exports final/ both ways:
 
   export-full-gather  before: the full state dict gathered to rank 0, then save_pretrained
-  export-streamed     now (accord.export): one tensor gathered at a time, appended to the
+  export-streamed     now (accord.output.export): one tensor gathered at a time, appended to the
                       current safetensors shard on rank 0, shards written as they fill
 
 It prints, per mode, the median time training is blocked (the slowest rank's), the time until
@@ -83,12 +83,12 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from accord import dist as accord_dist
-    from accord.checkpoint_verify import file_entries, unlisted_entries, write_manifest
+    from accord.distributed import group as accord_dist
+    from accord.checkpoint.manifest import file_entries, unlisted_entries, write_manifest
     from accord.engine.base import unique_entries
     from accord.engine.state import save_torch_state, unshared
-    from accord.models import build_byte_tokenizer
-    from accord.outputs import save_streamed_model
+    from accord.models.build import build_byte_tokenizer
+    from accord.output.folder import save_streamed_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -139,7 +139,7 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
                 if pending is not None:
                     pending.result()
                 hashing = time.perf_counter()
-                if mode.endswith("manifest"):  # as accord.checkpoint's PendingCheckpoint does before sealing
+                if mode.endswith("manifest"):  # as accord.checkpoint.store's PendingCheckpoint does before sealing
                     entries = file_entries(target, pending.files(), rank)
                     gathered = accord_dist.all_gather_objects(entries, group=pending.group)
                     if rank == 0:

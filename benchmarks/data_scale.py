@@ -191,9 +191,9 @@ def resume_seconds(recipe_path: Path) -> float:
     and the global order, fetch that step's global batch."""
     code = f"""
 import time; t = time.perf_counter()
-from accord.recipe import load_recipe; from accord.models import build_tokenizer; from accord.tasks import build_task
+from accord.recipe.schema import load_recipe; from accord.models.build import build_tokenizer; from accord.tasks import build_task
 from accord.data.prepare import prepare_data; from accord.data.packing import training_rows; from accord.data.order import GlobalOrder
-from accord.batches import fetch
+from accord.data.fetch import fetch
 r = load_recipe({str(recipe_path)!r}); tok = build_tokenizer(r.model); task = build_task(r, tok)
 t = time.perf_counter()
 d = prepare_data(r, tok, task, preparer=False); rows = training_rows(d.train, task.row_capacity)
@@ -208,7 +208,7 @@ print(time.perf_counter() - t)
 
 PAIRS_BASELINE = """
 import datasets
-from accord.models import build_byte_tokenizer
+from accord.models.build import build_byte_tokenizer
 datasets.disable_progress_bars()
 tok = build_byte_tokenizer()
 ds = datasets.load_dataset("json", data_files={file!r}, split="train", cache_dir={cache!r})
@@ -234,7 +234,7 @@ def trl_baseline(sources: list[dict], folder: Path) -> tuple[float, float, float
     code = f"""
 import datasets, os, glob
 from trl.data_utils import pack_dataset
-from accord.models import build_byte_tokenizer
+from accord.models.build import build_byte_tokenizer
 datasets.disable_progress_bars()
 tok = build_byte_tokenizer()
 files = {files!r}

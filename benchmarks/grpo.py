@@ -36,7 +36,7 @@ def prompts_file(folder: Path, count: int) -> Path:
     """The addition rows accord generates from the seed (the same rows for both contenders),
     the expected sum in `answer`."""
     from accord.data.generated import generate
-    from accord.recipe import GeneratedData
+    from accord.recipe.schema import GeneratedData
 
     train, _ = generate(GeneratedData(kind="addition", train_examples=4000, eval_examples=256, max_digits=2), SEED)
     path = folder / "prompts.jsonl"

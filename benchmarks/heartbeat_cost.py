@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4)
     args = parser.parse_args()
 
-    from accord import heartbeat
+    from accord.observe import heartbeat
 
     off = per_call_ns(lambda i: heartbeat.phase("forward", i), args.calls)
     with tempfile.TemporaryDirectory() as folder:

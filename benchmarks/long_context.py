@@ -22,7 +22,7 @@ reports its own peak (getrusage), which must also be under the cap. Contenders:
            1.16 always uses it; loss_type nll); activation_offloading=True where TRL can run
            it (it needs an accelerator: not on a CPU-only machine)
   accord-sp2  the accord contender on two processes (torchrun, gloo) with
-           engine.sequence_parallel: 2 (Ulysses, accord.engine.ulysses): each process holds
+           engine.sequence_parallel: 2 (Ulysses, accord.engine.sequence_parallel.ulysses): each process holds
            the whole model and half of every row's tokens (accord.tasks.sequence_shards);
            gradients are summed over both (what ddp's average does with accord's loss
            scaling). The cap holds for each process (the parent reads every worker's VmHWM);
@@ -71,11 +71,11 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     memory levers and task for one row of `length` tokens, and that row's batch."""
     import torch
 
-    from accord.dist import DistInfo
+    from accord.distributed.group import DistInfo
     from accord.engine.long_rows import apply_memory_levers
-    from accord.engine.ulysses import install_ulysses
-    from accord.models import build_byte_tokenizer, build_model
-    from accord.recipe import apply_override, validate_recipe
+    from accord.engine.sequence_parallel.ulysses import install_ulysses
+    from accord.models.build import build_byte_tokenizer, build_model
+    from accord.recipe.schema import apply_override, validate_recipe
     from accord.tasks import build_task
 
     raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
@@ -88,7 +88,7 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
     task = build_task(recipe, tokenizer)
-    # Before the Ulysses attention replaces the model's, as accord.assemble does: the task
+    # Before the Ulysses attention replaces the model's, as accord.run.assemble does: the task
     # (and the sequence shards) must see the core attention, sdpa, which takes a row of one
     # document as causal without a mask (with the Ulysses name it would build the L x L mask).
     task.configure_model(model)
@@ -169,7 +169,7 @@ def run_trl(length: int, steps: int = 2) -> dict:
     import torch
     from trl import SFTConfig, SFTTrainer
 
-    from accord.models import build_byte_tokenizer
+    from accord.models.build import build_byte_tokenizer
 
     work = SCRATCH / f"trl-{length}"
     # TRL's activation offloading asks torch for the current accelerator: there is none on a CPU machine.
@@ -340,8 +340,8 @@ def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int)
     """One configuration, in this process: returns peak RSS (MiB) and tokens/s."""
     import torch
 
-    from accord.models import build_byte_tokenizer, build_model
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_byte_tokenizer, build_model
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     torch.set_num_threads(threads)

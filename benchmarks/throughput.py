@@ -45,8 +45,8 @@ WORDS = "the of and to in is was for on that with as by at from his her they wer
 
 def make_workload(folder: Path, model: str, examples: int = 640, held_out: int = 64) -> None:
     """A saved model + tokenizer folder and train/eval JSONL with a realistic length spread."""
-    from accord.models import build_byte_tokenizer, build_model, model_folder
-    from accord.recipe import ModelConfig
+    from accord.models.build import build_byte_tokenizer, build_model, model_folder
+    from accord.recipe.schema import ModelConfig
 
     rng = random.Random(0)
     rows = []

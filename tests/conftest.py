@@ -227,7 +227,9 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
     import contextlib
     import io
 
-    from accord import cli, launch, refusals
+    from accord.cli import main as cli
+    from accord.launch import agent as launch
+    from accord.launch import refusal_relay as refusals
 
     def no_workers(*_, **__):
         raise ReachedWorkerStart(f"accord {' '.join(map(str, args))} got as far as starting workers")

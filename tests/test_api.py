@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import accord
-from accord.recipe import RecipeError, validate_recipe
+from accord.recipe.schema import RecipeError, validate_recipe
 from conftest import REPO, TINY_RECIPE, accord_env, run_process
 
 # A plain Python program (no `accord` command, its own sys.argv) that trains through the API
@@ -82,7 +82,7 @@ def test_plan_returns_a_row_per_strategy_and_advice():
         accord.plan(raw, gpus=2, gpu_memory="1.2.3GB")
     with pytest.raises(accord.UserInputError, match="gpus and nodes must be at least 1"):
         accord.plan(raw, gpus=0)
-    # The estimates live in accord.planner: a submodule named accord.plan would replace the
+    # The estimates live in accord.planner.estimate: a submodule named accord.plan would replace the
     # function on the package as soon as it was imported.
     assert callable(accord.plan) and accord.plan is accord.api.plan
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from accord.procstat import process_stat
+from accord.output.procstat import process_stat
 from conftest import (
     REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, run_accord_here, start_accord, start_process, wait_for, write_jsonl,
 )
@@ -49,7 +49,7 @@ def model_folder(tmp_path_factory) -> Path:
     """A tiny Llama save_pretrained folder with the byte tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from accord.models import build_byte_tokenizer
+    from accord.models.build import build_byte_tokenizer
 
     folder = tmp_path_factory.mktemp("model") / "tiny-llama"
     tokenizer = build_byte_tokenizer()
@@ -155,7 +155,7 @@ def run_process_with_faults(faults: str, *args):
 def test_overwrite_sets_aside_every_file_a_run_writes_and_puts_them_back(tmp_path):
     """grpo's samples.jsonl and the hang watchdog's dumps go with the rest, so a replacing run
     never appends to the earlier run's files."""
-    from accord.outputs import restore_earlier_run, set_aside_earlier_run
+    from accord.output.folder import restore_earlier_run, set_aside_earlier_run
 
     out = tmp_path / "run"
     (out / "hang-20261201-101500").mkdir(parents=True)
@@ -223,7 +223,7 @@ def test_lock_left_by_a_sigkilled_run_is_taken_over(tiny_recipe, tmp_path):
 TAKE_OVER = """
 import sys, time
 from pathlib import Path
-from accord.runlock import OutputLocked, acquire
+from accord.output.lock import OutputLocked, acquire
 out, start = Path(sys.argv[1]), float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))
 try:
@@ -263,7 +263,7 @@ def test_a_stale_lock_is_taken_over_by_exactly_one_of_several_starters(tmp_path)
 
 
 def test_nodes_of_one_run_share_the_lock_and_another_run_is_refused(tmp_path):
-    from accord.runlock import LOCK_FILE, OutputLocked, acquire
+    from accord.output.lock import LOCK_FILE, OutputLocked, acquire
 
     out = tmp_path / "out"
     node0 = acquire(out, "run-a")
@@ -283,7 +283,7 @@ def test_lock_of_a_killed_process_not_yet_collected_is_stale(tmp_path):
 
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     wait_for(lambda: open(f"/proc/{exited.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", timeout=30)
-    from accord import runlock
+    from accord.output import lock as runlock
 
     info = runlock.LockInfo(socket.gethostname(), exited.pid, time.time(), "x", "")
     assert runlock.stale_reason(info, tmp_path / runlock.LOCK_FILE) == f"process {exited.pid} has exited"
@@ -294,7 +294,7 @@ def test_lock_of_a_killed_process_not_yet_collected_is_stale(tmp_path):
 
 
 def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
-    from accord import runlock
+    from accord.output import lock as runlock
 
     path = tmp_path / runlock.LOCK_FILE
     info = runlock.LockInfo("some-other-host", 1, time.time(), "x", "")
@@ -365,8 +365,8 @@ def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_pat
 
 def test_empty_completions_give_a_warning_with_their_count(tmp_path):
     from accord.data.prepare import prepare_data
-    from accord.models import build_byte_tokenizer
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]

@@ -1,6 +1,6 @@
 import pytest
 
-from accord.batching import BatchPlan, BatchPlanError
+from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from conftest import TINY_RECIPE
 
 
 def _sft_task(overrides: dict | None = None, tokenizer=None):
-    from accord.models import build_byte_tokenizer
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     raw = copy.deepcopy(TINY_RECIPE)
@@ -46,7 +46,7 @@ def test_add_bos_switch(policy, first):
 
 
 def test_add_bos_bad_value_is_one_line():
-    from accord.recipe import RecipeError, validate_recipe
+    from accord.recipe.schema import RecipeError, validate_recipe
 
     raw = copy.deepcopy(TINY_RECIPE)
     raw["data"]["add_bos"] = "maybe"
@@ -57,7 +57,7 @@ def test_add_bos_bad_value_is_one_line():
 
 def test_policy_changes_the_data_fingerprint(tmp_path):
     from accord.data.prepare import fingerprint
-    from accord.recipe import validate_recipe
+    from accord.recipe.schema import validate_recipe
 
     prints = set()
     for policy in ("auto", "never"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-from accord.checkpoint import COMPLETE, complete_checkpoints, identity_changes, incomplete_checkpoints, prune
+from accord.checkpoint.store import COMPLETE, complete_checkpoints, identity_changes, incomplete_checkpoints, prune
 from accord.observe.metrics import MetricsWriter, read_metrics
-from accord.recipe import validate_recipe
+from accord.recipe.schema import validate_recipe
 from conftest import TINY_RECIPE
 
 
@@ -45,7 +45,7 @@ def test_prune_keeps_the_checkpoint_just_sealed_and_leaves_later_ones(tmp_path):
 
 def _manifested_checkpoint(folder, files: dict[str, tuple[bytes, int]]):
     """A checkpoint folder whose files (name -> (bytes, writing rank)) are recorded in its manifest."""
-    from accord.checkpoint_verify import file_entries, write_manifest
+    from accord.checkpoint.manifest import file_entries, write_manifest
 
     entries = {}
     for name, (data, rank) in files.items():
@@ -57,7 +57,7 @@ def _manifested_checkpoint(folder, files: dict[str, tuple[bytes, int]]):
 
 
 def test_verify_names_changed_bytes_a_wrong_size_and_a_missing_file_with_its_writer(tmp_path):
-    from accord.checkpoint_verify import verify
+    from accord.checkpoint.manifest import verify
 
     files = {"state/__0_0.distcp": (b"a" * 4096, 0), "state/__1_0.distcp": (b"b" * 4096, 1), "schedule.pt": (b"c" * 10, 0)}
     folder = _manifested_checkpoint(tmp_path / "step-000001", files)
@@ -74,7 +74,7 @@ def test_verify_names_changed_bytes_a_wrong_size_and_a_missing_file_with_its_wri
 
 def test_each_rank_verifies_the_files_its_rank_number_wrote(tmp_path):
     """Resumed on 2 ranks, a checkpoint of 4: rank 1 checks what ranks 1 and 3 wrote."""
-    from accord.checkpoint_verify import verify
+    from accord.checkpoint.manifest import verify
 
     files = {f"state/__{r}_0.distcp": (bytes([r]) * 64, r) for r in range(4)}
     folder = _manifested_checkpoint(tmp_path / "step-000001", files)
@@ -109,7 +109,7 @@ def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
 
 
 def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
-    from accord.checkpoint import disk_space_warning
+    from accord.checkpoint.store import disk_space_warning
 
     assert disk_space_warning(tmp_path, num_params=1000, keep_last=2) is None
     warning = disk_space_warning(tmp_path, num_params=10**15, keep_last=2)
@@ -136,8 +136,8 @@ def test_streamed_export_writes_transformers_shards_that_load(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from accord.engine.base import unique_entries
-    from accord.models import build_byte_tokenizer
-    from accord.outputs import save_streamed_model
+    from accord.models.build import build_byte_tokenizer
+    from accord.output.folder import save_streamed_model
     from conftest import read_safetensors_folder
 
     model = _tiny_llama(tie=True)
@@ -160,7 +160,7 @@ def test_lora_merged_per_layer_equals_peft_merge_and_unload():
     from peft import LoraConfig, get_peft_model
 
     from accord.engine.base import unique_entries
-    from accord.export import merged_lora
+    from accord.output.export import merged_lora
 
     peft_model = get_peft_model(_tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_a_checkpoint_without_manifest_is_checked_against_its_index(tmp_path):
     """Written before manifests existed: verified as before, every shard as long as DCP's index says."""
     import torch
 
-    from accord.checkpoint_verify import verify
+    from accord.checkpoint.manifest import verify
     from accord.engine.state import write_sharded
 
     folder = tmp_path / "step-000001"
@@ -211,8 +211,8 @@ def test_a_checkpoint_without_manifest_is_checked_against_its_index(tmp_path):
 
 
 def test_a_field_added_since_the_checkpoint_is_no_identity_change():
-    from accord.checkpoint import identity_changes
-    from accord.recipe import validate_recipe
+    from accord.checkpoint.store import identity_changes
+    from accord.recipe.schema import validate_recipe
     from conftest import TINY_RECIPE
 
     recipe = validate_recipe(TINY_RECIPE)
@@ -226,7 +226,7 @@ def test_a_field_added_since_the_checkpoint_is_no_identity_change():
 def test_a_checkpoint_taken_in_another_data_order_is_refused_in_one_line(tmp_path):
     from dataclasses import asdict
 
-    from accord.checkpoint import STATE_FILE, TrainingState, order_change
+    from accord.checkpoint.store import STATE_FILE, TrainingState, order_change
     from accord.data.order import ORDER_VERSION
 
     recipe = validate_recipe(TINY_RECIPE)
@@ -344,8 +344,8 @@ def test_streamed_export_writes_each_tensor_as_it_arrives_in_every_dtype(tmp_pat
     import torch
     from safetensors.torch import load_file
 
-    from accord.outputs import SHARD_INDEX
-    from accord.safetensors_stream import ShardedSafetensorsWriter
+    from accord.output.folder import SHARD_INDEX
+    from accord.output.safetensors_writer import ShardedSafetensorsWriter
 
     expected = {
         "f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),

@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from accord.models import build_byte_tokenizer, build_model
-from accord.recipe import validate_recipe
+from accord.models.build import build_byte_tokenizer, build_model
+from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
 from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
@@ -180,7 +180,7 @@ def test_auto_chunk_size_chunks_only_micro_batches_whose_logits_pass_the_budget(
 
 
 def test_plan_counts_one_chunk_of_logits_instead_of_whole_ones(tmp_path):
-    from accord.planner import plan
+    from accord.planner.estimate import plan
 
     raw = copy.deepcopy(TINY_RECIPE)
     raw["model"]["config"] = raw["model"]["config"] | {"vocab_size": 32000, "max_position_embeddings": 8192}

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_accord, run_accord_here
 
 # Cases checked by the first worker on 2 processes run here on 1 process: the launcher is then
-# the worker and makes the same checks (accord.preflight) before anything starts.
+# the worker and makes the same checks (accord.launch.preflight) before anything starts.
 HERE = "engine.processes=1"
 
 

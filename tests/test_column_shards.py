@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from accord.batches import fetch
+from accord.data.fetch import fetch
 from accord.data.columns import ColumnShards, ColumnWriter, Schema, encode_columns
 from accord.data.prepare import _encode, prepare_data, reads_datasets
 from accord.data.sources import DataError, load_split
-from accord.models import build_byte_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task, task_class
 from conftest import recipe_for, write_jsonl
 

@@ -8,8 +8,8 @@ import pytest
 
 from accord.data.prepare import cache_folder, prepare_data
 from accord.data.sources import DataError, load_source, load_split
-from accord.models import build_byte_tokenizer
-from accord.recipe import SourceConfig, validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import SourceConfig, validate_recipe
 from accord.tasks import build_task
 from conftest import TINY_RECIPE, recipe_for, run_accord_here, write_jsonl, write_recipe
 
@@ -71,9 +71,9 @@ def test_a_hub_name_is_refused_offline():
 
 
 def test_a_package_path_resolves_inside_the_installed_package():
-    from accord.paths import resolve_path
+    from accord.recipe.paths import resolve_path
 
-    assert resolve_path("pkg:accord/recipe.py").is_file()
+    assert resolve_path("pkg:accord/recipe/schema.py").is_file()
     with pytest.raises(DataError, match="Python package 'no_such_package_xyz' is not installed"):
         load_source(SourceConfig(path="pkg:no_such_package_xyz/data.csv"), ("text",))
 

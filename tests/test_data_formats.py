@@ -11,8 +11,8 @@ import pytest
 from accord.data.prepare import prepare_data
 from accord.data.sources import DataError, load_source, load_split
 from accord.data.split import held_out_warning
-from accord.models import build_byte_tokenizer
-from accord.recipe import SourceConfig, load_recipe, validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import SourceConfig, load_recipe, validate_recipe
 from accord.tasks import build_task
 from conftest import TINY_RECIPE, write_jsonl, write_recipe
 
@@ -170,8 +170,8 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from accord.models import adapter_saving, apply_lora
-    from accord.recipe import LoraConfig
+    from accord.models.build import adapter_saving, apply_lora
+    from accord.recipe.schema import LoraConfig
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     model = AutoModelForCausalLM.from_config(config)
@@ -190,7 +190,7 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
 
 
 def test_accord_data_shows_the_loss_tokens_and_the_counts(tmp_path, capsys):
-    from accord.cli import main
+    from accord.cli.main import main
 
     rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(6)] + [{"prompt": "long:", "completion": "y" * 40}]
     train = write_jsonl(tmp_path / "rows.jsonl", rows)

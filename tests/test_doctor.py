@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from accord.doctor import FAIL, OK, lines_from
-from accord.recipe import validate_recipe
+from accord.cli.doctor import FAIL, OK, lines_from
+from accord.recipe.schema import validate_recipe
 from conftest import TINY_RECIPE, run_accord
 
 VERSIONS = {"python": "3.11.2", "accord": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0", "deepspeed": "0.19.8"}

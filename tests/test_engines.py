@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from accord.batching import BatchPlan
-from accord.checkpoint import complete_checkpoints
-from accord.dist import DistInfo
+from accord.distributed.batch_plan import BatchPlan
+from accord.checkpoint.store import complete_checkpoints
+from accord.distributed.group import DistInfo
 from accord.engine import build_engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.optim import build_optimizer
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.observe.metrics import read_metrics
-from accord.recipe import validate_recipe
+from accord.recipe.schema import validate_recipe
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
 CPU = torch.device("cpu")
@@ -135,7 +135,7 @@ def test_the_state_bridge_stops_on_a_deepspeed_without_an_internal_it_needs(monk
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from accord.engine.deepspeed_state import DeepSpeedState
+    from accord.engine.deepspeed.state import DeepSpeedState
 
     monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
     optimizer = type("DeepSpeedZeroOptimizer", (), {k: v for k, v in ZERO_INTERNALS.items() if k != missing})()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from accord import dist
-from accord.evaluate import GENERATION_ROWS_PER_CHECK, EvaluationStopped, Evaluator
-from accord.recipe import TrainConfig
+from accord.distributed import group as dist
+from accord.run.evaluate import GENERATION_ROWS_PER_CHECK, EvaluationStopped, Evaluator
+from accord.recipe.schema import TrainConfig
 from accord.stopping import StopRequest
 from accord.tasks.base import PADDING
 

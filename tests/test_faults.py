@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from accord.checkpoint import complete_checkpoints, incomplete_checkpoints
+from accord.checkpoint.store import complete_checkpoints, incomplete_checkpoints
 from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_accord_here, run_process, step_losses, write_recipe
 from test_cli_errors import HERE
 
@@ -51,8 +51,8 @@ def test_nonfinite_skip_mode_skips_that_update_and_finishes(recipe, tmp_path, mo
 DISK_FULL = """
 import errno, json, sys
 import accord.engine.state as engine_state
-from accord.recipe import validate_recipe
-from accord.worker import train_worker
+from accord.recipe.schema import validate_recipe
+from accord.launch.worker import train_worker
 from conftest import TINY_RECIPE
 
 calls = {"n": 0}

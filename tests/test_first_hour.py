@@ -43,7 +43,7 @@ def first(message):
 
 progress.announce = first
 sys.argv = ["accord", *sys.argv[1:]]
-from accord.cli import entry
+from accord.cli.main import entry
 entry()
 """
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from accord.forked import call_in_fork
-from accord.recipe import RecipeError
+from accord.launch.forked import call_in_fork
+from accord.recipe.schema import RecipeError
 
 
 def _load_a_module_and_answer(name: str) -> tuple[int, bool]:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from accord.errors import UserInputError
-from accord.recipe import RecipeError, validate_recipe
-from accord.recipe_grpo import GRPOConfig
+from accord.recipe.schema import RecipeError, validate_recipe
+from accord.recipe.grpo import GRPOConfig
 from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
 from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed, token_logprobs
@@ -263,8 +263,8 @@ def test_bad_grpo_settings_are_one_line_each(tmp_path):
 def test_reward_model_folder_scores_prompt_and_completion(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from accord.models import build_tokenizer
-    from accord.recipe import ModelConfig
+    from accord.models.build import build_tokenizer
+    from accord.recipe.schema import ModelConfig
 
     folder = tmp_path / "rm"
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
@@ -282,7 +282,7 @@ def test_reward_model_folder_scores_prompt_and_completion(tmp_path):
 
 
 def test_missing_prompt_column_stops_before_training(tmp_path):
-    from accord.preflight import prepare_and_check_data
+    from accord.launch.preflight import prepare_and_check_data
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
@@ -298,8 +298,8 @@ def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
     the rewards see that prompt text."""
     import datasets
 
-    from accord.models import build_tokenizer
-    from accord.recipe import ModelConfig
+    from accord.models.build import build_tokenizer
+    from accord.recipe.schema import ModelConfig
     from accord.tasks.grpo import GRPOTask
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
@@ -326,8 +326,8 @@ def record_completion(prompts, completions, **columns):
 def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone():
     """Held-out prompts of one length share a generate call: each completion is the one greedy
     decoding gives the prompt alone; padding rows (which keep ranks in step) are not scored."""
-    from accord.models import build_tokenizer
-    from accord.recipe import ModelConfig
+    from accord.models.build import build_tokenizer
+    from accord.recipe.schema import ModelConfig
     from accord.tasks.base import PADDING
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from accord import heartbeat
+from accord.observe import heartbeat
 from accord.observe.metrics import read_metrics
-from accord.recipe import RecipeError, load_recipe
-from accord.watchdog import StallClock, diagnose
+from accord.recipe.schema import RecipeError, load_recipe
+from accord.launch.watchdog import StallClock, diagnose
 from conftest import TINY_RECIPE, _tree_members, final_params, finish, max_param_diff, start_accord, write_recipe
 
 TIMEOUT_S = 5  # small, so that a hang costs the test seconds; progress comes every few ms

@@ -17,7 +17,7 @@ libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 if sys.argv[1] == "release":
-    from accord.host_memory import release_freed_memory
+    from accord.launch.host_memory import release_freed_memory
     assert release_freed_memory()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
 size = 8 << 20
@@ -43,7 +43,7 @@ def test_release_host_memory_returns_a_freed_block_that_glibc_would_keep():
 
 
 def test_release_host_memory_is_off_by_default_and_a_bad_value_is_one_recipe_line():
-    from accord.recipe import RecipeError, validate_recipe
+    from accord.recipe.schema import RecipeError, validate_recipe
     from conftest import TINY_RECIPE
 
     assert validate_recipe(TINY_RECIPE).engine.release_host_memory is False

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from accord.interop import accelerate_config, accelerate_settings, reconcile
-from accord.recipe import RecipeError, validate_recipe
+from accord.launch.accelerate_config import accelerate_config, accelerate_settings, reconcile
+from accord.recipe.schema import RecipeError, validate_recipe
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
 BASE_ENV = {"ACCELERATE_MIXED_PRECISION": "no"}
@@ -118,8 +118,8 @@ def _launch_environment(config_file) -> dict[str, str]:
 def test_accord_config_round_trips_through_accelerate(tmp_path, engine):
     """`accord config` writes a file; what accelerate launch makes of it, read back by accord's
     settings reader, is the recipe's engine (and its accumulation and clipping)."""
-    from accord.batching import BatchPlan
-    from accord.interop import write_accelerate_config
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.launch.accelerate_config import write_accelerate_config
 
     pytest.importorskip("accelerate")
     recipe = validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | engine, "optim": TINY_RECIPE["optim"] | {"max_grad_norm": 0.5}})
@@ -223,7 +223,7 @@ def test_trl_example_configs_run_the_same_training(name, tmp_path, tiny_referenc
 
 
 def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
-    from accord.interop import deepspeed_file_settings
+    from accord.launch.accelerate_config import deepspeed_file_settings
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": "auto"}))
@@ -236,7 +236,7 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
     with pytest.raises(RecipeError, match="is not valid JSON"):
         deepspeed_file_settings(str(tmp_path / "bad.json"))
     # The same file given through `accelerate launch` is read by the same checks.
-    from accord.interop import accelerate_settings
+    from accord.launch.accelerate_config import accelerate_settings
 
     env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "gone.json")}
     with pytest.raises(RecipeError, match="accelerate config: deepspeed_config_file: file not found"):
@@ -301,7 +301,7 @@ def test_trl_ulysses_sp_size_config_becomes_engine_sequence_parallel_and_accord_
         reconcile(recipe, dict(settings), world_size=2)
     with pytest.raises(RecipeError, match=r"has engine.sequence_parallel=2 but the recipe has engine.sequence_parallel=4"):
         reconcile(validate_recipe(TINY_RECIPE | {"engine": {"sequence_parallel": 4}}), dict(settings), world_size=4)
-    from accord.interop import accelerate_config
+    from accord.launch.accelerate_config import accelerate_config
 
     written = accelerate_config(merged, num_processes=4)
     assert written["parallelism_config"]["parallelism_config_sp_size"] == 2
@@ -324,7 +324,7 @@ def test_data_parallel_sizes_are_accepted_when_they_are_the_world():
 
 def test_fsdp_version_1_is_run_as_fsdp2_and_says_so(tmp_path):
     pytest.importorskip("accelerate")
-    from accord.interop import accelerate_warnings
+    from accord.launch.accelerate_config import accelerate_warnings
 
     config = _trl_style_config("FSDP", fsdp_config={"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     path = tmp_path / "fsdp1.yaml"

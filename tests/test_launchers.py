@@ -32,7 +32,7 @@ def _free_port() -> int:
     ],
 )
 def test_launcher_arguments_are_read_wherever_they_are(argv, expected):
-    from accord.cli import launcher_arguments
+    from accord.cli.main import launcher_arguments
 
     assert launcher_arguments(argv) == expected
 
@@ -89,8 +89,8 @@ def _outer_launcher_env(monkeypatch, master: str, world: int, local_world: int) 
 
 
 def test_outer_launcher_multi_node_with_a_loopback_master_stops_with_one_line(monkeypatch):
-    from accord import dist
-    from accord.cluster import ClusterError
+    from accord.distributed import group as dist
+    from accord.launch.cluster import ClusterError
 
     _outer_launcher_env(monkeypatch, "localhost", world=4, local_world=2)
     with pytest.raises(ClusterError, match=r"MASTER_ADDR=localhost is a loopback address, which the other nodes of this 2-node job cannot reach"):
@@ -101,8 +101,8 @@ def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
     """Under torchrun & co. gloo gets the interface whose address routes to MASTER_ADDR
     (else it binds the host name's, often 127.0.0.1); on one node a loopback master needs
     nothing, and GLOO_SOCKET_IFNAME set by the user is kept."""
-    from accord import dist
-    from accord.cluster import _ipv4_of
+    from accord.distributed import group as dist
+    from accord.launch.cluster import _ipv4_of
 
     outward = [(name, _ipv4_of(name)) for _, name in socket.if_nameindex() if name != "lo" and _ipv4_of(name)]
     if not outward:
@@ -129,12 +129,12 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
 
     from torch.distributed import TCPStore
 
-    from accord import refusals
+    from accord.launch import refusal_relay as refusals
 
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)  # the agent's
     env = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t",
            "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    watching = "import time; from accord import refusals; refusals.watch(); print('watching', flush=True); time.sleep(60)"
+    watching = "import time; from accord.launch import refusal_relay; refusal_relay.watch(); print('watching', flush=True); time.sleep(60)"
     node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
     assert node1.stdout.readline().strip() == "watching"
     for name, value in (env | {"RANK": "0"}).items():
@@ -153,8 +153,8 @@ def test_the_agent_keeps_its_worker_files_in_the_runs_folder_and_leaves_nothing_
 
     import torch.distributed.launcher.api as launcher_api
 
-    from accord import launch
-    from accord.cluster import Topology
+    from accord.launch import agent as launch
+    from accord.launch.cluster import Topology
 
     seen = []
 

@@ -12,8 +12,8 @@ import torch
 
 import accord.engine.long_rows as long_rows
 from accord.engine.long_rows import apply_memory_levers, mlp_tiles
-from accord.models import build_byte_tokenizer, build_model
-from accord.recipe import RecipeError, validate_recipe
+from accord.models.build import build_byte_tokenizer, build_model
+from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks import build_task
 from conftest import TINY_RECIPE
 
@@ -113,7 +113,7 @@ def test_bad_long_row_settings_are_one_line_errors(engine, data, expected):
 
 
 def test_plan_leaves_offloaded_layer_inputs_and_all_but_one_mlp_tile_off_the_gpu():
-    from accord.planner import plan
+    from accord.planner.estimate import plan
 
     raw = copy.deepcopy(TINY_RECIPE)
     config = raw["model"]["config"] = raw["model"]["config"] | {"max_position_embeddings": 4096}

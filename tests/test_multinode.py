@@ -97,8 +97,8 @@ def _launcher(kind: str, rank: int, port: int, nproc: int, config_dir) -> list[s
     if kind == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
                 "--nproc_per_node", str(nproc), "--master_addr", ADDRESSES[0], "--master_port", str(port)]
-    from accord.interop import accelerate_config, write_accelerate_config
-    from accord.recipe import validate_recipe
+    from accord.launch.accelerate_config import accelerate_config, write_accelerate_config
+    from accord.recipe.schema import validate_recipe
     from conftest import TINY_RECIPE
 
     config = accelerate_config(validate_recipe(TINY_RECIPE), 2 * nproc, 2, rank, ADDRESSES[0], port)
@@ -123,7 +123,7 @@ def _run_two_nodes(namespaces, kind, port, args_of_node, tmp_path, nproc=1, time
 def _assert_node_local_checkpoint(out0, out1):
     """Each node's folder holds a sealed checkpoint with its own rank's shard and RNG state;
     node 0's alone holds the index, the schedule and the final model."""
-    from accord.checkpoint import complete_checkpoints
+    from accord.checkpoint.store import complete_checkpoints
 
     (first,) = complete_checkpoints(out0 / "checkpoints")[-1:]
     mine = out1 / "checkpoints" / first.name
@@ -164,7 +164,7 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
     with one node's weights."""
     import signal
 
-    from accord.checkpoint import complete_checkpoints, read_state
+    from accord.checkpoint.store import complete_checkpoints, read_state
 
     recipe, reference = single
     outs = [tmp_path / "out0", tmp_path / ("out1" if folders == "node-local" else "out0")]

@@ -1,4 +1,4 @@
-"""The bookkeeping of output folders shared by all nodes or one per node (accord.nodefolders);
+"""The bookkeeping of output folders shared by all nodes or one per node (accord.checkpoint.node_folders);
 the runs themselves are in test_multinode.py (two network namespaces as two hosts)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from accord import nodefolders
+from accord.checkpoint import node_folders as nodefolders
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_a_node_local_checkpoint_is_checked_when_the_nodes_meet_not_before(tmp_p
 
 
 def test_one_node_runs_write_no_layout_and_rank_zero_writes_the_folder(tmp_path, monkeypatch):
-    from accord.dist import DistInfo
+    from accord.distributed.group import DistInfo
 
     monkeypatch.setattr(nodefolders, "_current", None)  # the layout is this process's: none found yet
     assert not nodefolders.writes_folder(DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2))

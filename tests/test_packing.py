@@ -8,8 +8,8 @@ import torch
 
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, best_fit_decreasing
-from accord.models import build_byte_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import validate_recipe
 from accord.tasks.sft import SFTTask
 from conftest import TINY_RECIPE
 

@@ -8,8 +8,8 @@ import json
 from accord.data import chunks, pieces
 from accord.data.sources import load_source, mix
 from accord.data.split import hold_out
-from accord.models import build_byte_tokenizer
-from accord.recipe import SourceConfig
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import SourceConfig
 from accord.tasks.base import text_prefix
 from test_shards import _prepare, _recipe, _text
 

@@ -23,7 +23,7 @@ import pytest
 
 from accord import api
 from accord.observe.memory import phase_peaks
-from accord.planner import GIB, PHASES
+from accord.planner.estimate import GIB, PHASES
 from conftest import assert_ok, run_accord, write_recipe
 
 # How far the plan may be from a measured peak above the empty process: at most 15% under

@@ -15,8 +15,8 @@ from accord.data.chunks import tokenise_share
 from accord.data.nodeshare import SEAL, NodeShare, claim_seal, node_share
 from accord.data.prepare import cache_folder, prepare_data
 from accord.data.sources import load_split
-from accord.models import build_byte_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
 from conftest import TINY_RECIPE, write_jsonl
 

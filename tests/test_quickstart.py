@@ -60,9 +60,9 @@ def test_saved_model_reloads_in_plain_transformers(quickstart_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from accord.data.prepare import prepare_data
-    from accord.models import build_tokenizer
+    from accord.models.build import build_tokenizer
     from accord.observe.metrics import read_metrics
-    from accord.recipe import validate_recipe
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     out, _ = quickstart_run
@@ -103,9 +103,9 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     from transformers import AutoModelForCausalLM
 
     from accord.data.prepare import prepare_data
-    from accord.models import build_tokenizer
+    from accord.models.build import build_tokenizer
     from accord.observe.metrics import read_metrics
-    from accord.recipe import validate_recipe
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     out, _ = quickstart_run

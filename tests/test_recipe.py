@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from accord.recipe import Recipe, RecipeError, apply_override, load_recipe, validate_recipe
+from accord.recipe.schema import Recipe, RecipeError, apply_override, load_recipe, validate_recipe
 from conftest import REPO, TINY_RECIPE, write_recipe
 
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
@@ -14,7 +14,7 @@ def test_recipes_are_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_recipe_loads_and_validates(path: Path):
-    from accord.batching import BatchPlan
+    from accord.distributed.batch_plan import BatchPlan
 
     recipe = load_recipe(path)
     assert isinstance(recipe, Recipe)
@@ -27,7 +27,7 @@ def test_a_shipped_recipe_missing_its_starting_run_names_the_recipe_to_train_fir
     shipped recipe writes that folder (found by its output.dir), not only the folder."""
     import shutil
 
-    from accord.preflight import check_model_source
+    from accord.launch.preflight import check_model_source
 
     shutil.copytree(REPO / "recipes", tmp_path / "recipes")  # a fresh checkout: no runs/ yet
     monkeypatch.chdir(tmp_path)
@@ -131,7 +131,7 @@ def test_recipe_that_is_not_a_mapping(tmp_path):
 def test_resolved_recipe_round_trips(tmp_path):
     import yaml
 
-    from accord.recipe import recipe_to_yaml
+    from accord.recipe.schema import recipe_to_yaml
 
     recipe = validate_recipe(TINY_RECIPE)
     assert validate_recipe(yaml.safe_load(recipe_to_yaml(recipe))) == recipe
@@ -157,7 +157,7 @@ def test_a_recipe_validates_the_same_on_any_machine(monkeypatch):
 def test_new_fields_name_bad_values_in_one_line(override, expected):
     import copy
 
-    from accord.recipe import RecipeError, apply_override, validate_recipe
+    from accord.recipe.schema import RecipeError, apply_override, validate_recipe
 
     raw = copy.deepcopy(TINY_RECIPE)
     apply_override(raw, override)

@@ -39,7 +39,7 @@ def _initial_model(folder: Path, vocab: dict[str, int]) -> None:
 
 @pytest.fixture(scope="module")
 def accord_run(tmp_path_factory):
-    from accord.models import build_byte_tokenizer
+    from accord.models.build import build_byte_tokenizer
 
     root = tmp_path_factory.mktemp("reference")
     tokenizer = build_byte_tokenizer()
@@ -65,8 +65,8 @@ def _global_batches(raw: dict, log: str) -> tuple[list[list[dict]], int]:
     from accord.data.order import GlobalOrder
     from accord.data.packing import Rows
     from accord.data.prepare import prepare_data
-    from accord.models import build_tokenizer
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_tokenizer
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     recipe = validate_recipe(raw)

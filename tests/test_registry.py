@@ -12,7 +12,7 @@ import pytest
 
 from accord import registry
 from accord.errors import UserInputError
-from accord.recipe import EngineConfig, TaskName, validate_recipe
+from accord.recipe.schema import EngineConfig, TaskName, validate_recipe
 from accord.tasks import task_class
 from conftest import TINY_RECIPE, assert_ok, run_accord, write_recipe
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from accord.checkpoint import COMPLETE, complete_checkpoints, read_state
-from accord.checkpoint_verify import MANIFEST, verify
+from accord.checkpoint.store import COMPLETE, complete_checkpoints, read_state
+from accord.checkpoint.manifest import MANIFEST, verify
 from accord.stopping import PREEMPTED_EXIT_CODE
 from conftest import (
     TINY_RECIPE,
@@ -276,6 +276,6 @@ def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_refere
 
 
 def _worker_pids(launcher: int) -> list[int]:
-    """The training workers the launcher started (`python -m accord.worker ...`)."""
+    """The training workers the launcher started (`python -m accord.launch.worker ...`)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    return sorted(pid for pid in map(int, children) if b"accord.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    return sorted(pid for pid in map(int, children) if b"accord.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())

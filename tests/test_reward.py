@@ -26,8 +26,8 @@ def _tiny_classifier(tokenizer):
 
 
 def _reward_task(tmp_path):
-    from accord.models import build_byte_tokenizer
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     tokenizer = build_byte_tokenizer()
@@ -47,8 +47,8 @@ def _wordpiece_tokenizer(folder):
 def test_a_pair_trains_on_the_tokens_that_tokenizer_gives_for_prompt_plus_answer(tmp_path, kind):
     """What plain transformers scores, tokenizer(prompt + answer), is what training saw: the
     BOS before (byte), an encoder's [CLS] before and [SEP] after (wordpiece)."""
-    from accord.models import build_byte_tokenizer
-    from accord.recipe import validate_recipe
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     tokenizer = build_byte_tokenizer() if kind == "byte" else _wordpiece_tokenizer(tmp_path)

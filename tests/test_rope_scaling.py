@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from accord.errors import UserInputError
-from accord.models import build_byte_tokenizer, build_model
-from accord.recipe import ModelConfig
+from accord.models.build import build_byte_tokenizer, build_model
+from accord.recipe.schema import ModelConfig
 from conftest import TINY_RECIPE
 
 LLAMA = TINY_RECIPE["model"]["config"]  # max_position_embeddings 64

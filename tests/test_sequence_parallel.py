@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, recipe_for, run_accord, step_losses, write_recipe
-from accord.batching import BatchPlan, BatchPlanError
-from accord.engine.ulysses import check_sequence_parallel
-from accord.recipe import validate_recipe
+from accord.distributed.batch_plan import BatchPlan, BatchPlanError
+from accord.engine.sequence_parallel.ulysses import check_sequence_parallel
+from accord.recipe.schema import validate_recipe
 from accord.tasks.base import IGNORE
 from accord.tasks.causal import block_causal_mask, packed_position_ids
 from accord.tasks.chunked_loss import shifted_targets
@@ -86,7 +86,7 @@ def test_heads_task_and_attention_are_checked_with_one_line_each():
     [line] = check_sequence_parallel(recipe(sequence_parallel=8), config)
     assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads") and "use 2, 4 or 1" in line
     # Before any worker starts, from the recipe's model config (no weights).
-    from accord.preflight import check_sequence_parallel as preflight_check
+    from accord.launch.preflight import check_sequence_parallel as preflight_check
 
     [line] = preflight_check(recipe(sequence_parallel=8))
     assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads")
@@ -163,7 +163,7 @@ def test_sequence_parallel_2_pretrains_as_one_process(tmp_path, packing):
 def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_fits():
     import copy
 
-    from accord.planner import GIB, plan, recommend
+    from accord.planner.estimate import GIB, plan, recommend
 
     raw = copy.deepcopy(TINY_RECIPE)
     raw["model"]["config"] |= {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "max_position_embeddings": 8192}
@@ -177,7 +177,7 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
     # Per rank: 1/N of the row's tokens (4 layers × (8h + 4f) fp32 values each, and their
     # whole fp32 logits and log-softmax: a byte vocabulary's stay under the chunking budget),
     # plus the row's L × L mask.
-    from accord.planner import meta_model
+    from accord.planner.estimate import meta_model
 
     kept_per_token = 4 * (8 * 256 + 4 * 1024) * 4 + 2 * 4 * meta_model(recipe).config.vocab_size
     assert per_degree[1] - per_degree[2] == kept_per_token * 4096 - 8192**2
@@ -197,8 +197,8 @@ import json, sys
 from types import SimpleNamespace
 import torch, torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
-from accord.dist import DistInfo
-from accord.engine.ulysses import install_ulysses
+from accord.distributed.group import DistInfo
+from accord.engine.sequence_parallel.ulysses import install_ulysses
 from accord.tasks.base import IGNORE, causal_token_loss
 from accord.tasks.causal import CausalLMTask, packed_position_ids, block_causal_mask
 from accord.tasks.sequence_shards import SequenceShards
@@ -233,8 +233,8 @@ for g in grads.values():
 if rank == 0:
     reference = dict(alone.named_parameters())
     print(json.dumps({"loss": abs(loss.item() - loss_alone.item()), "grad": max((grads[n] - reference[n].grad).abs().max().item() for n in grads)}))
-# As accord's workers leave (accord.dist.shutdown, exit_after_shutdown): no static-destructor abort at exit.
-from accord.dist import exit_after_shutdown, shutdown
+# As accord's workers leave (accord.distributed.group.shutdown, exit_after_shutdown): no static-destructor abort at exit.
+from accord.distributed.group import exit_after_shutdown, shutdown
 shutdown()
 exit_after_shutdown(0)
 """

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from accord.models import apply_lora, build_model, build_tokenizer
-from accord.recipe import LoraConfig, ModelConfig, validate_recipe
+from accord.models.build import apply_lora, build_model, build_tokenizer
+from accord.recipe.schema import LoraConfig, ModelConfig, validate_recipe
 from conftest import REPO, TINY_RECIPE, accord_env, run_process
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -40,7 +40,7 @@ def test_initial_values_depend_on_the_seed_and_the_name_only():
     assert not _equal(two, build_model(_config(), tokenizer, seed=4).state_dict())
     assert torch.all(two["model.layers.0.input_layernorm.weight"] == 1)  # transformers' own init rules
     # LoRA adapters too: the same on a meta-device build (what the engines materialise) as on a whole model.
-    from accord.weights import materialize
+    from accord.models.weights import materialize
 
     lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
     eager = apply_lora(build_model(_config(), tokenizer, seed=3), lora, "causal_lm", 3).state_dict()
@@ -101,11 +101,11 @@ import json, os, resource, sys
 import torch
 import torch.distributed as td
 import transformers.models.llama.modeling_llama, torch.distributed.fsdp  # noqa: E401  imported before any baseline
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
 from accord.engine import build_engine
-from accord.models import build_model, build_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_model, build_tokenizer
+from accord.recipe.schema import validate_recipe
 
 world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 if world > 1:

@@ -9,16 +9,16 @@ import threading
 import numpy as np
 import pytest
 
-from accord import refusals
-from accord.batching import BatchPlan
-from accord.cli import main
+from accord.launch import refusal_relay as refusals
+from accord.distributed.batch_plan import BatchPlan
+from accord.cli.main import main
 from accord.data import chunks
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, training_rows
 from accord.data.prepare import cache_folder, prepare_data
 from accord.data.shards import ShardWriter, TokenShards
-from accord.models import build_byte_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_byte_tokenizer
+from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
 from accord.tasks.base import IGNORE, text_prefix, token_ids
 from conftest import TINY_RECIPE, write_recipe

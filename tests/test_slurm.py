@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from accord.slurm import JobRequest, SlurmError, job_script
+from accord.launch.slurm_script import JobRequest, SlurmError, job_script
 from conftest import TINY_RECIPE, accord_env, final_params, max_param_diff, run_accord, run_accord_here, write_recipe
 
 
@@ -36,7 +36,7 @@ def test_cli_refuses_a_batch_that_does_not_split_over_the_nodes(tiny_recipe, tmp
 
 
 def test_slurm_environment_gives_the_topology(monkeypatch):
-    import accord.cluster as cluster
+    import accord.launch.cluster as cluster
 
     monkeypatch.setattr(cluster.shutil, "which", lambda name: None)  # expand the node list by hand
     env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
@@ -49,7 +49,7 @@ def test_slurm_environment_gives_the_topology(monkeypatch):
 
 
 def test_flags_and_environment_give_the_topology():
-    from accord.cluster import ClusterError, resolve_topology
+    from accord.launch.cluster import ClusterError, resolve_topology
 
     flags = resolve_topology(2, 1, "10.0.0.1", 29601, env={})
     env = resolve_topology(env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29601"})

@@ -15,8 +15,8 @@ import os, sys, time
 from pathlib import Path
 
 from accord.errors import UserInputError
-from accord.launch import run
-from accord.recipe import load_recipe
+from accord.launch.agent import run
+from accord.recipe.schema import load_recipe
 
 
 def workers():
@@ -24,7 +24,7 @@ def workers():
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                if b"accord.worker_start" in (entry / "cmdline").read_bytes():
+                if b"accord.launch.worker_start" in (entry / "cmdline").read_bytes():
                     mine.append(entry.name)
         except (OSError, IndexError):
             pass
@@ -92,17 +92,17 @@ def test_the_first_worker_checks_the_data_and_a_refusal_stops_the_run_quietly_wr
 
 
 def test_a_worker_told_to_abort_leaves_at_once_without_a_word(tmp_path):
-    from accord.worker_start import ABORT, open_gate
+    from accord.launch.worker_start import ABORT, open_gate
 
     gate = tmp_path / "gate"
     open_gate(gate, ABORT)
-    proc = run_process([sys.executable, "-m", "accord.worker_start", str(gate), str(tmp_path / "recipe.json")], env=accord_env(), timeout=120)
+    proc = run_process([sys.executable, "-m", "accord.launch.worker_start", str(gate), str(tmp_path / "recipe.json")], env=accord_env(), timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
 
 
 def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
     from accord.data.prepare import reads_datasets
-    from accord.recipe import validate_recipe
+    from accord.recipe.schema import validate_recipe
     from accord.tasks import task_class
 
     def reads(**changes):
@@ -122,13 +122,13 @@ def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimi
     ZeRO-1's ZeroRedundancyOptimizer (whose package compiles TorchScript at import)."""
     import json
 
-    from accord.recipe import validate_recipe
+    from accord.recipe.schema import validate_recipe
 
     data = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(validate_recipe(TINY_RECIPE | {"data": data}).model_dump(mode="json")))
     script = (
-        "import sys; from accord import worker, worker_start; worker_start._import_what_the_run_builds(sys.argv[1]); "
+        "import sys; from accord.launch import worker, worker_start; worker_start._import_what_the_run_builds(sys.argv[1]); "
         "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') if m in sys.modules))"
     )
     proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from accord.batching import BatchPlan
-from accord.recipe import RecipeError, validate_recipe
+from accord.distributed.batch_plan import BatchPlan
+from accord.recipe.schema import RecipeError, validate_recipe
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
 
 TOLERANCE = 1e-5
@@ -238,11 +238,11 @@ def test_offloaded_checkpointing_with_tiled_mlp_gives_the_same_parameters(run, s
 SAVED_TENSORS = """
 import copy, json, sys, torch
 from conftest import TINY_RECIPE
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
 from accord.engine import build_engine
-from accord.models import build_model, build_tokenizer
-from accord.recipe import validate_recipe
+from accord.models.build import build_model, build_tokenizer
+from accord.recipe.schema import validate_recipe
 
 counts = {}
 for strategy in sys.argv[1:]:
@@ -312,7 +312,7 @@ def test_impossible_engine_combinations_are_one_line_recipe_errors(engine, messa
 
 @needs_deepspeed
 def test_fp16_with_deepspeed_on_the_cpu_is_refused():
-    from accord.preflight import check_environment
+    from accord.launch.preflight import check_environment
 
     [problem] = check_environment(validate_recipe(_recipe(strategy="zero2", precision="fp16", device="cpu")))
     assert "DeepSpeed has no fp16 on the CPU" in problem
@@ -320,7 +320,7 @@ def test_fp16_with_deepspeed_on_the_cpu_is_refused():
 
 
 def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypatch):
-    from accord.preflight import check_environment
+    from accord.launch.preflight import check_environment
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
@@ -337,8 +337,8 @@ def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypa
 def test_deepspeed_config_is_derived_from_the_recipe(stage):
     """Every value DeepSpeed reads comes from the recipe (non-default ones here, so a
     hard-coded or "auto" value would show) and the batch plan."""
-    from accord.engine.deepspeed_engine import deepspeed_config
-    from accord.models import build_model, build_tokenizer
+    from accord.engine.deepspeed.engine import deepspeed_config
+    from accord.models.build import build_model, build_tokenizer
 
     import torch
 
@@ -387,7 +387,7 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
     """`accord plan`'s parameter, optimizer-state and master-weight bytes per rank are the
     bytes of the tensors the run really held (the largest rank's, after step 1)."""
     from accord.observe.metrics import read_metrics
-    from accord.planner import meta_model, model_state
+    from accord.planner.estimate import meta_model, model_state
 
     out, _ = run(name)
     held = next(r for r in read_metrics(out) if r["kind"] == "model_state")
@@ -398,8 +398,8 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
 
 
 def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
-    from accord.models import build_model, build_tokenizer
-    from accord.planner import meta_model, model_state
+    from accord.models.build import build_model, build_tokenizer
+    from accord.planner.estimate import meta_model, model_state
 
     recipe = validate_recipe(TINY_RECIPE)
     tokenizer = build_tokenizer(recipe.model)

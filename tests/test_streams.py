@@ -11,7 +11,7 @@ import pytest
 
 from accord.data import chunks
 from accord.data.sources import DataError
-from accord.recipe import RecipeError, validate_recipe
+from accord.recipe.schema import RecipeError, validate_recipe
 from conftest import TINY_RECIPE, write_jsonl
 from test_data_formats import prepared, recipe
 

@@ -1,4 +1,4 @@
-from accord.cli import entry
+from accord.cli.main import entry
 
 if __name__ == "__main__":
     entry()

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from accord.errors import UserInputError
-from accord.recipe import Recipe, apply_override, load_recipe, validate_recipe
-from accord.runlock import OutputLocked, acquire, lock_problem, new_run_id
+from accord.recipe.schema import Recipe, apply_override, load_recipe, validate_recipe
+from accord.output.lock import OutputLocked, acquire, lock_problem, new_run_id
 
 if TYPE_CHECKING:
-    from accord.cluster import Topology
-    from accord.planner import StrategyPlan
+    from accord.launch.cluster import Topology
+    from accord.planner.estimate import StrategyPlan
 
 RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Recipe]
 Overrides = Union[Mapping[str, Any], Sequence[str], str, None]
@@ -125,18 +125,18 @@ def train(
     if resume:
         _check_something_to_resume(recipe)
     # Imported once the recipe is read: a mistake in it is named before torch loads (seconds).
-    from accord import dist
-    from accord.batching import BatchPlan
-    from accord.cluster import resolve_topology
+    from accord.distributed import group as dist
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.launch.cluster import resolve_topology
     from accord.engine.device import wants_cuda
-    from accord.forked import call_in_fork
-    from accord.interop import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
-    from accord.launch import Interrupted, planned_world_size, run, starts_workers
-    from accord.worker_start import WorkerChecks
+    from accord.launch.forked import call_in_fork
+    from accord.launch.accelerate_config import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
+    from accord.launch.agent import Interrupted, planned_world_size, run, starts_workers
+    from accord.launch.worker_start import WorkerChecks
 
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
-    from accord import refusals
+    from accord.launch import refusal_relay as refusals
 
     refusals.watch()  # another node than rank 0's: print rank 0's refusal if it comes
     run_id = topology.run_id or dist.launcher_run_id() or new_run_id()
@@ -188,7 +188,7 @@ def train(
 def _check_something_to_resume(recipe: Recipe) -> None:
     """--resume asks to continue a run: with nothing to continue, a typo in output.dir would
     otherwise start a fresh (maybe days-long) run. `resume: auto` in a recipe starts fresh."""
-    from accord.checkpoint import CHECKPOINTS, latest_checkpoint
+    from accord.checkpoint.store import CHECKPOINTS, latest_checkpoint
 
     out_dir = Path(recipe.output.dir)
     if recipe.resume != "auto" or latest_checkpoint(out_dir) is not None:
@@ -213,7 +213,7 @@ class _OutputHold:
 
     def enter(self) -> list[str]:
         from accord.observe.progress import announce
-        from accord.outputs import check_output_dir, earlier_run, set_aside_earlier_run
+        from accord.output.folder import check_output_dir, earlier_run, set_aside_earlier_run
 
         if self.locks_here:
             self.lock = acquire(self.out_dir, self.run_id)
@@ -231,7 +231,7 @@ class _OutputHold:
 
     def leave(self) -> None:
         from accord.observe.progress import announce
-        from accord.outputs import remove_refused_run, restore_earlier_run
+        from accord.output.folder import remove_refused_run, restore_earlier_run
 
         try:
             if self.refused and self.fresh:
@@ -244,7 +244,7 @@ class _OutputHold:
 
 
 def _resume_hint(out_dir: Path) -> str:
-    from accord.checkpoint import resume_hint  # the checkpoint format's imports: only when needed
+    from accord.checkpoint.store import resume_hint  # the checkpoint format's imports: only when needed
 
     return resume_hint(out_dir)
 
@@ -254,7 +254,7 @@ def _preflight(recipe: Recipe, world_size: int, writer: bool, topology: Topology
     datasets, the checkpoint format's) stay out of the launcher. Over several nodes each
     node prepares its share of the data (data/nodeshare.py) when its rank is known here."""
     from accord.data.nodeshare import NodeShare
-    from accord.preflight import preflight
+    from accord.launch.preflight import preflight
 
     share = None
     if topology is not None and topology.multi_node and topology.node_rank is not None:
@@ -280,7 +280,7 @@ def plan(
     gpu_memory: memory per GPU in GiB, or a size such as "80GB" or "24GiB" (default: the
     smallest visible GPU's, or RAM / processes on the CPU).
     """
-    from accord.planner import plan as plan_strategies, recommend
+    from accord.planner.estimate import plan as plan_strategies, recommend
 
     recipe = load(recipe, overrides)
     device, source = "GPU", "--gpu-memory"

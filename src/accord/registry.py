@@ -28,8 +28,8 @@ STRATEGIES: dict[str, str] = {
     "ddp": "accord.engine.ddp:build",
     "fsdp": "accord.engine.fsdp:build",
     "zero1": "accord.engine.zero1:build",
-    "zero2": "accord.engine.deepspeed_engine:build",
-    "zero3": "accord.engine.deepspeed_engine:build",
+    "zero2": "accord.engine.deepspeed.engine:build",
+    "zero3": "accord.engine.deepspeed.engine:build",
 }
 
 

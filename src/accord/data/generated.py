@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from accord.recipe import GeneratedData, addition_capacity
+from accord.recipe.schema import GeneratedData, addition_capacity
 
 Rows = list[dict[str, str]]
 

@@ -31,8 +31,8 @@ from accord.data.packing import rows_folder, write_rows
 from accord.data.shards import META, TokenShards
 from accord.data.sources import DataError, load_split, row_origin
 from accord.data.streams import check_task, is_stream, read_into_arrow
-from accord.paths import PathError, resolve_path
-from accord.recipe import Recipe
+from accord.recipe.paths import PathError, resolve_path
+from accord.recipe.schema import Recipe
 
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from accord.errors import UserInputError
-from accord.paths import PathError, resolve_path
-from accord.recipe import DataConfig, SourceConfig
+from accord.recipe.paths import PathError, resolve_path
+from accord.recipe.schema import DataConfig, SourceConfig
 
 SOURCE = "__source"
 ROW = "__row"

@@ -23,7 +23,7 @@ from typing import Any
 
 from accord.data.sources import ROW, SOURCE, DataError, load_source, locate_files
 from accord.errors import UserInputError
-from accord.recipe import DataConfig, SourceConfig
+from accord.recipe.schema import DataConfig, SourceConfig
 
 _STREAM_FORMATS = {"jsonl": ("json", {}), "json": ("json", {}), "csv": ("csv", {}), "tsv": ("csv", {"delimiter": "\t"}), "parquet": ("parquet", {}), "text": ("text", {"sample_by": "document"})}
 BATCH = 256  # rows per checked batch as the stream is read

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from accord.batching import BatchPlan
-    from accord.dist import DistInfo
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.distributed.group import DistInfo
     from accord.engine.base import Engine
-    from accord.recipe import Recipe
+    from accord.recipe.schema import Recipe
 
     EngineFactory = Callable[[Recipe, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
 
@@ -49,7 +49,7 @@ def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch
         # naming the accelerator spares every run DeepSpeed's "no GPU found" warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if recipe.engine.sequence_parallel > 1:
-        from accord.engine.ulysses import install_ulysses
+        from accord.engine.sequence_parallel.ulysses import install_ulysses
 
         install_ulysses(recipe, model, info, plan.micro_batch_size)
     factory: EngineFactory = load_object(STRATEGIES[recipe.engine.strategy], f"engine.strategy={recipe.engine.strategy}")

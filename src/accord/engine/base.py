@@ -82,7 +82,7 @@ class Engine(ABC):
         """A second, frozen model (DPO's reference) ready for forward passes on this engine's
         device: materialised from its meta-device build, and sharded like the trained model
         where the strategy shards (its forward is then collective, like the policy's)."""
-        from accord.weights import materialize
+        from accord.models.weights import materialize
 
         model.requires_grad_(False)
         return materialize(model, self.device).to(self.device).eval()

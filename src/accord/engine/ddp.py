@@ -9,12 +9,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.long_rows import apply_memory_levers
-from accord.recipe import Recipe
-from accord.weights import materialize
+from accord.recipe.schema import Recipe
+from accord.models.weights import materialize
 
 
 def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DDPEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from accord.errors import UserInputError
-from accord.recipe import EngineConfig
+from accord.recipe.schema import EngineConfig
 
 
 def wants_cuda(cfg: EngineConfig) -> bool:

@@ -14,14 +14,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
 from accord.engine.precision import DTYPES
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.long_rows import apply_memory_levers
 from accord.engine.wrapping import ensure_process_group, layer_modules
-from accord.recipe import Recipe
-from accord.weights import is_meta, materialize
+from accord.recipe.schema import Recipe
+from accord.models.weights import is_meta, materialize
 
 
 def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> FSDPEngine:
@@ -49,7 +49,7 @@ class FSDPEngine(TorchUpdateEngine):
     def _shard(self, model: nn.Module, device: torch.device) -> None:
         """Shard each layer, then the root. A meta-device model (accord's own build) is
         sharded before it has storage: each rank then allocates and fills only its shards
-        (accord.weights), so no process ever holds the whole model."""
+        (accord.models.weights), so no process ever holds the whole model."""
         if not is_meta(model):
             model.to(device)  # every rank built the same values (seeded per name)
         for layer in layer_modules(model, self._layer_class):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from accord.recipe import OptimConfig
+from accord.recipe.schema import OptimConfig
 
 _SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 

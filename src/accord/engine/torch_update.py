@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from accord.dist import DistInfo
+from accord.distributed.group import DistInfo
 from accord.engine.base import Engine, unique_entries
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.engine.precision import autocast, build_grad_scaler
 from accord.engine.state import PendingWrite, load_schedule, load_torch_state, save_schedule, save_torch_state
-from accord.recipe import Recipe
+from accord.recipe.schema import Recipe
 
 
 class TorchUpdateEngine(Engine):

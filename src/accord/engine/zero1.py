@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from accord import dist
-from accord.batching import BatchPlan
-from accord.dist import DistInfo
-from accord.engine import deepspeed_available, deepspeed_engine
+from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
+from accord.engine import deepspeed_available
+from accord.engine.deepspeed import engine as deepspeed_engine
 from accord.engine.base import Engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.zero_torch import TorchZeroEngine
-from accord.recipe import EngineConfig, Recipe
+from accord.recipe.schema import EngineConfig, Recipe
 
 
 def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from accord.dist import DistInfo
+from accord.distributed.group import DistInfo
 from accord.engine.ddp import DDPEngine
 from accord.engine.state import ADAM_KEYS, MODEL, OPTIM, PendingWrite, load_schedule, read_into, save_schedule, write_sharded
-from accord.recipe import Recipe
+from accord.recipe.schema import Recipe
 
 
 class TorchZeroEngine(DDPEngine):

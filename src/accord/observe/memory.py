@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from accord import dist
+from accord.distributed import group as dist
 from accord.observe.steplog import peak_memory_gib
 
 

@@ -6,7 +6,7 @@ import sys
 
 from tqdm import tqdm
 
-from accord.rank_env import leads
+from accord.distributed.rank_env import leads
 
 
 def announce(message: str) -> None:

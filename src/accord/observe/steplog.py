@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from accord import dist
+from accord.distributed import group as dist
 from accord.observe.metrics import MetricsWriter
 
 

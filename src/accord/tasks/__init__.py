@@ -12,7 +12,7 @@ from accord.errors import UserInputError
 from accord.registry import TASKS, load_object
 
 if TYPE_CHECKING:
-    from accord.recipe import Recipe
+    from accord.recipe.schema import Recipe
     from accord.tasks.base import Task
 
 

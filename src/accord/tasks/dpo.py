@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accord.batches import fetch, to_device
+from accord.data.fetch import fetch, to_device
 from accord.data.columns import Schema
 from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
@@ -56,8 +56,8 @@ class DPOTask(Task):
         with its adapters switched off."""
         cfg = self.recipe.dpo
         if cfg.reference is not None:
-            from accord.models import build_model
-            from accord.recipe import ModelConfig
+            from accord.models.build import build_model
+            from accord.recipe.schema import ModelConfig
 
             self.reference = build_model(ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True)
         elif self.recipe.lora is None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from accord.errors import RunStopped, UserInputError
-from accord.recipe_grpo import ExactMatchReward, FunctionReward, GRPOConfig, LengthReward, ModelReward, RegexReward
+from accord.recipe.grpo import ExactMatchReward, FunctionReward, GRPOConfig, LengthReward, ModelReward, RegexReward
 from accord.registry import load_object
 
 
@@ -132,7 +132,7 @@ def check_reward_model(path: str, where: str) -> None:
     """A reward-model folder must hold a sequence classifier with one output."""
     from transformers import AutoConfig
 
-    from accord.paths import PathError, resolve_path
+    from accord.recipe.paths import PathError, resolve_path
 
     try:
         folder = resolve_path(path)
@@ -155,7 +155,7 @@ class _ModelScorer:
     def __init__(self, path: str, device: torch.device):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from accord.paths import resolve_path
+        from accord.recipe.paths import resolve_path
 
         folder = str(resolve_path(path))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

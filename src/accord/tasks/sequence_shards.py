@@ -1,5 +1,5 @@
 """Each rank's slice of a causal-LM micro-batch under sequence parallelism
-(engine.sequence_parallel; the attention that joins the slices is accord.engine.ulysses).
+(engine.sequence_parallel; the attention that joins the slices is accord.engine.sequence_parallel.ulysses).
 
 Not DeepSpeed's `UlyssesSPDataLoaderAdapter`: it wraps a DataLoader and runs its own
 collectives to share batches inside the group, while accord's global plan already gives

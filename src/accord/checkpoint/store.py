@@ -1,0 +1,490 @@
+"""Checkpoints that survive crashes, and the rules for resuming from them.
+
+A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (every rank its shards of the
+model and optimizer state, see accord.engine.state; rank 0 the small files), flushed to
+disk, marked COMPLETE and only then renamed to `checkpoints/step-NNNNNN/`; `latest` is
+replaced atomically after that and older checkpoints are pruned last. A crash at any moment
+therefore leaves the previous complete checkpoint untouched, and a folder without its
+marker is never used. With checkpoint.async the shards are written in the background and
+the sealing (COMPLETE, rename, latest, prune) happens once they are all on disk.
+
+Before COMPLETE, rank 0 writes MANIFEST.json: every file's size and checksum, each hashed
+by the rank that wrote it (accord.checkpoint.manifest). A resume takes the newest checkpoint
+whose files still match it, naming the ones it skipped, which it leaves in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from accord import __version__, faults
+from accord.distributed import group as dist
+from accord.checkpoint import node_folders as nodefolders
+from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
+from accord.errors import RunStopped
+from accord.recipe.schema import Recipe, recipe_to_yaml
+from accord.stopping import StartRefused
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+STATE_FILE = "state.json"
+RECIPE_FILE = "recipe.yaml"
+
+# What a resumed run must share with the run that wrote the checkpoint: anything else
+# (logging, evaluation, max_steps, micro batch, processes, checkpointing) may change.
+IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
+
+
+class CheckpointError(RunStopped):
+    """A checkpoint could not be written or used; earlier checkpoints are intact."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    step: int  # optimizer steps completed
+    epoch: int  # position of the next global batch in the global data order
+    index: int
+    world_size: int
+    micro_batch_size: int
+    data_order: str = ""  # accord.data.order.order_version; "" in checkpoints from before it was recorded
+    accord_version: str = __version__
+    saved_at: float = 0.0
+
+
+# ------------------------------------------------------------------ writing
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo, asynchronous: bool = False) -> PendingCheckpoint:
+    """Collective: every rank writes its share into a temporary folder, rank 0 seals it once
+    every rank's files are written. Synchronous: sealed when this returns. Asynchronous: the
+    tensors are copied to host memory here and written in the background while training
+    goes on; the result's wait() (collective) must come before the next checkpoint."""
+    root = out_dir / CHECKPOINTS
+    final = root / step_name(state.step)
+    tmp = root / f".tmp-{final.name}"
+    error = None
+    if nodefolders.writes_folder(info):  # rank 0, and with a folder per node each node's leader
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            error = e
+    _agree_or_raise(error, state.step, tmp, info)
+    write = None
+    try:
+        write = engine.save_state(tmp, writer=info.is_main, asynchronous=asynchronous)
+        _save_rng(tmp, info)
+    except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
+        error = e
+    _agree_or_raise(error, state.step, tmp, info)
+    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write, asynchronous)
+    if not asynchronous:
+        pending.wait()
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written; sealed (on rank 0) as soon as they are,
+    in a background thread when the write is asynchronous. Until then it is a .tmp- folder
+    that resuming ignores: a crash leaves the previous checkpoint whole."""
+
+    def __init__(self, state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, info: dist.DistInfo, write, asynchronous: bool):
+        self.state, self.recipe, self.root, self.final, self.tmp, self.info = state, recipe, root, final, tmp, info
+        self._write = write
+        self._error: BaseException | None = None
+        self._thread = None
+        if asynchronous:
+            self._thread = threading.Thread(target=self._finish, name=f"accord-checkpoint-{state.step}", daemon=True)
+            self._thread.start()
+
+    def _finish(self) -> None:
+        entries: dict[str, Any] | str = {}
+        try:
+            if self._write is not None:
+                self._write.result()  # this rank's files; on rank 0 also the index, written after every rank's
+            entries = self._hash_own_files()
+        except (Exception, CheckpointException) as e:
+            self._error, entries = e, f"rank {self.info.rank}: {_reason(e)}"
+        # Every rank's entries to rank 0, on every rank alike (a failed one sends its error):
+        # over the background write's own group when asynchronous, never training's.
+        gathered = dist.all_gather_objects(entries, group=getattr(self._write, "group", None) if self._thread else None)
+        try:
+            failed = [e for e in gathered if isinstance(e, str)]
+            if failed and self._error is None:
+                raise OSError(failed[0])
+            faults.pause_before_sealing_checkpoint(self.state.step)
+            if nodefolders.writes_folder(self.info):  # every rank's files are written by now (DCP's last collective)
+                # Each folder's manifest lists the files its own ranks wrote into it (one folder: every rank's).
+                manifest = {
+                    name: entry
+                    for rank_entries in gathered
+                    for name, entry in rank_entries.items()
+                    if nodefolders.writes_into_my_folder(int(entry["rank"]), self.info)
+                }
+                _seal(self.state, self.recipe, self.root, self.final, self.tmp, manifest, self.info.rank)
+        except (Exception, CheckpointException) as e:
+            self._error = self._error or e
+
+    def _hash_own_files(self) -> dict[str, Any]:
+        """The manifest's entries for the files this rank wrote: its shards and its RNG state
+        (rank 0's small files are hashed when it seals)."""
+        names = [*(self._write.files() if self._write is not None else []), f"rng/{_rng_name(self.info.rank)}"]
+        return file_entries(self.tmp, names, self.info.rank)
+
+    def wait(self) -> Path:
+        """Collective: the write finished and the checkpoint is sealed on every rank's word."""
+        if self._thread is None:
+            self._finish()
+        else:
+            self._thread.join()
+        _agree_or_raise(self._error, self.state.step, self.tmp, self.info)
+        return self.final
+
+
+def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any], leader: int = 0) -> None:
+    """The folder's leader (rank 0 where one folder is shared), once every rank's files are in
+    `tmp` and `manifest` holds their entries: record them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
+    older checkpoints."""
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
+    (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
+    nodefolders.record(tmp)  # layout.json first: the manifest covers it
+    write_manifest(tmp, manifest | unlisted_entries(tmp, manifest, rank=leader))
+    _fsync_tree(tmp)
+    _write_durably(tmp / COMPLETE, "")
+    if final.exists():
+        # The same step written again by a run resumed from an earlier one, perhaps because
+        # this one failed verification: kept aside for the user, never deleted.
+        os.rename(final, root / f"replaced-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_durably(root / LATEST, final.name + "\n", atomic=True)
+    prune(root, recipe.checkpoint.keep_last, sealed=final)
+
+
+def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
+    """All ranks learn whether any rank failed, so none waits forever in the next collective."""
+    (failed,) = dist.any_rank(error is not None)
+    if not failed:
+        return
+    if nodefolders.writes_folder(info):
+        shutil.rmtree(tmp, ignore_errors=True)
+    reason = _reason(error) if error is not None else "it failed on another rank"
+    raise CheckpointError(
+        f"could not write the checkpoint of step {step}: {reason}; earlier checkpoints are intact — "
+        f"free disk space or fix the output folder, then resume with --resume"
+    )
+
+
+def _reason(error: BaseException) -> str:
+    """The OSError behind a failure (DCP wraps each rank's in its own exception), in one line."""
+    seen: list[BaseException] = [error]
+    while seen:
+        e = seen.pop(0)
+        if not isinstance(e, BaseException):
+            continue
+        if isinstance(e, OSError):
+            return f"{e.strerror or e} ({e.filename})" if e.filename else f"{e.strerror or e}"
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            # each rank's (exception, traceback summary)
+            seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        seen += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def prune(root: Path, keep_last: int, sealed: Path | None = None) -> None:
+    """Remove the oldest complete checkpoints beyond `keep_last` (called after `sealed`, a new
+    one, is complete). Only those up to `sealed`'s step count: later ones are from before a
+    resume from an earlier step (one skipped because it failed verification, kept for the
+    user), so the one just written, which verifies, is never removed in their favour."""
+    found = [p for p in complete_checkpoints(root) if sealed is None or p.name <= sealed.name]
+    for old in found[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _save_rng(tmp: Path, info: dist.DistInfo) -> None:
+    """This rank's RNG state, into its own node's folder (which it creates if need be)."""
+    path = tmp / "rng" / _rng_name(info.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), path)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    for path in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
+    target = path.with_name(f".{path.name}.tmp") if atomic else path
+    with target.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+    _fsync_dir(path.parent)
+
+
+def disk_space_warning(out_dir: Path, num_params: int, keep_last: int) -> str | None:
+    """A warning when the output disk cannot hold keep_last + 1 checkpoints (estimated:
+    fp32 weights plus AdamW's two moments, 12 bytes per parameter)."""
+    estimate = 12 * num_params
+    needed = (keep_last + 1) * estimate
+    free = shutil.disk_usage(out_dir).free
+    if free >= needed:
+        return None
+    return (
+        f"only {free / 2**30:.1f} GiB free under {out_dir}, but {keep_last + 1} checkpoints of "
+        f"~{estimate / 2**30:.2f} GiB each may be on disk at once; a write that runs out of space stops the run"
+    )
+
+
+# ------------------------------------------------------------------ finding and reading
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Sealed checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """Folders a crash left behind: never used, reported on resume."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = complete_checkpoints(out_dir / CHECKPOINTS)
+    return found[-1] if found else None
+
+
+def read_state(folder: Path) -> TrainingState:
+    data = json.loads((folder / STATE_FILE).read_text())
+    return TrainingState(**{k: v for k, v in data.items() if k in TrainingState.__dataclass_fields__})
+
+
+def read_checkpoint_recipe(folder: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load((folder / RECIPE_FILE).read_text())
+
+
+def restore_rng(folder: Path, state: TrainingState, info: dist.DistInfo, seed: int) -> bool:
+    """This rank's RNG as it was, when the world size is unchanged (else a seeded fresh one)."""
+    path = folder / "rng" / _rng_name(info.rank)
+    if state.world_size == info.world_size and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        torch.set_rng_state(saved["torch"])
+        if "cuda" in saved and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved["cuda"])
+        return True
+    torch.manual_seed(seed_for(seed, state.step, info.rank))
+    return False
+
+
+def seed_for(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible torch seed per (run seed, step, rank)."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
+# ------------------------------------------------------------------ resume rules
+
+
+def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
+    """The checkpoints this run may continue from, in order of preference (none: a fresh
+    start): with resume=auto every complete one, newest first; with resume=PATH that one.
+
+    `restarted` is true in workers that the elastic agent restarted after a failure:
+    they always continue from the latest checkpoint that verifies.
+    """
+    setting = "auto" if restarted else recipe.resume
+    if setting == "never":
+        return []
+    out_dir = Path(recipe.output.dir)
+    if setting == "auto":
+        return complete_checkpoints(out_dir / CHECKPOINTS)[::-1]
+    folder = Path(setting)
+    if not (folder / COMPLETE).is_file():
+        raise CheckpointError(
+            f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with {COMPLETE})"
+        )
+    return [folder]
+
+
+def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool = False) -> Path | None:
+    """Collective: the newest candidate checkpoint whose files match their manifest, each rank
+    checking its share of the files (checksums included) and all agreeing; the skipped ones
+    are named, and left as they are. StartRefused when none verifies."""
+    (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
+    skipped: list[tuple[Path, list[str]]] = []
+    for folder in candidates:
+        # resume=auto: each rank checks the copy in its own output.dir (a node may have its own folder).
+        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if restarted or recipe.resume == "auto" else folder
+        problems = _unique(p for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size)) for p in rank_problems)
+        if not problems:
+            for bad, reasons in skipped:
+                dist.print0(f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}")
+            return mine
+        skipped.append((folder, problems))
+    if skipped:
+        raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))
+    return None
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _summary(reasons: list[str]) -> str:
+    return reasons[0] + (f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else "")
+
+
+def _refusal(skipped: list[tuple[Path, list[str]]], explicit: bool) -> str:
+    """The one line for a resume with no usable checkpoint (`explicit`: the one resume=PATH
+    names); nothing was touched."""
+    if explicit:
+        folder, reasons = skipped[0]
+        return f"resume: {folder} is damaged: {_summary(reasons)}; resume from another checkpoint (resume=PATH)"
+    detail = "; ".join(f"{folder.name}: {_summary(reasons)}" for folder, reasons in skipped)
+    root = skipped[0][0].parent
+    return (
+        f"resume: no checkpoint in {root} verifies ({detail}); they are left as they are — restore their files, "
+        f"or start over with --overwrite"
+    )
+
+
+def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
+    """Fields that define the run and differ from the checkpoint's recipe. The saved recipe is
+    read with this version's defaults first, so a field added since it was written (at its
+    default) is no change."""
+    current = recipe.model_dump(mode="json")
+    try:
+        saved = Recipe.model_validate(saved).model_dump(mode="json")
+    except ValueError:
+        pass  # a field since renamed or removed: compare what was written
+    changes = []
+    for key in IDENTITY:
+        before, after = _get(saved, key), _get(current, key)
+        for name, old, new in _diff(key, before, after):
+            changes.append(f"{name} (checkpoint: {old!r}, recipe: {new!r})")
+    return changes
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += _diff(f"{prefix}.{key}", old.get(key), new.get(key))
+        return out
+    return [] if old == new else [(prefix, old, new)]
+
+
+def order_change(folder: Path, recipe: Recipe) -> str | None:
+    """The line refusing a checkpoint taken in another global data order (an older accord's):
+    the same steps would see other examples, so the run would not continue where it was."""
+    from accord.data.order import order_version, same_order
+    from accord.tasks import groups_by_length
+
+    saved = read_state(folder).data_order
+    grouped = groups_by_length(recipe)
+    if same_order(saved, recipe.data.shuffle, grouped):
+        return None
+    return (
+        f"resume: {folder} was written in another data order ({saved or 'the stored permutation of checkpoints that do not record their order'}; "
+        f"this accord shuffles with {order_version(recipe.data.shuffle, grouped)}), so the steps after it would see other examples; "
+        f"finish that run with the accord that wrote it, or start a new run in another output.dir"
+    )
+
+
+def resume_hint(out_dir: Path) -> str:
+    """How a run that stopped early continues, for the line that says it stopped."""
+    latest = latest_checkpoint(out_dir)
+    if latest is None:
+        return "no checkpoint was written yet"
+    return f"the latest checkpoint is {latest} — continue with --resume"
+
+
+def check_resume(recipe: Recipe) -> list[str]:
+    """Problems with resuming this recipe, found before any worker starts: sizes only (the
+    checksums are the workers' to check, in parallel)."""
+    try:
+        candidates = resume_candidates(recipe)
+    except CheckpointError as e:
+        return [str(e)]
+    out_dir = Path(recipe.output.dir)
+    if not candidates:
+        if recipe.resume == "auto":
+            from accord.output.folder import earlier_run
+
+            if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
+                return [f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"]
+        return []
+    skipped = []
+    for folder in candidates:
+        problems = verify(folder, checksums=False)
+        if not problems:
+            break
+        skipped.append((folder, problems))
+    else:
+        return [_refusal(skipped, explicit=recipe.resume != "auto")]
+    changes = identity_changes(read_checkpoint_recipe(folder), recipe)
+    order = order_change(folder, recipe)
+    if order:
+        return [order]
+    if changes:
+        return [
+            f"resume: {folder} was written by a different run: {change}; a resumed run keeps "
+            f"{', '.join(IDENTITY)} — restore it, or start a new run in another output.dir"
+            for change in changes
+        ]
+    return []

@@ -1,0 +1,91 @@
+"""`accord data`: the prepared data as training will see it, before any training starts.
+
+Prepares (or reuses) the cache exactly as `accord train` would, then prints the first
+examples with the tokens that carry loss marked, and the counts a user checks a recipe
+by: examples, tokens, targets, truncations and how full packed rows are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from accord.run.assemble import eval_tokens
+from accord.data.packing import training_rows
+from accord.data.prepare import prepare_data
+from accord.data.split import held_out_warning
+from accord.models.build import build_tokenizer
+from accord.recipe.schema import Recipe
+from accord.tasks import build_task
+from accord.tasks.base import IGNORE
+
+# How loss-carrying text is marked: green on a terminal, else between [[ and ]].
+MARKS = {True: ("\x1b[32m", "\x1b[0m"), False: ("[[", "]]")}
+
+
+def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
+    """Lines: `show` prepared training examples, then the counts."""
+    tokenizer = build_tokenizer(recipe.model)
+    task = build_task(recipe, tokenizer)
+    data = prepare_data(recipe, tokenizer, task, preparer=True)
+    train, report = data.train, data.report
+    start, end = MARKS[color]
+    lines = [f"{min(show, len(train))} of {len(train)} training examples as prepared (before packing and shuffling); "
+             f"loss is computed on {start}these tokens{end}"]
+    for i in range(min(show, len(train))):
+        lines.append(f"--- example {i + 1}")
+        lines += render_example(train[i], task, tokenizer, color)
+    tokens, targets = (int(np.asarray(train[column]).sum()) for column in ("length", "num_targets"))
+    lines.append("--- counts")
+    lines.append(f"examples: {len(train)} training, {report.get('eval_examples', 0)} held out")
+    # Targets are tokens for the causal tasks, examples (classify) or pairs (dpo) otherwise.
+    share = f"{targets} target tokens, {100 * targets / max(tokens, 1):.1f}%" if "labels" in train.column_names else f"{targets} targets, one per example"
+    lines.append(f"tokens: {tokens} training ({share}), {eval_tokens(data.eval)} held out")
+    lines.append(
+        f"truncations: {report.get('train_over_length', 0)} longer than data.max_length={recipe.data.max_length} "
+        f"({report.get('train_dropped', 0)} dropped, data.truncation={recipe.data.truncation})"
+    )
+    if task.packing:
+        rows = training_rows(train, task.row_capacity)
+        fill = rows.lengths.sum() / (len(rows) * recipe.data.max_length)
+        lines.append(f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, {100 * fill:.1f}% filled")
+    else:
+        lines.append("packing: off (one example per row)")
+    warning = held_out_warning(recipe.data.eval_fraction, tokens, eval_tokens(data.eval))
+    return lines + ([warning] if warning else [])
+
+
+def render_example(example: dict[str, Any], task, tokenizer, color: bool) -> list[str]:
+    """An encoded example as text, loss-carrying tokens marked; a classification example
+    with its label, a preference pair as its two sides."""
+    start, end = MARKS[color]
+    if "label_id" in example:
+        return [tokenizer.decode(example["input_ids"]), f"label: {start}{task.labels[example['label_id']]}{end} (id {example['label_id']})"]
+    lines = []
+    for side in ("", "chosen_", "rejected_"):
+        if f"{side}labels" in example:
+            text = marked(example[f"{side}input_ids"], example[f"{side}labels"], tokenizer, start, end)
+            lines.append(f"{side[:-1]}: {text}" if side else text)
+    return lines
+
+
+def marked(ids: list[int], labels: list[int], tokenizer, start: str, end: str) -> str:
+    """The decoded tokens, each run of targets (label != IGNORE) between `start` and `end`.
+    Runs are decoded whole, so a character made of several byte tokens stays intact."""
+    out, run, target = [], [], None
+    for token, label in zip(ids, labels):
+        is_target = label != IGNORE
+        if run and is_target != target:
+            out.append(_decoded(run, target, tokenizer, start, end))
+            run = []
+        run.append(token)
+        target = is_target
+    if run:
+        out.append(_decoded(run, target, tokenizer, start, end))
+    return "".join(out)
+
+
+def _decoded(run: list[int], target: bool | None, tokenizer, start: str, end: str) -> str:
+    text = tokenizer.decode(run)
+    return f"{start}{text}{end}" if target else text

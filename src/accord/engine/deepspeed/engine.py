@@ -1,0 +1,234 @@
+"""DeepSpeed ZeRO stages 1-3 (optionally with CPU offload) behind accord's Engine.
+
+The DeepSpeed config is derived from the recipe (deepspeed_config.py). accord keeps its own
+learning-rate schedule and its own loss normalisation, and checkpoints in accord's format
+(deepspeed_state.py), so a run written under ZeRO resumes under any strategy on any number
+of processes.
+
+How accord's calls map onto DeepSpeed's:
+- sync_context(last) sets DeepSpeed's gradient-accumulation boundary explicitly, so its
+  reductions happen exactly on accord's last micro-step (DeepSpeed's documented pattern
+  for calling engine.step() once after all micro-steps);
+- backward(loss_sum, N) back-propagates loss_sum × world / N without DeepSpeed's 1/GA
+  scaling; DeepSpeed averages over ranks, so the gradient is sum(losses) / N, as under DDP;
+- step() is one optimizer step: DeepSpeed clips (gradient_clipping), drops non-finite
+  updates itself, and accord's scheduler advances once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
+from accord.distributed.group import DistInfo
+from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+from accord.engine.base import Engine
+from accord.engine.deepspeed.config import deepspeed_config
+from accord.engine.optim import build_scheduler, param_groups
+from accord.engine.precision import autocast
+from accord.engine.state import PendingWrite
+from accord.engine.long_rows import apply_memory_levers
+from accord.engine.wrapping import ensure_process_group
+from accord.errors import UserInputError
+from accord.recipe.schema import Recipe
+
+
+def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DeepSpeedEngine:
+    if not deepspeed_available():
+        raise UserInputError(f"engine.strategy={recipe.engine.strategy} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}")
+    return DeepSpeedEngine(model, recipe, info, device, plan, total_steps)
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int):
+        # Imported here, not above: without DeepSpeed this module must still load, for build's message.
+        import deepspeed
+
+        from accord.engine.deepspeed.state import DeepSpeedState
+
+        _quiet_deepspeed(info)
+        ensure_process_group(device)
+        # DeepSpeed insists on the launcher's LOCAL_RANK, absent when accord runs as one process.
+        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+        # accord's dist.init created the process group: DeepSpeed adopts it. (On the CPU it
+        # also loads a shared-memory op used only for inference, printing a line per rank.)
+        with contextlib.redirect_stdout(io.StringIO()):
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", dist_init_required=False)
+        self.device = device
+        self.world_size = info.world_size
+        self.precision = recipe.engine.precision
+        self.stage = int(recipe.engine.strategy.removeprefix("zero"))
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
+        config = deepspeed_config(recipe, plan, device, model, info.world_size)
+        self._config = config
+        self._materialize(model, config)
+        groups = param_groups(model, recipe.optim)
+        names = {id(p): name for name, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        with _fp32_partitions_reused(self.stage == 3 and self.precision != "fp16"):
+            self._wrapped, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, dist_init_required=False)
+        self.module = self._wrapped.module
+        self._state = DeepSpeedState(self._wrapped, self.stage, self.precision, device, group_names)
+        self.state_optimizer = self._state.base
+        # accord's schedule, on the optimizer that DeepSpeed steps: the same learning rates as DDP.
+        self.scheduler = build_scheduler(self._state.base, recipe.optim, total_steps)
+
+    def _materialize(self, model: nn.Module, config: dict) -> None:
+        """Values for a meta-device model (accord.models.weights). ZeRO-1/2 hold every parameter
+        on every rank; ZeRO-3 partitions each parameter as soon as it exists, the way
+        DeepSpeed's own partitioned construction (zero.Init) does: rank 0 provides the values
+        (per-name init or the safetensors tensor), the partitioning scatters them, and no rank
+        holds more than one module's tensors beyond its partitions."""
+        from accord.models.weights import materialize, materialize_each_parameter
+
+        if self.stage < 3:
+            materialize(model, "cpu")
+            return
+        import deepspeed
+
+        first: list[nn.Parameter] = []
+
+        def convert(param: nn.Parameter) -> None:
+            if first:  # as DeepSpeed converts a module's late parameters itself
+                first[0].convert_to_zero_parameters(param_list=[param])
+                return
+            holder = nn.Module()
+            holder.register_parameter("p", param)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=config)
+            first.append(param)
+
+        materialize_each_parameter(model, convert, provider=dist.is_main())
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """Under ZeRO-3 a frozen model (DPO's reference) is partitioned like the policy and
+        run by a DeepSpeed engine without an optimizer (its forward gathers collectively)."""
+        if self.stage < 3:
+            return super().prepare_frozen(model)
+        import deepspeed
+
+        model.requires_grad_(False)
+        self._materialize(model, self._config)
+        config = {k: v for k, v in self._config.items() if k not in ("optimizer", "scheduler", "gradient_clipping")}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        self._frozen = [*getattr(self, "_frozen", []), engine]
+        return engine.module.eval()
+
+    # ------------------------------------------------------------------ the loop
+
+    @property
+    def lockstep(self) -> bool:
+        return self.stage == 3  # ZeRO-3 gathers parameters collectively in every forward
+
+    def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        self._wrapped.set_gradient_accumulation_boundary(last_micro_step)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.precision, self.device)
+
+    def backward(self, loss_sum: torch.Tensor, global_targets: int) -> None:
+        self._wrapped.backward(loss_sum * (self.world_size / global_targets), scale_wrt_gas=False)
+
+    def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
+        # DeepSpeed computes the norm of the whole gradient, clips, and drops a non-finite
+        # update (fp16 overflow or a NaN/inf gradient) itself, identically on every rank,
+        # whatever `skip_nonfinite` says: the trainer stops the run on it under on_nonfinite=stop.
+        self._wrapped.set_gradient_accumulation_boundary(True)
+        self._wrapped.step()
+        norm = self._wrapped.get_global_grad_norm()
+        grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).to(self.device)
+        # An fp16 overflow is the loss scaler's to handle (as torch's GradScaler does for the
+        # other strategies): not a dropped update that counts towards train.max_skipped_steps.
+        applied = self._wrapped.was_step_applied() or self.handles_overflow
+        self.scheduler.step()
+        return grad_norm, applied
+
+    @property
+    def handles_overflow(self) -> bool:
+        return self.precision == "fp16"
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ state
+
+    def full_tensors(self, writer: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return self._state.full_tensors(writer)
+
+    def save_state(self, folder: Path, writer: bool, asynchronous: bool = False) -> PendingWrite | None:
+        return self._state.save(folder, writer, self.scheduler, asynchronous)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        held = super().model_state_bytes()
+        held["master"] += self._state.unlisted_master_bytes()
+        return held
+
+    def load_state(self, folder: Path) -> None:
+        self._state.load(folder, self.scheduler)
+
+    def compile(self) -> None:
+        # DeepSpeed compiles its own wrapped module in place (its engine keeps the hooks).
+        self._wrapped.compile()
+        self._compiled = self._wrapped
+
+    def close(self) -> None:
+        for engine in getattr(self, "_frozen", []):
+            engine.destroy()
+        self._wrapped.destroy()
+
+
+@contextlib.contextmanager
+def _fp32_partitions_reused(fp32_parameters: bool) -> Iterator[None]:
+    """ZeRO-3 over fp32 parameters (accord's fp32 and bf16 runs: bf16 is autocast) steps its
+    optimizer on the parameters' own flat fp32 partitions, as DeepSpeed means to where they
+    are already fp32 on its device, instead of an fp32 copy of them: 4 bytes per parameter
+    of the partition fewer, on the GPU or the host alike. DeepSpeed 0.19.8's test for that
+    compares the partition's `torch.device` with its device *name* (a string), which is never
+    equal, so it always copied; the test is made with a `torch.device` while the partitions
+    are created. The values are the same (the copy was exact), and so is every update: the
+    optimizer writes the partition the parameters are gathered from, which DeepSpeed's own
+    copy back after each step only repeats. Without the method (another DeepSpeed), nothing
+    is changed."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    original = getattr(Stage3, "_create_fp32_partitions", None)
+    if not fp32_parameters or original is None:
+        yield
+        return
+
+    def create(optimizer: Any) -> None:
+        name = optimizer.device
+        if optimizer.offload_optimizer or not isinstance(name, str):
+            return original(optimizer)
+        optimizer.device = torch.device(name)
+        try:
+            return original(optimizer)
+        finally:
+            optimizer.device = name
+
+    Stage3._create_fp32_partitions = create
+    try:
+        yield
+    finally:
+        Stage3._create_fp32_partitions = original
+
+
+def _quiet_deepspeed(info: DistInfo) -> None:
+    """accord prints its own progress; DeepSpeed's info lines (and other ranks' warnings) are
+    noise, and so are the FutureWarnings of the torch collectives it calls by their old names."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING if info.is_main else logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)

@@ -1,0 +1,1 @@
+"""engine.sequence_parallel"""

@@ -1,0 +1,120 @@
+"""Ulysses sequence parallelism (engine.sequence_parallel: N).
+
+The world is data-parallel × N: ranks r*N … r*N+N-1 form sequence-parallel group r, train
+on the same rows of the global batch (BatchPlan.data_rank) and each take one N-th of every
+row's tokens. Every layer runs on the local tokens except attention, which exchanges
+sequence shards for head shards (all-to-all), attends over the whole row with 1/N of the
+heads, and exchanges back.
+
+What is DeepSpeed's and what is accord's:
+- The attention is DeepSpeed's `UlyssesSPAttentionHF` (ALST), used as it is, with its
+  differentiable all-to-all (it runs on gloo: torch 2.13's gloo has all_to_all_single) and
+  its kv-head replication where N exceeds the kv heads. Not its
+  `register_with_transformers`: that replaces transformers' global "sdpa" entry (so every
+  model in the process) and drops the attention mask, which packed rows need
+  (sdpa and eager attend across documents without it, FIELD-NOTES); here the attention is
+  registered under its own name on this model's config, and the mask over the whole row
+  is passed through to the core attention.
+- The batch sharding is accord's (accord.tasks.sequence_shards says why not DeepSpeed's
+  `UlyssesSPDataLoaderAdapter`).
+- Gradients: every rank holds the whole model (or its strategy's shard of it) and a
+  slice of the group's tokens; its backward, through the all-to-all's backward, gives its
+  share of the group's gradient. The strategy averages over the whole world as it always
+  does, and the loss scaling (world / global targets) turns that into the sum over every
+  token of the global batch, each counted on exactly one rank: the contract's
+  normalisation, unchanged. So ddp, fsdp and zero1-3 carry it without knowing of it.
+
+Rows are padded to a multiple of N (padding has no targets). Evaluation runs whole rows on
+each rank (the attention steps aside outside training), as without sequence parallelism.
+The mask is materialised over the whole row (rows × L × L booleans) for sdpa and eager;
+flash attention finds the documents from the gathered position ids instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accord.distributed.group import DistInfo
+from accord.errors import UserInputError
+
+TASKS = ("sft", "pretrain")  # causal LMs whose loss is a sum over tokens (no row-level pooling)
+CORE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def check_sequence_parallel(recipe, config) -> list[str]:
+    """What rules out engine.sequence_parallel for this recipe and model config (None: not
+    known yet); the world size is BatchPlan.derive's to check."""
+    n = recipe.engine.sequence_parallel
+    if n == 1:
+        return []
+    if recipe.task not in TASKS:
+        return [f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; set engine.sequence_parallel=1"]
+    if config is None:
+        return []  # not known before the model is built (a GGUF file): checked again in the worker
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None:
+        return [f"engine.sequence_parallel={n}: the model's config names no attention heads; set engine.sequence_parallel=1"]
+    if heads % n or (kv_heads % n and n % kv_heads):
+        valid = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        return [
+            f"engine.sequence_parallel={n} must divide the model's {heads} attention heads (and its {kv_heads} key/value heads, "
+            f"or be a multiple of them); use {', '.join(map(str, valid)) or 'none above 1'} or 1"
+        ]
+    implementation = recipe.model.attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation not in CORE_ATTENTION:
+        return [f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; set engine.sequence_parallel=1"]
+    return []
+
+
+def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> None:
+    """Form the sequence-parallel groups and put the Ulysses attention into `model` (before the
+    strategy wraps it); collective: every rank calls it. Nothing for N = 1."""
+    n = recipe.engine.sequence_parallel
+    if n == 1:
+        return
+    problems = check_sequence_parallel(recipe, model.config)
+    if problems:
+        raise UserInputError(problems[0])
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # DeepSpeed's collectives go through deepspeed.comm, over the process group accord made.
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+    group = None
+    for first in range(0, info.world_size, n):  # every rank creates every group, in the same order
+        ranks = list(range(first, first + n))
+        made = torch.distributed.new_group(ranks)
+        if info.rank in ranks:
+            group = made
+    config = model.config
+    text = config.get_text_config()
+    core = config._attn_implementation or "sdpa"
+    attention = UlyssesSPAttentionHF(
+        attn=ALL_ATTENTION_FUNCTIONS[core],
+        batch_size=micro_batch_size,
+        attn_head_count=text.num_attention_heads,
+        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        kv_head_count=text.num_key_value_heads or text.num_attention_heads,
+        num_hidden_layers=text.num_hidden_layers,
+        process_group=group,
+        seq_length_is_variable=True,
+        disable_in_eval=True,  # evaluation and generation run whole rows on each rank
+    )
+    attention.core_attn_implementation = core
+
+    def ulysses(module, query, key, value, attention_mask, *args, **kwargs):
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    name = f"accord_ulysses_{core}"
+    AttentionInterface.register(name, ulysses)
+    # Evaluation builds the core attention's masks from 2D padding masks, as without sp;
+    # training passes the row's 4D mask, which transformers hands through unchanged.
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[core])
+    config._attn_implementation = name
+    if text is not config:
+        text._attn_implementation = name

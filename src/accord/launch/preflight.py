@@ -1,0 +1,233 @@
+"""Everything about a recipe that can be wrong, found before any worker starts."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan, BatchPlanError
+from accord.checkpoint.store import check_resume
+from accord.data.nodeshare import NodeShare
+from accord.data.sources import DataError
+from accord.errors import UserInputError
+from accord.output.folder import check_output_dir
+from accord.recipe.paths import PathError, resolve_path
+from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
+
+
+def preflight(recipe: Recipe, world_size: int, writer: bool = True, share: NodeShare | None = None) -> list[str]:
+    """One line per problem (empty when the run can start). `writer`: this process (or its
+    node) will hold global rank 0, the one that writes the outputs."""
+    problems: list[str] = []
+    try:
+        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
+    except BatchPlanError as e:
+        problems.append(str(e))
+    problems += check_model_source(recipe.model)
+    if recipe.engine.sequence_parallel > 1 and not problems:
+        problems += check_sequence_parallel(recipe)
+    problems += check_environment(recipe)
+    if writer and dist.is_main():
+        # Only the writer checks: another rank or node may look after rank 0 already
+        # created the folder.
+        problems += check_output_dir(recipe)
+    problems += check_resume(recipe)
+    if problems or dist.env_info().local_rank != 0:
+        # The data step is the expensive part: only for a sound recipe, and once per node
+        # (under an outer launcher the other local ranks wait for it in the workers).
+        return problems
+    return prepare_and_check_data(recipe, share)
+
+
+def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> list[str]:
+    """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
+    worker starts and the workers only read the cache."""
+    from accord.observe.progress import announce
+
+    announce("preparing data…")
+    from accord.data.packing import training_rows
+    from accord.data.prepare import prepare_data
+    from accord.models.build import build_tokenizer
+    from accord.tasks import build_task
+
+    try:
+        tokenizer = build_tokenizer(recipe.model)
+    except Exception as e:  # transformers and tokenizers raise many kinds; all mean the same to the user
+        where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
+        reason = " ".join(str(e).split())[:300]
+        return [f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"]
+    try:
+        task = build_task(recipe, tokenizer)
+        data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
+    except DataError as e:
+        return [str(e)]
+    # The global order draws its batches from rows, which packing makes fewer than examples.
+    rows = len(training_rows(data.train, task.row_capacity))
+    examples = data.report["train_examples"]
+    needed = recipe.batch.global_batch_size
+    if rows >= needed:
+        return []
+    counted = (
+        f"{rows} training rows ({examples} examples packed into rows of {task.row_capacity} tokens)"
+        if task.row_capacity is not None
+        else f"{rows} training examples"
+    )
+    return [f"only {counted} but batch.global_batch_size={needed}; lower the global batch or add data"]
+
+
+def _recipe_writing(out_dir: Path) -> str | None:
+    """The recipe under ./recipes whose output.dir is `out_dir` (a shipped recipe that starts
+    from another's final model names it in the error), if exactly one is."""
+    import yaml
+
+    found = []
+    for path in sorted(Path("recipes").glob("*.yaml")):
+        try:
+            output = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("output") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(output, dict) and output.get("dir") and Path(str(output["dir"])).resolve() == out_dir.resolve():
+            found.append(path.as_posix())
+    return found[0] if len(found) == 1 else None
+
+
+def check_model_source(cfg: ModelConfig) -> list[str]:
+    """Problems with the model section that can be seen without loading anything."""
+    problems = []
+    try:
+        folder = resolve_path(cfg.path) if cfg.path is not None else None
+        tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer not in (None, BYTE_TOKENIZER) else None
+    except PathError as e:
+        return [f"model: {e}"]
+    if folder is not None:
+        if folder.suffix == ".gguf":
+            if not folder.is_file():
+                problems.append(f"model.path: GGUF file not found: {folder}")
+        elif not folder.is_dir():
+            # A run's `final/` (e.g. grpo-addition continues from addition-sft's): say which run writes it.
+            hint = ""
+            if folder.name == "final":
+                writer = _recipe_writing(folder.parent)
+                hint = (f" (the final model of {writer}: run `accord train {writer}` first)" if writer
+                        else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)")
+            problems.append(f"model.path: folder not found: {folder}{hint}")
+        elif not (folder / "config.json").is_file():
+            problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
+        else:
+            problems += _check_config_loads(folder, cfg.trust_remote_code)
+            from accord.models.weights import check_weight_files
+
+            problems += check_weight_files(folder)
+    if tokenizer is not None and not tokenizer.is_dir():
+        problems.append(f"model.tokenizer: folder not found: {tokenizer} (use `byte` or a local tokenizer folder)")
+    if cfg.config is not None:
+        # The name table only: importing the model classes would cost seconds here.
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        architecture = str(cfg.config["architecture"])
+        if architecture not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(architecture, list(CONFIG_MAPPING_NAMES), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(f"model.config.architecture: unknown model type {architecture!r}{hint}")
+    if cfg.rope_scaling is not None and not problems:
+        problems += check_rope_scaling(cfg)
+    return problems
+
+
+def check_rope_scaling(cfg: ModelConfig) -> list[str]:
+    """model.rope_scaling fits the model's config (read or built here, no weights)."""
+    from accord.models.build import apply_rope_scaling
+
+    if cfg.path is not None and resolve_path(cfg.path).suffix == ".gguf":
+        return []  # its config exists only after conversion; the worker applies the same check
+    try:
+        config = _model_config(cfg)
+        apply_rope_scaling(config, cfg.rope_scaling)
+    except UserInputError as e:
+        return [str(e)]
+    except (KeyError, ValueError, TypeError) as e:  # transformers' own checks of the values
+        return [f"model.rope_scaling: {' '.join(str(e).split())[:300]}"]
+    return []
+
+
+def check_sequence_parallel(recipe: Recipe) -> list[str]:
+    """engine.sequence_parallel fits the task, the model's heads and attention, and DeepSpeed
+    (whose Ulysses attention it runs) is installed; the model's config is read, no weights."""
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine.sequence_parallel.ulysses import check_sequence_parallel as check
+
+    if not deepspeed_available():
+        return [f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is not installed: {INSTALL_DEEPSPEED}"]
+    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+        return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
+    return check(recipe, _model_config(recipe.model))
+
+
+def _model_config(cfg: ModelConfig):
+    """The model's transformers config, from its folder or the recipe's model.config."""
+    from transformers import AutoConfig
+
+    if cfg.path is not None:
+        return AutoConfig.from_pretrained(resolve_path(cfg.path), trust_remote_code=cfg.trust_remote_code)
+    settings = dict(cfg.config or {})
+    return AutoConfig.for_model(str(settings.pop("architecture")), **settings)
+
+
+def check_environment(recipe: Recipe) -> list[str]:
+    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16.
+    Kept out of the recipe's schema, so a recipe validates alike on every machine."""
+    return check_devices(recipe.engine) or check_deepspeed(recipe.engine)
+
+
+def check_devices(cfg: EngineConfig) -> list[str]:
+    """The GPUs the recipe asks for are here."""
+    from accord.engine.device import wants_cuda
+
+    try:
+        cuda = wants_cuda(cfg)
+    except UserInputError as e:
+        return [str(e)]
+    if cfg.devices is None:
+        return []
+    if not cuda:
+        return [f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or use a GPU machine"]
+    import torch
+
+    count = torch.cuda.device_count()
+    bad = [d for d in cfg.devices if not 0 <= d < count]
+    if bad or len(set(cfg.devices)) != len(cfg.devices) or not cfg.devices:
+        return [f"engine.devices={cfg.devices}: each must be a distinct GPU index from 0 to {count - 1}"]
+    return []
+
+
+def check_deepspeed(cfg: EngineConfig) -> list[str]:
+    """A zero strategy that needs DeepSpeed has it here, and does not ask it for fp16 on the CPU."""
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine.device import wants_cuda
+
+    needs_deepspeed = cfg.strategy in ("zero2", "zero3") or (
+        cfg.strategy == "zero1" and (cfg.zero1_implementation == "deepspeed" or cfg.offload != "none")
+    )
+    # zero1_implementation=auto takes DeepSpeed where it is installed.
+    uses_deepspeed = needs_deepspeed or (cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available())
+    if needs_deepspeed and not deepspeed_available():
+        what = f"engine.strategy={cfg.strategy}" + (f" with engine.offload={cfg.offload}" if cfg.offload != "none" else "")
+        return [f"{what} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"]
+    if uses_deepspeed and cfg.precision == "fp16" and not wants_cuda(cfg):
+        return [
+            f"engine.precision=fp16 with engine.strategy={cfg.strategy} (DeepSpeed) needs a GPU: DeepSpeed has no "
+            f"fp16 on the CPU; use engine.precision=bf16 or no, or engine.strategy=fsdp or ddp"
+        ]
+    return []
+
+
+def _check_config_loads(folder: Path, trust_remote_code: bool) -> list[str]:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many kinds; all mean the same to the user
+        reason = " ".join(str(e).split())
+        return [f"model.path: {folder}/config.json cannot be loaded: {reason[:300]}"]
+    return []

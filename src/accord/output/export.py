@@ -1,0 +1,93 @@
+"""The final model in `final/` (a save_pretrained folder plain transformers loads), and with
+LoRA the adapter alone in `adapter/`, merged into the weights for `final/` by default.
+
+Nothing is gathered whole: the engine hands over one tensor at a time (a sharded one
+gathered just then), rank 0 appends it to the current safetensors shard and writes each
+shard when it is full. A LoRA layer is merged as its three tensors arrive (W + B·A·scale)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from accord.distributed import group as dist
+from accord.models.build import adapter_saving
+from accord.output.folder import save_final_model, save_streamed_model
+from accord.recipe.schema import Recipe
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"  # peft's name for the one adapter accord trains
+
+
+def export_final(engine, recipe: Recipe, task, tokenizer, out_dir: Path, info: dist.DistInfo) -> Path:
+    """Collective: every rank takes part in gathering each sharded tensor; rank 0 writes."""
+    final = out_dir / "final"
+    tensors = engine.full_tensors(writer=info.is_main)
+    if not info.is_main:
+        for _ in tensors:  # the same collectives as the writer, in the same order
+            pass
+    elif recipe.lora is None:
+        save_streamed_model(tensors, engine.module, tokenizer, final)
+    else:
+        module, adapter = engine.module, {}
+        tensors = _keeping_adapter(tensors, adapter)
+        if recipe.lora.merge_on_export:
+            save_streamed_model(merged_lora(tensors, module), module.get_base_model(), tokenizer, final)
+        else:
+            for _ in tensors:
+                pass
+        with adapter_saving():
+            save_final_model(module, tokenizer, out_dir / "adapter", state_dict=adapter)
+            if not recipe.lora.merge_on_export:
+                save_final_model(module, tokenizer, final, state_dict=adapter)
+    dist.barrier()
+    return final
+
+
+def _keeping_adapter(tensors, adapter: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes the tensors on, keeping a copy of the adapter's own (small) in `adapter`."""
+    for name, tensor in tensors:
+        if ".lora_" in name or ".modules_to_save." in name:
+            adapter[name] = tensor
+        yield name, tensor
+
+
+def merged_lora(tensors, module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft model's tensors (state-dict order) as the merged base model's: each LoRA layer's
+    weight W + (B @ A) * scale (transposed for fan_in_fan_out layers), named as in the base
+    model; the trained copies of modules_to_save replace the originals. At most one layer's
+    tensors wait for their partners."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+    for name, layer in layers.items():
+        if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_embedding_A", {}).get(ADAPTER) is not None:
+            raise NotImplementedError(f"{name}: merging DoRA or embedding adapters on export is not supported")
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    parts = {".base_layer.weight": "W", f".lora_A.{ADAPTER}.weight": "A", f".lora_B.{ADAPTER}.weight": "B"}
+    for name, tensor in tensors:
+        part = next(((prefix, kind) for suffix, kind in parts.items() if name.endswith(suffix) and (prefix := name[: -len(suffix)]) in layers), None)
+        if part is None:
+            if ".original_module." in name or ".lora_" in name:
+                continue
+            yield _base_name(name), tensor
+            continue
+        prefix, kind = part
+        got = waiting.setdefault(prefix, {})
+        got[kind] = tensor
+        if len(got) == 3:
+            del waiting[prefix]
+            layer = layers[prefix]
+            delta = got["B"].float() @ got["A"].float()
+            if layer.fan_in_fan_out:
+                delta = delta.T
+            yield _base_name(f"{prefix}.weight"), (got["W"].float() + delta * layer.scaling[ADAPTER]).to(got["W"].dtype)
+    if waiting:
+        raise RuntimeError(f"LoRA layers without all their tensors on export: {', '.join(sorted(waiting)[:3])}")
+
+
+def _base_name(name: str) -> str:
+    name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    return name.replace(f".modules_to_save.{ADAPTER}.", ".")

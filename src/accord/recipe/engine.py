@@ -1,0 +1,139 @@
+"""The recipe's `engine:` section: processes, devices, strategy, precision and the memory and
+parallelism levers. Kept out of recipe.py for its size (each lever validates against the others)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from accord.recipe.section import Section
+
+PROCESS_GROUP_TIMEOUT_S = 600
+
+
+class EngineConfig(Section):
+    """Where and how the model runs: processes, devices, strategy, precision."""
+
+    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
+        "ddp",
+        description="Distributed strategy: ddp (every rank holds everything), fsdp (PyTorch FSDP2: parameters, "
+        "gradients and optimizer state sharded per decoder layer), zero1 / zero2 / zero3 (DeepSpeed ZeRO: optimizer "
+        "state / + gradients / + parameters sharded).",
+    )
+    precision: Literal["no", "bf16", "fp16"] = Field("no", description="Mixed precision: no (fp32), bf16, or fp16 with a gradient scaler.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: every visible GPU, else the CPU.")
+    processes: int = Field(2, gt=0, description="Worker processes on CPU (on GPU: one per device).")
+    devices: list[int] | None = Field(None, description="GPU indices to use, e.g. [0, 1] (default: all visible).")
+    max_restarts: int = Field(
+        0, ge=0, description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes from the latest checkpoint."
+    )
+    # Well under the process-group timeout (PROCESS_GROUP_TIMEOUT_S): past that, torch ends the
+    # run itself without saying which rank was stuck or where.
+    hang_timeout_s: float | None = Field(
+        300.0,
+        description="Hang watchdog (accord's launcher): when no rank made progress for this many seconds, name the stuck "
+        "rank(s), dump every rank's stacks into output.dir/hang-<time>/ and stop the workers (restarted under "
+        "engine.max_restarts). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); null: off.",
+    )
+    deepspeed_config: str | None = Field(
+        None,
+        description="A DeepSpeed JSON you already have: its stage, offload, batch sizes, accumulation, clipping and "
+        "precision must agree with the recipe (checked before starting; they fill in what the recipe leaves open).",
+    )
+    compile: bool = Field(False, description="torch.compile the model's training forward (first steps are slower while it compiles).")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense bf16 TFLOP/s of one device, for MFU (default: looked up from the GPU's name)."
+    )
+    offload: Literal["none", "optimizer", "optimizer+params"] = Field(
+        "none",
+        description="zero strategies: keep the optimizer state (and with zero3 also the parameters) in CPU memory "
+        "(DeepSpeed ZeRO-Offload). On a CPU-only run this changes nothing but the code path.",
+    )
+    release_host_memory: bool = Field(
+        False,
+        description="Return host memory to the OS as soon as a tensor of 1 MiB or more is freed (glibc's malloc with a "
+        "fixed mmap threshold, as MALLOC_MMAP_THRESHOLD_=1048576 does). On CPU runs under fsdp or zero3 a rank's peak RSS "
+        "then follows its live tensors (measured: about half) for about a third more CPU time (see README); a GPU's memory is not affected.",
+    )
+    activation_checkpointing: bool | Literal["offload"] = Field(
+        False,
+        description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more compute); "
+        "offload: also keep what checkpointing saves (each layer's input) in host memory until backward (pinned on GPU; "
+        "on a CPU run the same as true).",
+    )
+    tiled_mlp: bool | int = Field(
+        False,
+        description="Run each decoder layer's MLP over this many sequence tiles, each recomputed in backward, so its "
+        "intermediate activations exist for one tile at a time (rows of 10k+ tokens); true: tiles of about hidden_size "
+        "tokens of data.max_length.",
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, CUDA "
+        "attention kernels only): not available yet; use sequence_parallel."
+    )
+    fsdp_layer_class: str | None = Field(
+        None,
+        description="fsdp: class name of the modules sharded as one unit each, e.g. LlamaDecoderLayer "
+        "(default: the model's _no_split_modules, else the blocks of its layer list).",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism: each row's tokens are split over groups of this many ranks, attention "
+        "exchanges sequence shards for head shards (all-to-all); the world is data-parallel x this. Must divide the "
+        "number of processes and the model's attention heads (sft and pretrain).",
+    )
+    zero1_implementation: Literal["auto", "deepspeed", "torch"] = Field(
+        "auto",
+        description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "
+        "auto: DeepSpeed when it is installed, else torch.",
+    )
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_timeout_below_group_timeout(cls, value: float | None) -> float | None:
+        if value is not None and not 1 <= value < PROCESS_GROUP_TIMEOUT_S:
+            raise ValueError(
+                f"engine.hang_timeout_s={value:g} must be at least 1 and below {PROCESS_GROUP_TIMEOUT_S} s (the process-group "
+                "timeout, after which torch stops the run without naming the stuck rank); null turns the watchdog off"
+            )
+        return value
+
+    # Before pydantic's union: one line instead of one per member of the union.
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_word(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and value != "offload":
+            raise ValueError(f"engine.activation_checkpointing={value!r} must be true, false or offload")
+        return value
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _tiles_positive(cls, value: Any) -> Any:
+        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+            raise ValueError(f"engine.tiled_mlp={value!r} must be true, false or a number of tiles of at least 1")
+        return value
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _yaml_no_is_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `no` as false; it is what the user meant.
+        return "no" if value is False else value
+
+    @model_validator(mode="after")
+    def _strategy_options(self) -> EngineConfig:
+        zero = self.strategy.startswith("zero")
+        if self.offload != "none" and not zero:
+            raise ValueError(
+                f"engine.offload={self.offload} needs a DeepSpeed strategy (engine.strategy=zero1, zero2 or zero3); "
+                f"{self.strategy} keeps everything on the device"
+            )
+        if self.offload == "optimizer+params" and self.strategy != "zero3":
+            raise ValueError(
+                f"engine.offload=optimizer+params needs engine.strategy=zero3 (only ZeRO-3 shards the parameters); "
+                f"with {self.strategy} use engine.offload=optimizer"
+            )
+        if self.strategy == "zero1" and self.zero1_implementation == "torch" and self.offload != "none":
+            raise ValueError("engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) cannot offload")
+        return self

@@ -1,0 +1,465 @@
+"""The recipe: one typed, validated description of a training run.
+
+A recipe is a YAML file plus dotted command-line overrides (`batch.micro_batch_size=4`);
+precedence is overrides > file > defaults. Every section rejects unknown keys with a
+did-you-mean, and every error names the key, what was expected and the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from accord.errors import UserInputError
+from accord.recipe.errors import describe_error
+from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
+from accord.recipe.grpo import GRPOConfig
+from accord.recipe.section import Section
+
+
+BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
+
+
+class RecipeError(UserInputError):
+    """A user mistake in a recipe or its overrides; the message is meant to be shown as is."""
+
+
+class RopeScalingConfig(Section):
+    """Rotary position embeddings stretched past the length a model was trained on (passed to
+    transformers as the config's rope_parameters, so final/ keeps them for inference)."""
+
+    rope_type: Literal["linear", "dynamic", "yarn"] = Field(
+        ..., description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN."
+    )
+    factor: float = Field(..., ge=1.0, description="How many times the original context to reach (e.g. 4.0).")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this)."
+    )
+
+
+class ModelConfig(Section):
+    """Which model to train: a local Hugging Face folder, or an architecture built from a config."""
+
+    path: str | None = Field(None, description="Local folder with a Hugging Face model (config.json + weights).")
+    config: dict[str, Any] | None = Field(
+        None,
+        description="Build a fresh model from a config instead: `architecture` (a transformers "
+        "model type such as llama) plus its config fields (hidden_size, num_hidden_layers, ...).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="`byte` for accord's built-in byte-level tokenizer, or a local tokenizer folder. "
+        "Default: the model folder's tokenizer, or `byte` for a model built from a config.",
+    )
+    attn_implementation: str | None = Field(None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model folder to run.")
+    # A section of the model (not of data): it changes the model's config, saved with final/.
+    rope_scaling: RopeScalingConfig | None = Field(None, description="Extend a RoPE model's context: {rope_type: linear|dynamic|yarn, factor: 4.0}.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.config is None):
+            raise ValueError("give exactly one of model.path (a local folder) or model.config (an architecture to build)")
+        if self.config is not None and "architecture" not in self.config:
+            raise ValueError("model.config needs `architecture` (a transformers model type such as llama)")
+        return self
+
+
+class GeneratedData(Section):
+    """A learnable task that accord generates itself, deterministically from the seed."""
+
+    kind: Literal["addition"] = Field("addition", description="addition: `123+45=` -> `168`.")
+    train_examples: int = Field(4000, gt=0, description="Number of training examples.")
+    eval_examples: int = Field(200, ge=0, description="Number of held-out examples (never seen in training).")
+    max_digits: int = Field(3, ge=1, le=9, description="Largest number of digits of an operand.")
+
+    @model_validator(mode="after")
+    def _enough_distinct_sums(self) -> GeneratedData:
+        # Held-out sums must never occur in training, so every example is a distinct pair of
+        # operands; drawing more than half of the pairs would take ever longer.
+        most = addition_capacity(self.max_digits)
+        if self.train_examples + self.eval_examples > most:
+            raise ValueError(
+                f"data.generate: {self.train_examples} train + {self.eval_examples} eval examples asked for, but at most {most} distinct "
+                f"sums of numbers up to {self.max_digits} digits are drawn; raise max_digits or ask for fewer"
+            )
+        return self
+
+
+def addition_capacity(max_digits: int) -> int:
+    """How many distinct addition examples may be drawn (half of the operand pairs)."""
+    return (10**max_digits) ** 2 // 2
+
+
+SOURCE_FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "arrow", "chatterbot", "contrastive")
+
+
+class DocumentSeparator(Section):
+    """Documents of a text file separated by a marker (e.g. `%` lines in fortune files)."""
+
+    separator: str = Field(..., min_length=1, description="The text between two documents (removed, with the line breaks around it).")
+
+
+class SourceConfig(Section):
+    """One data source: a local file, a folder of files, a `datasets.save_to_disk` folder, or a
+    stream (files read with `streaming: true`, or a `function` returning a datasets IterableDataset)."""
+
+    path: str | None = Field(None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package.")
+    weight: float = Field(1.0, gt=0, description="Relative share of this source when several are mixed.")
+    format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="auto (from the suffix: .jsonl .json .csv .tsv .parquet .txt, a save_to_disk folder), "
+        "chatterbot (chatterbot-corpus YAML: conversations -> chat messages), contrastive (JSON rows with two "
+        "texts sharing a prompt: the shared prefix becomes `prompt`, the rest `chosen` / `rejected`).",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="Rename columns to the names the task reads, e.g. {text: tweet, label: sentiment}."
+    )
+    encoding: str = Field("utf-8", description="Text encoding of CSV/TSV/text files (e.g. latin-1).")
+    document: Literal["file", "line", "paragraph"] | DocumentSeparator = Field(
+        "file",
+        description="Text files: what one document (row) is: the whole file, each non-blank line, each paragraph "
+        "(text between blank lines), or {separator: \"%\"} (text between occurrences of the separator).",
+    )
+    glob: str | None = Field(
+        None,
+        description="Folders: which files to read, e.g. \"**/*.md\" (default: every file with the suffix of the "
+        "folder's format, in all subfolders).",
+    )
+    streaming: bool = Field(
+        False,
+        description="Read the files as a datasets IterableDataset: rows are never materialised, preparation walks "
+        "them once into token shards (sft, pretrain).",
+    )
+    function: str | None = Field(
+        None,
+        description="Instead of path: pkg.module:function returning a datasets IterableDataset (or Dataset, or any "
+        "iterable of row dicts), walked once into token shards (sft, pretrain). The cache is keyed on the function's "
+        "name and its module file: delete the cache when only the data behind it changed.",
+    )
+    # Where a relative path was looked for (the current folder, then the recipe's), for the not-found error.
+    _looked_in: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _path_or_function(self) -> SourceConfig:
+        if (self.path is None) == (self.function is None):
+            raise ValueError("give a data source either a path or a function (pkg.module:function returning rows), not both" if self.path else "a data source needs a path (or a function: pkg.module:function returning rows)")
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        """Read as an IterableDataset: walked once when the data is prepared."""
+        return self.streaming or self.function is not None
+
+
+def _as_sources(value: Any) -> Any:
+    """`train: a.jsonl`, `train: [a.jsonl, b.csv]` and full source mappings all become a list of sources."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    return [{"path": item} if isinstance(item, str) else item for item in items]
+
+
+class DataConfig(Section):
+    """Where examples come from and how they become token sequences."""
+
+    train: list[SourceConfig] | None = Field(None, description="Training data: a path, a list of paths, or source mappings (path, weight, format, fields).")
+    eval: list[SourceConfig] | None = Field(None, description="Evaluation data in the same forms (optional).")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this fraction of `train` for evaluation when `eval` is not given.")
+    generate: GeneratedData | None = Field(None, description="Use data generated by accord instead of files.")
+    max_length: int = Field(256, gt=1, description="Longest sequence in tokens.")
+    truncation: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="An example longer than max_length: cut it, leave it out, or stop with an error."
+    )
+    packing: bool | None = Field(
+        None,
+        description="Pack whole examples into max_length rows (best-fit decreasing, attention kept within each "
+        "example). Default: on for sft and pretrain.",
+    )
+    group_by_length: bool = Field(False, description="Without packing: batch examples of similar length (still one seeded global order).")
+    shuffle: bool = Field(True, description="Seeded shuffle of the global order every epoch (false: the files' order).")
+    completion_only_loss: bool = Field(True, description="sft: train only on completion / assistant tokens (false: on every token).")
+    add_bos: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="What goes before each text: auto follows the tokenizer's own policy (what `tokenizer(text)` adds, "
+        "its post-processor or add_bos_token; the chat template as it renders for chat), always puts the BOS token "
+        "first, never adds nothing. auto makes the trained tokens those that final/'s tokenizer gives at inference.",
+    )
+    cache_dir: str = Field("~/.cache/accord/data", description="Where tokenized data is cached, keyed by a fingerprint of data, tokenizer and settings.")
+    prepare_workers: int | None = Field(None, gt=0, description="Processes that tokenize the data. Default: every local core.")
+    prepare_timeout_s: float = Field(1800.0, gt=0, description="How long other processes wait for the first one to prepare the data.")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        return _as_sources(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.train is None) == (self.generate is None):
+            raise ValueError("give exactly one of data.train (files) or data.generate (accord's generated data)")
+        if self.generate is not None and (self.eval is not None or self.eval_fraction):
+            raise ValueError("data.generate makes its own held-out split; drop data.eval / data.eval_fraction")
+        if self.eval is not None and self.eval_fraction:
+            raise ValueError("give data.eval or data.eval_fraction, not both")
+        return self
+
+
+class BatchConfig(Section):
+    """Batch sizes. The global batch is the knob; accumulation is derived from the world size."""
+
+    global_batch_size: int = Field(..., gt=0, description="Sequences per optimizer step, over all processes.")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per forward pass on one process. Default: global / world (no accumulation)."
+    )
+
+
+class OptimConfig(Section):
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1.0e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    extend: Literal["continue", "restart_decay"] = Field(
+        "continue",
+        description="Resuming with a different train.max_steps: continue recomputes the schedule as if the run had "
+        "been planned that long (the lr at the resume step moves to the new curve); restart_decay keeps the steps "
+        "so far as they ran and starts a new warm-up and decay from optim.lr over the added steps. Either way the "
+        "run prints what happens.",
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+
+
+class TrainConfig(Section):
+    """How long to train and how often to log and evaluate."""
+
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run.")
+    epochs: float | None = Field(None, gt=0, description="Alternatively, passes over the training data (steps derived).")
+    log_every: int = Field(10, gt=0, description="Write metrics every N steps (each step's loss is still recorded).")
+    eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (always at the end when eval data exists).")
+    eval_on_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve on).")
+    eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
+    eval_limit: int | None = Field(None, gt=0, description="Evaluate on the first N held-out examples only (default: all).")
+    eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")
+    max_new_tokens: int = Field(32, gt=0, description="Longest generated completion during eval_generate.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A NaN/inf loss or gradient norm: stop (naming the step; the last checkpoint is intact) "
+        "or skip that update (checked every step, which costs one host sync per step).",
+    )
+    max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
+    # In `train`, not `engine`: it changes how a task computes its loss (same value, less
+    # memory) under every strategy, not how the model is distributed.
+    loss_chunk_size: int | Literal["auto"] = Field(
+        "auto",
+        description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits); "
+        "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
+        "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
+    )
+
+    @field_validator("loss_chunk_size", mode="before")
+    @classmethod
+    def _chunk_size(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"train.loss_chunk_size={value!r} must be auto, 0 (the plain loss) or a number of tokens")
+        return value
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of train.max_steps or train.epochs")
+        return self
+
+
+# How long a collective may wait before torch's process group gives up (accord.distributed.group.init).
+# The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
+TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward", "grpo"]
+
+
+class TaskClassConfig(Section):
+    """A task defined outside accord: a subclass of accord.tasks.base.Task."""
+
+    # Dumped as `class` everywhere (recipe.yaml, checkpoints, the workers' copy) and read either way.
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    class_: str = Field(..., alias="class", description="Where the Task subclass lives, as package.module:Class (importable on every node).")
+
+
+class ClassifyConfig(Section):
+    """Sequence classification: rows have `text` (and optionally `text_pair`) and `label`."""
+
+    labels: list[str] | None = Field(None, description="The label set, in id order (default: the sorted labels found in the training data).")
+
+
+class DPOConfig(Section):
+    """Direct preference optimisation: rows have `prompt`, `chosen` and `rejected`."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the KL anchor to the reference model.")
+    reference: str | None = Field(None, description="Folder of the frozen reference model (default: the starting model itself).")
+    precompute_reference: bool = Field(
+        False, description="Compute the reference log-probabilities once before training instead of running the reference every step."
+    )
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (peft) instead of training every weight."""
+
+    r: int = Field(8, gt=0, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description="Module names to adapt, or all-linear.")
+    merge_on_export: bool = Field(True, description="Save the final model with the adapters merged in (loadable without peft); the adapter is saved too.")
+
+
+class CheckpointConfig(Section):
+    """When to write checkpoints (always also at the end), how many to keep, and whether to write them in the background."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    every_steps: int | None = Field(None, gt=0, description="Write a checkpoint every N optimizer steps.")
+    every_minutes: float | None = Field(None, gt=0, description="Write a checkpoint when this many minutes passed since the last one.")
+    keep_last: int = Field(2, ge=1, description="Keep the newest K complete checkpoints (older ones are removed after a newer one is complete).")
+    # `async` is a Python keyword: the attribute is async_, the recipe key `async`.
+    async_: bool = Field(
+        False, alias="async", description="Write checkpoints in the background while training continues (sealed once written; "
+        "the next checkpoint waits for the previous one)."
+    )
+
+
+class OutputConfig(Section):
+    """Where the run writes its recipe, metrics, TensorBoard events and final model."""
+
+    dir: str = Field("runs/default", description="Output folder.")
+    overwrite: bool = Field(False, description="Replace an earlier run in `dir` (otherwise refused).")
+
+
+class Recipe(Section):
+    """A whole training run."""
+
+    seed: int = Field(0, description="Seeds model init, data order and every random choice.")
+    model: ModelConfig
+    task: TaskName | TaskClassConfig = Field(
+        "sft",
+        description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
+        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside accord.",
+    )
+    data: DataConfig
+    batch: BatchConfig
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig
+    classify: ClassifyConfig = ClassifyConfig()
+    dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
+    engine: EngineConfig = EngineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    output: OutputConfig = OutputConfig()
+    resume: str = Field(
+        "never",
+        description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
+        "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
+    )
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Recipe:
+        n = self.engine.context_parallel
+        if n == 1:
+            return self
+        if self.engine.strategy != "fsdp":
+            raise ValueError(
+                f"engine.context_parallel={n} needs engine.strategy=fsdp (ring attention runs on FSDP2 device meshes); "
+                f"{self.engine.strategy} cannot carry it: use engine.sequence_parallel={n} instead"
+            )
+        if self.data.max_length % (2 * n):
+            raise ValueError(
+                f"engine.context_parallel={n}: data.max_length={self.data.max_length} must divide by 2 × {n} = {2 * n} "
+                f"(ring attention splits each row into 2 × N load-balanced pieces)"
+            )
+        # Not wired: torch 2.13's ring attention has handlers only for the CUDA SDPA kernels
+        # (flash, efficient, cudnn: no CPU kernels); CPU SDPA's
+        # aten._scaled_dot_product_flash_attention_for_cpu has no DTensor sharding strategy, so
+        # it cannot be built and tested without a GPU (tests/test_context_parallel_cpu.py).
+        raise ValueError(
+            f"engine.context_parallel={n}: ring attention (torch's context_parallel) is not available in accord yet: "
+            f"torch runs it only on CUDA's attention kernels (on CPU its SDPA has no sharding rule), so it could not "
+            f"be built and tested here; use engine.sequence_parallel={n} (Ulysses), which runs on CPU and GPU"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `a.b=c` overrides, validate. Raises RecipeError."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the recipe as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections (seed, model, data, ...), got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    recipe = validate_recipe(raw, source=str(path))
+    _anchor_paths(recipe, path.parent)
+    return recipe
+
+
+def _anchor_paths(recipe: Recipe, folder: Path) -> None:
+    """Relative data and model paths are read from the current folder when they exist there,
+    else from the recipe file's folder (see accord.recipe.paths.locate)."""
+    from accord.recipe.paths import locate
+
+    for source in (recipe.data.train or []) + (recipe.data.eval or []):
+        if source.path is not None:
+            source.path, source._looked_in = locate(source.path, folder)
+    if recipe.model.path is not None:
+        recipe.model.path = locate(recipe.model.path, folder)[0]
+    if recipe.model.tokenizer not in (None, BYTE_TOKENIZER):
+        recipe.model.tokenizer = locate(recipe.model.tokenizer, folder)[0]
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is read as YAML (numbers, lists, true/false)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {item!r}: expected key.sub=value, e.g. batch.micro_batch_size=4")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    *parents, leaf = key.split(".")
+    node = raw
+    for depth, part in enumerate(parents):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parents[: depth + 1])
+            raise RecipeError(f"override {item!r}: {where} is a value ({child!r}), not a section")
+        node = child
+    node[leaf] = value
+
+
+def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{source}: {describe_error(err, Recipe)}" for err in e.errors()]
+        raise RecipeError("\n".join(lines)) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
