@@ -83,8 +83,8 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from accord.distributed import group as accord_dist
     from accord.checkpoint.manifest import file_entries, unlisted_entries, write_manifest
+    from accord.distributed import group as accord_dist
     from accord.engine.base import unique_entries
     from accord.engine.state import save_torch_state, unshared
     from accord.models.build import build_byte_tokenizer
@@ -94,9 +94,15 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=262, hidden_size=args.hidden, intermediate_size=8 * args.hidden // 3 // 64 * 64,
-                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-                         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=262,
+        hidden_size=args.hidden,
+        intermediate_size=8 * args.hidden // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 128),
+        num_key_value_heads=max(1, args.hidden // 128),
+        max_position_embeddings=64,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (world,))
@@ -107,7 +113,9 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    model.model.rotary_emb.inv_freq = model.model.rotary_emb.original_inv_freq.clone()  # a non-persistent buffer meta left empty
+    model.model.rotary_emb.inv_freq = (
+        model.model.rotary_emb.original_inv_freq.clone()
+    )  # a non-persistent buffer meta left empty
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 262, (1, 32))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -128,7 +136,9 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
                 start = time.perf_counter()
                 pending = None
                 if mode == "full-gather":
-                    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                    msd, osd = get_state_dict(
+                        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                    )
                     if rank == 0:
                         save_file(unshared(msd), target / "model.safetensors")
                         torch.save(osd, target / "optimizer.pt")
@@ -154,6 +164,7 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
             timings[mode].append((blocked, done, grown, hashing))
             if rank == 0:
                 shutil.rmtree(target)
+
     def streamed():
         for name, tensor in unique_entries(model):
             if isinstance(tensor, DTensor):
@@ -183,7 +194,11 @@ def worker(rank: int, world: int, args, port: int, folder: str, results) -> None
         timings[mode] = [(done, done, peak.peak - rss0)]
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
-    results[rank] = {"timings": timings, "params": params, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    results[rank] = {
+        "timings": timings,
+        "params": params,
+        "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     dist.barrier()
     dist.destroy_process_group()
 
@@ -216,11 +231,15 @@ def main() -> None:
 
     params = results[0]["params"]
     state_gb = params * 12 / 1e9
-    print(f"Llama hidden {args.hidden} × {args.layers} layers: {params / 1e6:.0f}M parameters, checkpoint {state_gb:.2f} GB "
-          f"(fp32 weights + AdamW moments); fsdp on {args.processes} processes, {args.repeats} repeats, medians")
+    print(
+        f"Llama hidden {args.hidden} × {args.layers} layers: {params / 1e6:.0f}M parameters, checkpoint {state_gb:.2f} GB "
+        f"(fp32 weights + AdamW moments); fsdp on {args.processes} processes, {args.repeats} repeats, medians"
+    )
     saves = [m for m in MODES if m in args.modes]
     if saves:
-        print(f"{'mode':<12} {'blocked s':>10} {'written s':>10} {'× ' + saves[0] + ' (blocked)':>24} {'peak RSS growth per rank MB':>28}")
+        print(
+            f"{'mode':<12} {'blocked s':>10} {'written s':>10} {'× ' + saves[0] + ' (blocked)':>24} {'peak RSS growth per rank MB':>28}"
+        )
     blocked_of = {}
     for mode in saves:
         per_repeat = [max(results[r]["timings"][mode][i][0] for r in results) for i in range(args.repeats)]
@@ -228,16 +247,25 @@ def main() -> None:
         grown = [statistics.median(t[2] for t in results[r]["timings"][mode]) for r in sorted(results)]
         blocked_of[mode] = statistics.median(per_repeat)
         ratio = blocked_of[mode] / blocked_of[saves[0]]
-        print(f"{mode:<12} {blocked_of[mode]:>10.2f} {statistics.median(written):>10.2f} {ratio:>24.2f} "
-              f"{' / '.join(f'{g:.0f}' for g in grown):>28}")
+        print(
+            f"{mode:<12} {blocked_of[mode]:>10.2f} {statistics.median(written):>10.2f} {ratio:>24.2f} "
+            f"{' / '.join(f'{g:.0f}' for g in grown):>28}"
+        )
     for mode in [m for m in saves if m.endswith("manifest")]:
-        hashing = statistics.median(max(results[r]["timings"][mode][i][3] for r in results) for i in range(args.repeats))
-        print(f"{mode}: the manifest (each rank hashing its files, the gather, rank 0 writing it) took {hashing:.2f} s (slowest rank, median)")
+        hashing = statistics.median(
+            max(results[r]["timings"][mode][i][3] for r in results) for i in range(args.repeats)
+        )
+        print(
+            f"{mode}: the manifest (each rank hashing its files, the gather, rank 0 writing it) took {hashing:.2f} s (slowest rank, median)"
+        )
     for mode in [m for m in EXPORTS if m in args.modes]:
         done = max(results[r]["timings"][mode][0][1] for r in results)
         grown = " / ".join(f"{results[r]['timings'][mode][0][2]:.0f}" for r in sorted(results))
         print(f"{mode:<20} {done:>8.2f} s to write; peak RSS growth per rank MB {grown}")
-    print("peak RSS per rank over the whole run (MB): " + " / ".join(f"{results[r]['maxrss_mb']:.0f}" for r in sorted(results)))
+    print(
+        "peak RSS per rank over the whole run (MB): "
+        + " / ".join(f"{results[r]['maxrss_mb']:.0f}" for r in sorted(results))
+    )
 
 
 if __name__ == "__main__":

@@ -27,21 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
-import signal
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("the of and to in a that was he she it with for as his her on be at by had not but from this which "
-         "Elizabeth Darcy letter sister would could very said much every man moment house").split()
+WORDS = (
+    "the of and to in a that was he she it with for as his her on be at by had not but from this which "
+    "Elizabeth Darcy letter sister would could very said much every man moment house"
+).split()
 BLOCK = 256
 PAIR_LENGTH = 1024  # max_length of the preference-pair tasks (byte tokens)
 
@@ -59,8 +60,11 @@ def make_corpus(folder: Path, gb: float, shape: str) -> list[dict]:
             _write(folder / f"doc{i}.txt", total // 4, pool, rng)
         return [{"path": str(folder)}]
     if shape == "pairs":
-        pool = [json.dumps({"prompt": _words(rng, int(a)), "chosen": _words(rng, int(b)), "rejected": _words(rng, int(c))}) + "\n"
-                for a, b, c in rng.integers([10, 5, 5], [200, 120, 120], (4_000, 3))]
+        pool = [
+            json.dumps({"prompt": _words(rng, int(a)), "chosen": _words(rng, int(b)), "rejected": _words(rng, int(c))})
+            + "\n"
+            for a, b, c in rng.integers([10, 5, 5], [200, 120, 120], (4_000, 3))
+        ]
         _write(folder / "pairs.jsonl", total, pool, rng)
         return [{"path": str(folder / "pairs.jsonl")}]
     pool = [json.dumps({"text": _words(rng, int(n))}) + "\n" for n in rng.integers(200, 3500, 1_400)]
@@ -88,17 +92,30 @@ def _write(path: Path, size: int, pool: list[str], rng: np.random.Generator) -> 
 
 def recipe(folder: Path, sources: list[dict], cache: Path, task: str = "pretrain") -> Path:
     length = BLOCK if task == "pretrain" else PAIR_LENGTH
-    text = json.dumps({
-        "seed": 7,
-        "model": {"config": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": length}, "tokenizer": "byte"},
-        "task": task,
-        "data": {"train": sources, "max_length": length, "cache_dir": str(cache)} | ({} if task == "pretrain" else {"truncation": "truncate"}),
-        "batch": {"global_batch_size": 16},
-        "engine": {"device": "cpu", "processes": 2},
-        "train": {"max_steps": 1, "log_every": 1},
-        "output": {"dir": str(folder / "run")},
-    })
+    text = json.dumps(
+        {
+            "seed": 7,
+            "model": {
+                "config": {
+                    "architecture": "llama",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": length,
+                },
+                "tokenizer": "byte",
+            },
+            "task": task,
+            "data": {"train": sources, "max_length": length, "cache_dir": str(cache)}
+            | ({} if task == "pretrain" else {"truncation": "truncate"}),
+            "batch": {"global_batch_size": 16},
+            "engine": {"device": "cpu", "processes": 2},
+            "train": {"max_steps": 1, "log_every": 1},
+            "output": {"dir": str(folder / "run")},
+        }
+    )
     path = folder / "recipe.yaml"
     path.write_text(text)  # JSON is YAML
     return path
@@ -114,8 +131,15 @@ def timed(command: list[str], env: dict | None = None, limit: float | None = Non
     start = time.perf_counter()
     # SIGINT back to its default in the child: a job started in the background (nohup ... &)
     # inherits it ignored, and the stop below would go unheard.
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     peaks: dict[int, float] = {}
     ANON.clear()
     stopped = False
@@ -220,7 +244,9 @@ print(len(ds))
 def pairs_baseline(sources: list[dict], folder: Path) -> tuple[float, float, float]:
     """(seconds, peak RSS MB, CPU seconds) of datasets.map(num_proc=2) tokenising the three
     columns of the pairs (what TRL's DPOTrainer does before its collator)."""
-    wall, rss, _, cpu = timed([sys.executable, "-c", PAIRS_BASELINE.format(file=sources[0]["path"], cache=str(folder / "hf"))])
+    wall, rss, _, cpu = timed(
+        [sys.executable, "-c", PAIRS_BASELINE.format(file=sources[0]["path"], cache=str(folder / "hf"))]
+    )
     return wall, rss, cpu
 
 
@@ -239,9 +265,9 @@ datasets.disable_progress_bars()
 tok = build_byte_tokenizer()
 files = {files!r}
 if os.path.isdir(files[0]):
-    ds = datasets.load_dataset("text", data_files=sorted(glob.glob(files[0] + "/*.txt")), sample_by="document", split="train", cache_dir={str(folder / 'hf')!r})
+    ds = datasets.load_dataset("text", data_files=sorted(glob.glob(files[0] + "/*.txt")), sample_by="document", split="train", cache_dir={str(folder / "hf")!r})
 else:
-    parts = [datasets.load_dataset("json", data_files=f, split="train", cache_dir={str(folder / 'hf')!r}) for f in files]
+    parts = [datasets.load_dataset("json", data_files=f, split="train", cache_dir={str(folder / "hf")!r}) for f in files]
     w = {weights!r}
     ds = parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, probabilities=[x / sum(w) for x in w], seed=7, stopping_strategy="all_exhausted")
 ds = ds.map(lambda b: tok(b["text"]), batched=True, num_proc=2, remove_columns=ds.column_names)
@@ -286,10 +312,14 @@ def plan_memory(folder: Path, rows: int) -> list[dict]:
     for name, size in sizes.items():
         _sparse(folder / name, size)  # never read: only the index is
     sizes |= {"offsets.bin": (rows + 1) * 8, "num_targets.bin": rows * 4}
-    (folder / "shards.json").write_text(json.dumps({"dtype": "uint16", "examples": rows, "tokens": rows * BLOCK, "tokenizer": "x", "bytes": sizes}))
+    (folder / "shards.json").write_text(
+        json.dumps({"dtype": "uint16", "examples": rows, "tokens": rows * BLOCK, "tokenizer": "x", "bytes": sizes})
+    )
     out = []
     for kind in ("stored", "bijection"):
-        proc = subprocess.run([sys.executable, "-c", PLAN_CODE, str(folder), str(rows), kind], capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", PLAN_CODE, str(folder), str(rows), kind], capture_output=True, text=True, check=True
+        )
         out.append({"plan": kind, "rows": rows} | json.loads(proc.stdout.strip().splitlines()[-1]))
     shutil.rmtree(folder)
     return out
@@ -305,15 +335,31 @@ def main() -> None:
     parser.add_argument("--sizes", default="0.2,1", help="corpus sizes in GB, comma-separated")
     parser.add_argument("--shapes", default="small,huge,mixture")
     parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--scratch", default=str(Path.home() / "data_scale"), help="where corpora and caches go (deleted at the end)")
-    parser.add_argument("--limit", type=float, default=None, help="stop each preparation after this many seconds (SIGINT) and report "
-                        "what it tokenised by then and its peak RSS; the other columns need a whole cache")
+    parser.add_argument(
+        "--scratch", default=str(Path.home() / "data_scale"), help="where corpora and caches go (deleted at the end)"
+    )
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        help="stop each preparation after this many seconds (SIGINT) and report "
+        "what it tokenised by then and its peak RSS; the other columns need a whole cache",
+    )
     parser.add_argument("--no-trl", action="store_true", help="skip the datasets.map + TRL packing baseline")
     parser.add_argument("--no-train", action="store_true", help="skip the one-step training run")
-    parser.add_argument("--task", default="pretrain", choices=["pretrain", "dpo", "reward"], help="dpo or reward: preference pairs "
-                        "(shape pairs, the default shape then)")
-    parser.add_argument("--plan-rows", type=int, default=0, help="also measure the memory a rank adds for the plan of this many "
-                        "256-token rows (e.g. 16000000: a 4 GB byte-level corpus), stored permutation against the bijection")
+    parser.add_argument(
+        "--task",
+        default="pretrain",
+        choices=["pretrain", "dpo", "reward"],
+        help="dpo or reward: preference pairs (shape pairs, the default shape then)",
+    )
+    parser.add_argument(
+        "--plan-rows",
+        type=int,
+        default=0,
+        help="also measure the memory a rank adds for the plan of this many "
+        "256-token rows (e.g. 16000000: a 4 GB byte-level corpus), stored permutation against the bijection",
+    )
     args = parser.parse_args()
     scratch = Path(args.scratch)
     shapes = "pairs" if args.task != "pretrain" and args.shapes == parser.get_default("shapes") else args.shapes
@@ -334,7 +380,9 @@ def main() -> None:
                 for workers in map(int, args.workers.split(",")):
                     cache = folder / f"cache-{workers}"
                     path = recipe(folder, sources, cache, args.task)
-                    wall, rss, finished, cpu = timed(accord("prepare", str(path), f"data.prepare_workers={workers}"), env, args.limit)
+                    wall, rss, finished, cpu = timed(
+                        accord("prepare", str(path), f"data.prepare_workers={workers}"), env, args.limit
+                    )
                     done = mb if finished else _chunk_mb(cache)
                     row[f"prep MB/s ({workers}w)"] = done / wall
                     row[f"prep MB/CPU-s ({workers}w)"] = done / cpu
@@ -355,9 +403,15 @@ def main() -> None:
                     row["first step (s)"], row["train peak RSS MB"] = wall, rss
                 if not args.no_trl:
                     wall, rss, cpu = (trl_baseline if args.task == "pretrain" else pairs_baseline)(sources, folder)
-                    row["datasets.map(2)+TRL MB/s"], row["datasets.map(2)+TRL MB/CPU-s"], row["datasets.map(2)+TRL peak RSS MB"] = mb / wall, mb / cpu, rss
+                    (
+                        row["datasets.map(2)+TRL MB/s"],
+                        row["datasets.map(2)+TRL MB/CPU-s"],
+                        row["datasets.map(2)+TRL peak RSS MB"],
+                    ) = mb / wall, mb / cpu, rss
                     for workers in map(int, args.workers.split(",")):  # the target: >= 0.8 on both
-                        row[f"per core vs baseline, wall ({workers}w)"] = (row[f"prep MB/s ({workers}w)"] / workers) / (mb / wall / 2)
+                        row[f"per core vs baseline, wall ({workers}w)"] = (row[f"prep MB/s ({workers}w)"] / workers) / (
+                            mb / wall / 2
+                        )
                         row[f"per core vs baseline, CPU ({workers}w)"] = row[f"prep MB/CPU-s ({workers}w)"] / (mb / cpu)
                 rows.append(row)
                 shutil.rmtree(folder)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +34,13 @@ from pathlib import Path
 import yaml
 
 MODEL = {  # ~0.45B parameters with the byte-level vocabulary
-    "architecture": "llama", "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
-    "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 2048,
+    "architecture": "llama",
+    "hidden_size": 1536,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "max_position_embeddings": 2048,
 }
 SEQ = 2048
 
@@ -52,7 +57,8 @@ def write_corpus(folder: Path, documents: int = 400) -> Path:
 
 def recipe(folder: Path, name: str, strategy: str, steps: int, compile_: bool, batch: int) -> Path:
     data = {
-        "seed": 0, "task": "pretrain",
+        "seed": 0,
+        "task": "pretrain",
         "model": {"config": MODEL, "tokenizer": "byte", "attn_implementation": "sdpa"},
         "data": {"train": str(folder / "docs"), "max_length": SEQ, "cache_dir": str(folder / "cache")},
         "batch": {"global_batch_size": batch, "micro_batch_size": batch},
@@ -68,8 +74,13 @@ def recipe(folder: Path, name: str, strategy: str, steps: int, compile_: bool, b
 
 
 LONG_MODEL = {  # ~0.5B parameters: a 32k vocabulary, so that the logits matter
-    "architecture": "llama", "hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 20,
-    "num_attention_heads": 10, "num_key_value_heads": 10, "vocab_size": 32000,
+    "architecture": "llama",
+    "hidden_size": 1280,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 10,
+    "num_key_value_heads": 10,
+    "vocab_size": 32000,
 }
 LONG_LENGTHS = (16384, 32768, 65536, 131072, 262144, 524288)
 
@@ -87,8 +98,10 @@ def long_recipe(folder: Path, length: int) -> Path:
 
 def long_context(folder: Path, dry_run: bool) -> list[dict]:
     """Phase 5: each length until one fails (out of memory, or past the time limit)."""
-    print(f"\nlong context: Llama {LONG_MODEL['hidden_size']}x{LONG_MODEL['num_hidden_layers']}, vocabulary "
-          f"{LONG_MODEL['vocab_size']}, bf16 fsdp on 1 GPU, checkpointing offloaded, tiled MLP, chunked loss")
+    print(
+        f"\nlong context: Llama {LONG_MODEL['hidden_size']}x{LONG_MODEL['num_hidden_layers']}, vocabulary "
+        f"{LONG_MODEL['vocab_size']}, bf16 fsdp on 1 GPU, checkpointing offloaded, tiled MLP, chunked loss"
+    )
     results = []
     for length in LONG_LENGTHS:
         path = long_recipe(folder, length)
@@ -106,8 +119,10 @@ def long_context(folder: Path, dry_run: bool) -> list[dict]:
         if "error" in summary:
             print(f"{length:>8} tokens: failed after {seconds:.0f} s: {summary['error']}")
             break
-        print(f"{length:>8} tokens: {summary['tokens_per_s']:,.0f} tokens/s, peak {summary['peak_memory_gib']:.1f} GiB "
-              f"(planned {planned_text}), loss {summary['final_loss']:.3f}")
+        print(
+            f"{length:>8} tokens: {summary['tokens_per_s']:,.0f} tokens/s, peak {summary['peak_memory_gib']:.1f} GiB "
+            f"(planned {planned_text}), loss {summary['final_loss']:.3f}"
+        )
     fitted = [r["length"] for r in results if "error" not in r]
     if not dry_run:
         print(f"longest row trained: {max(fitted) if fitted else 'none'} tokens")
@@ -119,13 +134,18 @@ PHASES = ("build", "train", "checkpoint", "export", "resume")
 
 def train(path: Path, timeout: int, *overrides: str) -> tuple[float, dict]:
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "accord", "train", str(path), *overrides], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accord", "train", str(path), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         return time.time() - start, {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]}
     out = Path(yaml.safe_load(path.read_text())["output"]["dir"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     throughput = [r for r in records if r["kind"] == "throughput"]
-    steady = throughput[len(throughput) // 2:] or throughput  # after compile / warm-up
+    steady = throughput[len(throughput) // 2 :] or throughput  # after compile / warm-up
     summary = {
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "mfu": sum(r.get("mfu") or 0.0 for r in steady) / len(steady),
@@ -136,7 +156,9 @@ def train(path: Path, timeout: int, *overrides: str) -> tuple[float, dict]:
 
 
 def planned_row(path: Path) -> dict | None:
-    proc = subprocess.run([sys.executable, "-m", "accord", "plan", str(path), "--gpus", "1", "--json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accord", "plan", str(path), "--gpus", "1", "--json"], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         return None
     data = json.loads(proc.stdout)
@@ -177,7 +199,9 @@ def print_phases(label: str, measured: dict[str, float], planned: dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the results as JSON")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU needed: write the recipes and print the plan's per-phase figures")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="no GPU needed: write the recipes and print the plan's per-phase figures"
+    )
     parser.add_argument("--long-context", action="store_true", help="run only phase 5 (the longest row)")
     args = parser.parse_args()
     import torch
@@ -210,18 +234,34 @@ def check(args: argparse.Namespace, folder: Path) -> None:
     if args.dry_run:
         print(f"planned peak per phase on 1 GPU (GiB): {' '.join(PHASES)}")
         for label, strategy, steps, compile_, batch in runs:
-            path = recipe(folder, label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}", strategy, steps, compile_, batch)
+            path = recipe(
+                folder,
+                label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}",
+                strategy,
+                steps,
+                compile_,
+                batch,
+            )
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
         long_context(folder, dry_run=True)
         return
     results = []
-    print(f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens")
+    print(
+        f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens"
+    )
     header = f"{'run':24} {'wall s':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'planned GiB':>11} {'loss':>7}"
     print(header)
     print("-" * len(header))
     for label, strategy, steps, compile_, batch in runs:
-        path = recipe(folder, label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}", strategy, steps, compile_, batch)
+        path = recipe(
+            folder,
+            label.split()[0] + ("-compiled" if compile_ else "") + f"-{strategy}",
+            strategy,
+            steps,
+            compile_,
+            batch,
+        )
         seconds, summary = train(path, timeout=240)
         summary |= {"run": label, "wall_s": seconds, "planned_gib": planned_peak(path)}
         results.append(summary)
@@ -233,16 +273,20 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             f"{label:24} {seconds:>7.0f} {summary['tokens_per_s']:>10,.0f} {100 * summary['mfu']:>5.1f}% "
             f"{summary['peak_memory_gib']:>9.1f} {planned:>11} {summary['final_loss']:>7.3f}"
         )
-    print(f"\nper phase, measured / planned peak GiB (max_memory_allocated; the plan's highest up to the phase):")
+    print("\nper phase, measured / planned peak GiB (max_memory_allocated; the plan's highest up to the phase):")
     print(f"{'run':24} " + " ".join(f"{p:>13}" for p in PHASES))
     for (label, strategy, steps, compile_, batch), summary in zip(runs, results):
         if strategy not in ("zero3", "fsdp") or "error" in summary:
             continue
         path = recipe(folder, label.split()[0] + f"-{strategy}", strategy, steps, compile_, batch)
         _, resumed = train(path, 240, f"train.max_steps={steps + 1}", "output.overwrite=false", "--resume")
-        summary["phases_gib"] = measured_phases(path) | ({"resume_error": resumed["error"]} if "error" in resumed else {})
+        summary["phases_gib"] = measured_phases(path) | (
+            {"resume_error": resumed["error"]} if "error" in resumed else {}
+        )
         summary["planned_phases_gib"] = planned_phases(path)
-        print_phases(label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"])
+        print_phases(
+            label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"]
+        )
     results += long_context(folder, dry_run=False)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -33,8 +33,15 @@ def step_seconds(steps: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=260, max_position_embeddings=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 260, (8, 32))
@@ -70,7 +77,9 @@ def main() -> None:
         ("phase(), watchdog on (mmap)", on, per_step),
         ("tick() (eval batches), on", tick, 1),
     ]
-    print(f"step of the reference model: {step * 1e3:.1f} ms (median of {args.steps - 2}); accumulation {args.accumulation}")
+    print(
+        f"step of the reference model: {step * 1e3:.1f} ms (median of {args.steps - 2}); accumulation {args.accumulation}"
+    )
     print(f"{'call':32} {'ns/call':>8} {'calls/step':>10} {'share of a step':>16}")
     for name, ns, calls in rows:
         print(f"{name:32} {ns:8.0f} {calls:10d} {ns * calls / (step * 1e9):16.2e}")

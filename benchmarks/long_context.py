@@ -48,9 +48,19 @@ HIDDEN, LAYERS, HEADS, FFN, VOCAB = 128, 2, 2, 344, 32000
 SCRATCH = Path(os.environ.get("ACCORD_BENCH_SCRATCH", "/tmp/accord-long-context"))
 
 
-def llama_config(length: int, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS, ffn: int = FFN) -> dict:
-    return {"architecture": "llama", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": heads, "max_position_embeddings": length, "vocab_size": vocab}
+def llama_config(
+    length: int, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS, ffn: int = FFN
+) -> dict:
+    return {
+        "architecture": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": length,
+        "vocab_size": vocab,
+    }
 
 
 def peak_mib() -> float:
@@ -78,10 +88,14 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     from accord.recipe.schema import apply_override, validate_recipe
     from accord.tasks import build_task
 
-    raw = {"model": {"config": llama_config(length), "tokenizer": "byte"}, "task": "pretrain",
-           "data": {"train": "unused.txt", "max_length": length, "packing": False}, "batch": {"global_batch_size": 1},
-           "train": {"max_steps": steps}, "engine": {"activation_checkpointing": "offload", "tiled_mlp": True,
-                                                       "sequence_parallel": sequence_parallel}}
+    raw = {
+        "model": {"config": llama_config(length), "tokenizer": "byte"},
+        "task": "pretrain",
+        "data": {"train": "unused.txt", "max_length": length, "packing": False},
+        "batch": {"global_batch_size": 1},
+        "train": {"max_steps": steps},
+        "engine": {"activation_checkpointing": "offload", "tiled_mlp": True, "sequence_parallel": sequence_parallel},
+    }
     for item in overrides:
         apply_override(raw, item)
     recipe = validate_recipe(raw)
@@ -154,13 +168,28 @@ def run_trainer(length: int, steps: int = 2) -> dict:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     work = SCRATCH / f"trainer-{length}"
-    args = TrainingArguments(output_dir=str(work), per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
-                             gradient_checkpointing=True, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(work),
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        learning_rate=1e-4,
+        gradient_checkpointing=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     data = _rows(length, steps).map(lambda row: {"labels": row["input_ids"]})
     times: list[float] = []
-    trainer = Trainer(model=_hf_model(length), args=args, train_dataset=data, data_collator=default_data_collator,
-                      callbacks=[_StepTimer.make(times)])
+    trainer = Trainer(
+        model=_hf_model(length),
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        callbacks=[_StepTimer.make(times)],
+    )
     result = trainer.train()
     return {"step_s": times[-1], "loss": result.training_loss}
 
@@ -174,13 +203,32 @@ def run_trl(length: int, steps: int = 2) -> dict:
     work = SCRATCH / f"trl-{length}"
     # TRL's activation offloading asks torch for the current accelerator: there is none on a CPU machine.
     offload = getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is not None
-    args = SFTConfig(output_dir=str(work), per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
-                     gradient_checkpointing=True, activation_offloading=offload, use_cpu=True, bf16=False,
-                     max_length=length, packing=False, report_to=[], save_strategy="no", logging_strategy="no",
-                     dataloader_num_workers=0, disable_tqdm=True, dataset_num_proc=None)
+    args = SFTConfig(
+        output_dir=str(work),
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        learning_rate=1e-4,
+        gradient_checkpointing=True,
+        activation_offloading=offload,
+        use_cpu=True,
+        bf16=False,
+        max_length=length,
+        packing=False,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        dataset_num_proc=None,
+    )
     times: list[float] = []
-    trainer = SFTTrainer(model=_hf_model(length), args=args, train_dataset=_rows(length, steps),
-                         processing_class=build_byte_tokenizer(), callbacks=[_StepTimer.make(times)])
+    trainer = SFTTrainer(
+        model=_hf_model(length),
+        args=args,
+        train_dataset=_rows(length, steps),
+        processing_class=build_byte_tokenizer(),
+        callbacks=[_StepTimer.make(times)],
+    )
     result = trainer.train()
     return {"step_s": times[-1], "loss": result.training_loss, "activation_offloading": offload}
 
@@ -263,7 +311,9 @@ def probe(name: str, length: int, cap_mib: float, overrides: list[str], threads:
         threads = max(1, threads // processes)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     seen = 0.0
     while proc.poll() is None:
         seen = max([seen, *map(_hwm_mib, _workers(proc.pid) if processes > 1 else [proc.pid])])
@@ -277,7 +327,11 @@ def probe(name: str, length: int, cap_mib: float, overrides: list[str], threads:
         last = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return {"fits": False, "peak_mib": seen, "why": last[:200]}
     result = json.loads(out.strip().splitlines()[-1])
-    return result | {"fits": result["peak_mib"] <= cap_mib, "why": "over the cap", "wall_s": time.perf_counter() - start}
+    return result | {
+        "fits": result["peak_mib"] <= cap_mib,
+        "why": "over the cap",
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def _peaks(result: dict) -> str:
@@ -285,15 +339,23 @@ def _peaks(result: dict) -> str:
     return " / ".join(f"{p:.0f}" for p in result.get("peaks_mib") or [result["peak_mib"]])
 
 
-def longest(name: str, cap_mib: float, start: int, limit: int, overrides: list[str], threads: int, log) -> tuple[int, dict[int, dict]]:
+def longest(
+    name: str, cap_mib: float, start: int, limit: int, overrides: list[str], threads: int, log
+) -> tuple[int, dict[int, dict]]:
     """Doubling from `start`, then one bisection step: the longest length that fit, and every probe."""
     probes: dict[int, dict] = {}
 
     def run(length: int) -> bool:
         probes[length] = probe(name, length, cap_mib, overrides, threads)
         r = probes[length]
-        log(f"  {name:>10} {length:>7}: " + (f"fits, peak {_peaks(r)} MiB, step {r['step_s']:.1f} s" if r["fits"] else
-                                             f"does not fit ({r['why']}; peak seen {r['peak_mib']:.0f} MiB)"))
+        log(
+            f"  {name:>10} {length:>7}: "
+            + (
+                f"fits, peak {_peaks(r)} MiB, step {r['step_s']:.1f} s"
+                if r["fits"]
+                else f"does not fit ({r['why']}; peak seen {r['peak_mib']:.0f} MiB)"
+            )
+        )
         return r["fits"]
 
     length, best = start, 0
@@ -310,18 +372,33 @@ def main_longest(args) -> None:
     SCRATCH.mkdir(parents=True, exist_ok=True)
     cap_mib = args.cap_gib * 1024
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {VOCAB}; fp32, batch 1, {args.threads} threads; "
-        f"cap {args.cap_gib:g} GiB peak RSS per process")
+    log(
+        f"Llama hidden {HIDDEN}, {LAYERS} layers, vocabulary {VOCAB}; fp32, batch 1, {args.threads} threads; "
+        f"cap {args.cap_gib:g} GiB peak RSS per process"
+    )
     # The contenders search side by side (each its own process at a time): peak memory does not
     # depend on what else runs; step times do, so compare them within one run only.
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(args.contenders)) as pool:
-        futures = {name: pool.submit(longest, name, cap_mib, args.start, args.limit, args.accord_set if name == "accord" else [],
-                                     args.threads, log) for name in args.contenders}
+        futures = {
+            name: pool.submit(
+                longest,
+                name,
+                cap_mib,
+                args.start,
+                args.limit,
+                args.accord_set if name == "accord" else [],
+                args.threads,
+                log,
+            )
+            for name in args.contenders
+        }
         results = {name: future.result() for name, future in futures.items()}
     common = min(best for best, _ in results.values())
-    print(f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB, per process) | tokens/s at {common} tokens |")
+    print(
+        f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB, per process) | tokens/s at {common} tokens |"
+    )
     print("|---|---|---|---|")
     for name, (best, probes) in results.items():
         there = probes.get(best, {})
@@ -345,11 +422,15 @@ def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int)
     from accord.tasks import build_task
 
     torch.set_num_threads(threads)
-    recipe = validate_recipe({
-        "model": {"config": llama_config(length, vocab, 256, 4, 4, 688), "tokenizer": "byte"}, "task": "pretrain",
-        "data": {"train": "unused.txt", "max_length": length, "packing": False},
-        "batch": {"global_batch_size": 1}, "train": {"max_steps": steps, "loss_chunk_size": chunk},
-    })
+    recipe = validate_recipe(
+        {
+            "model": {"config": llama_config(length, vocab, 256, 4, 4, 688), "tokenizer": "byte"},
+            "task": "pretrain",
+            "data": {"train": "unused.txt", "max_length": length, "packing": False},
+            "batch": {"global_batch_size": 1},
+            "train": {"max_steps": steps, "loss_chunk_size": chunk},
+        }
+    )
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
     task = build_task(recipe, tokenizer)
@@ -372,13 +453,20 @@ def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int)
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         cpu.append(cpu_seconds() - start_cpu)
-    return {"peak_mib": peak_mib(), "built_mib": built, "tokens_per_s": length * steps / sum(times[1:]),
-            "tokens_per_cpu_s": length * steps / sum(cpu[1:]), "loss": float(out.loss_sum.detach() / out.num_targets)}
+    return {
+        "peak_mib": peak_mib(),
+        "built_mib": built,
+        "tokens_per_s": length * steps / sum(times[1:]),
+        "tokens_per_cpu_s": length * steps / sum(cpu[1:]),
+        "loss": float(out.loss_sum.detach() / out.num_targets),
+    }
 
 
 def main_chunks(args) -> None:
-    print(f"Llama hidden 256, 4 layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
-          f"{args.threads} threads; peak RSS of the whole process (MiB), and what the steps added over the built model")
+    print(
+        f"Llama hidden 256, 4 layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
+        f"{args.threads} threads; peak RSS of the whole process (MiB), and what the steps added over the built model"
+    )
     header = f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} {'tokens/s':>9} {'tok/CPU-s':>9} {'loss':>8}"
     print(header)
     print("-" * len(header))
@@ -388,28 +476,59 @@ def main_chunks(args) -> None:
             if chunk == 0 and 3 * 4 * length * args.vocab / 2**30 > args.cap_gib:
                 print(f"{length:>10} {chunk:>15} {'skipped: plain logits alone pass the cap':>30}")
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--chunk-run", str(length), str(chunk), "--vocab", str(args.vocab),
-                                   "--steps", str(args.steps), "--threads", str(args.threads)],
-                                  capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--chunk-run",
+                    str(length),
+                    str(chunk),
+                    "--vocab",
+                    str(args.vocab),
+                    "--steps",
+                    str(args.steps),
+                    "--threads",
+                    str(args.threads),
+                ],
+                capture_output=True,
+                text=True,
+                env=os.environ | {"OMP_NUM_THREADS": str(args.threads)},
+            )
             if proc.returncode != 0:
-                print(f"{length:>10} {chunk:>15} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+                print(
+                    f"{length:>10} {chunk:>15} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+                )
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} "
-                  f"{r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}", flush=True)
+            print(
+                f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} "
+                f"{r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", nargs="?", choices=["longest", "chunks"], default="longest")
-    parser.add_argument("--cap-gib", type=float, default=None, help="longest: the per-process peak RSS cap (default 2); "
-                        "chunks: skip plain runs whose logits alone would pass it (default 4)")
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=None,
+        help="longest: the per-process peak RSS cap (default 2); "
+        "chunks: skip plain runs whose logits alone would pass it (default 4)",
+    )
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     parser.add_argument("--start", type=int, default=1024, help="longest: the first row length")
-    parser.add_argument("--limit", type=int, default=16384, help="longest: the longest row length tried (16384 keeps it to minutes)")
-    parser.add_argument("--accord-set", action="append", default=[], help="longest: a recipe override for accord (repeatable)")
+    parser.add_argument(
+        "--limit", type=int, default=16384, help="longest: the longest row length tried (16384 keeps it to minutes)"
+    )
+    parser.add_argument(
+        "--accord-set", action="append", default=[], help="longest: a recipe override for accord (repeatable)"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--chunks", nargs="+", default=["0", "1024"], help="chunks: train.loss_chunk_size values (0: plain loss)")
+    parser.add_argument(
+        "--chunks", nargs="+", default=["0", "1024"], help="chunks: train.loss_chunk_size values (0: plain loss)"
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--steps", type=int, default=2, help="chunks: timed steps after one untimed")
     parser.add_argument("--threads", type=int, default=2)

@@ -33,8 +33,12 @@ PHASES = ("build", "train", "checkpoint", "export", "resume")
 
 def model_config(hidden: int, layers: int) -> dict:
     return {
-        "architecture": "llama", "hidden_size": hidden, "intermediate_size": 8 * hidden // 3 // 64 * 64,
-        "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 128), "num_key_value_heads": max(1, hidden // 128),
+        "architecture": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 8 * hidden // 3 // 64 * 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": max(1, hidden // 128),
+        "num_key_value_heads": max(1, hidden // 128),
         "max_position_embeddings": 64,
     }
 
@@ -47,10 +51,14 @@ def parameters(config: dict) -> int:
 
 def write_recipe(folder: Path, name: str, config: dict) -> Path:
     data = {
-        "seed": 0, "task": "sft",
+        "seed": 0,
+        "task": "sft",
         "model": {"config": config, "tokenizer": "byte"},
-        "data": {"generate": {"kind": "addition", "train_examples": 64, "eval_examples": 0, "max_digits": 2},
-                 "max_length": 32, "cache_dir": str(folder / "cache")},
+        "data": {
+            "generate": {"kind": "addition", "train_examples": 64, "eval_examples": 0, "max_digits": 2},
+            "max_length": 32,
+            "cache_dir": str(folder / "cache"),
+        },
         "batch": {"global_batch_size": 4, "micro_batch_size": 1},
         "train": {"max_steps": 2, "log_every": 1},
         "engine": {"device": "cpu"},
@@ -116,10 +124,16 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["fsdp", "zero3"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--work", type=Path, default=None, help="folder for runs (default: a temporary one)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="take the peaks of runs already finished in --work instead of running them again")
-    parser.add_argument("--release-host-memory", action="store_true",
-                        help="engine.release_host_memory=true in every run (baselines too): RSS follows live tensors")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take the peaks of runs already finished in --work instead of running them again",
+    )
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="engine.release_host_memory=true in every run (baselines too): RSS follows live tensors",
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="accord-memory-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -128,15 +142,21 @@ def main() -> None:
     state_gib = 16 * n / 2**30
     tiny = write_recipe(work, "baseline", model_config(128, 1))
     big = write_recipe(work, "big", config)
-    print(f"model: Llama hidden {args.hidden} x {args.layers} layers, {n / 1e6:.0f}M parameters; "
-          f"unsharded training state (16 B/param) {state_gib:.2f} GiB; runs in {work}"
-          f"{'; engine.release_host_memory' if args.release_host_memory else ''}", flush=True)
+    print(
+        f"model: Llama hidden {args.hidden} x {args.layers} layers, {n / 1e6:.0f}M parameters; "
+        f"unsharded training state (16 B/param) {state_gib:.2f} GiB; runs in {work}"
+        f"{'; engine.release_host_memory' if args.release_host_memory else ''}",
+        flush=True,
+    )
 
     rows = []
     for strategy in args.strategies:
         for world in args.worlds:
-            common = [f"engine.strategy={strategy}", f"engine.processes={world}",
-                      f"engine.release_host_memory={str(args.release_host_memory).lower()}"]
+            common = [
+                f"engine.strategy={strategy}",
+                f"engine.processes={world}",
+                f"engine.release_host_memory={str(args.release_host_memory).lower()}",
+            ]
             base_out = work / f"baseline-{strategy}-{world}"
             out = work / f"{strategy}-{world}"
             if args.reuse and finished(base_out) and finished(out):
@@ -151,7 +171,11 @@ def main() -> None:
                     shutil.rmtree(folder / written, ignore_errors=True)
             rows.append((strategy, world, max(peaks(base_out)["build"]), peaks(out), out))
 
-    header = f"{'strategy':8} {'world':>5} {'baseline':>9} " + " ".join(f"{p + ' max':>14} {'total':>7}" for p in PHASES) + f" {'vs state+base':>13}"
+    header = (
+        f"{'strategy':8} {'world':>5} {'baseline':>9} "
+        + " ".join(f"{p + ' max':>14} {'total':>7}" for p in PHASES)
+        + f" {'vs state+base':>13}"
+    )
     print(header)
     print("-" * len(header))
     for strategy, world, baseline, found, _ in rows:
@@ -164,15 +188,21 @@ def main() -> None:
         budget = 1.3 * state_gib + world * baseline
         print(f"{strategy:8} {world:>5} {baseline:>9.2f} " + " ".join(cells) + f" {worst_total / budget:>12.2f}x")
     print("GiB; 'max' is the largest rank's peak up to the end of the phase, 'total' the sum over ranks;")
-    print(f"'vs state+base' is the largest host total over 1.3 x the unsharded state ({state_gib:.2f} GiB) plus world x baseline (target <= 1.00x).")
+    print(
+        f"'vs state+base' is the largest host total over 1.3 x the unsharded state ({state_gib:.2f} GiB) plus world x baseline (target <= 1.00x)."
+    )
     for strategy, world, _, _, out in rows:
         wait = checkpoint_wait(out)
         if wait:
-            print(f"{strategy} x{world}: the checkpoint blocked training {wait[0]:.1f} s = {wait[0] / wait[1]:.1f} x the step before it ({wait[1]:.1f} s)")
+            print(
+                f"{strategy} x{world}: the checkpoint blocked training {wait[0]:.1f} s = {wait[0] / wait[1]:.1f} x the step before it ({wait[1]:.1f} s)"
+            )
     for strategy in args.strategies:
         by_world = {w: max(max(v) for v in f.values()) for s, w, _, f, _ in rows if s == strategy}
         if 2 in by_world and 4 in by_world:
-            print(f"{strategy}: largest rank's peak at world 4 / world 2 = {by_world[4] / by_world[2]:.2f} (target <= 0.60)")
+            print(
+                f"{strategy}: largest rank's peak at world 4 / world 2 = {by_world[4] / by_world[2]:.2f} (target <= 0.60)"
+            )
 
 
 if __name__ == "__main__":

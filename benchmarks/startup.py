@@ -43,7 +43,12 @@ STEPS = 2
 def run_once(name: str, folder: Path, processes: int, src: str | None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="startup-", dir=folder))
     log, out = work / "steps.json", work / "model"
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     if src is not None:
         env["PYTHONPATH"] = src
     command = command_for("accord" if name.startswith("accord") else name, folder, STEPS, processes, log, out)
@@ -75,7 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--baseline-src", help="another accord source tree (its src/ folder), measured as 'accord (baseline)'")
+    parser.add_argument(
+        "--baseline-src", help="another accord source tree (its src/ folder), measured as 'accord (baseline)'"
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="accord-startup-"))
     try:
@@ -101,7 +108,9 @@ def measure_all(folder: Path, args: argparse.Namespace) -> None:
             print(f"  round {round_ + 1}: {name} {results[name][-1]['first step']:.1f} s", file=sys.stderr, flush=True)
     columns = [*STAGES, "first step", "exit", "CPU s"]
     header = f"{'contender':22} {'proc':>4} " + " ".join(f"{c:>15}" for c in columns) + f" {'first step range':>17}"
-    print(f"seconds from the command's start, median of {args.repeat} (load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})")
+    print(
+        f"seconds from the command's start, median of {args.repeat} (load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})"
+    )
     print(header)
     print("-" * len(header))
     for name, runs in results.items():

@@ -75,9 +75,14 @@ def main(argv: list[str]) -> None:
     for path, record in zip(paths, records):
         start, end = record["load"][0], record["load"][-1]
         print(f"{path}: load average {start:.1f} at the start, {end:.1f} at the end")
-    tables = [(_per_file(r) if not per_test else {k: [v["cpu"], v["wall"], 1] for k, v in r["tests"].items()}) for r in records]
+    tables = [
+        (_per_file(r) if not per_test else {k: [v["cpu"], v["wall"], 1] for k, v in r["tests"].items()})
+        for r in records
+    ]
     keys = sorted(set().union(*tables), key=lambda k: -max(t.get(k, [0])[0] for t in tables))
-    header = f"{'file' if not per_test else 'test':<60} " + " ".join(f"{'n':>3} {'CPU s':>7} {'wall s':>7}" for _ in tables)
+    header = f"{'file' if not per_test else 'test':<60} " + " ".join(
+        f"{'n':>3} {'CPU s':>7} {'wall s':>7}" for _ in tables
+    )
     if len(tables) == 2:
         header += f" {'ΔCPU s':>8} {'CPU ratio':>9}"
     print(header)

@@ -31,8 +31,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-MODEL = {"architecture": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-         "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512, "tie_word_embeddings": False}
+MODEL = {
+    "architecture": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 MAX_LENGTH = 256
 LR = 1e-3
 PER_DEVICE_BATCH = 8  # sequences (padded contenders) or rows (packed contenders) per forward pass
@@ -53,7 +61,9 @@ def make_workload(folder: Path, model: str, examples: int = 640, held_out: int =
     for _ in range(examples + held_out):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
         # completions from a few words to a few hundred characters: lengths 32-256 tokens
-        completion = " ".join(rng.choice(WORDS) for _ in range(int(rng.lognormvariate(3.0, 0.6))))[: MAX_LENGTH - len(prompt) - 3]
+        completion = " ".join(rng.choice(WORDS) for _ in range(int(rng.lognormvariate(3.0, 0.6))))[
+            : MAX_LENGTH - len(prompt) - 3
+        ]
         rows.append({"prompt": prompt + " =>", "completion": " " + completion})
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:examples]))
     (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[examples:]))
@@ -97,7 +107,9 @@ class StepLog:
         self.total.append(total)
 
     def save(self, **extra) -> None:
-        Path(self.path).write_text(json.dumps({"times": self.times, "targets": self.targets, "total": self.total, **extra}))
+        Path(self.path).write_text(
+            json.dumps({"times": self.times, "targets": self.targets, "total": self.total, **extra})
+        )
 
 
 def rank_info() -> tuple[int, int]:
@@ -129,9 +141,11 @@ def run_raw(folder: Path, steps: int, log_path: str, out: Path) -> None:
     global_batch = PER_DEVICE_BATCH * world
     batches = []
     for step in range(steps):  # pre-made, as the issue asks: only the loop is timed
-        ids = order[(step * global_batch) % len(rows):][:global_batch]
-        mine = ids[rank * PER_DEVICE_BATCH:(rank + 1) * PER_DEVICE_BATCH]
-        batches.append((task.collate([[examples[i] for i in rows.members[r]] for r in mine]), int(rows.targets[ids].sum())))
+        ids = order[(step * global_batch) % len(rows) :][:global_batch]
+        mine = ids[rank * PER_DEVICE_BATCH : (rank + 1) * PER_DEVICE_BATCH]
+        batches.append(
+            (task.collate([[examples[i] for i in rows.members[r]] for r in mine]), int(rows.targets[ids].sum()))
+        )
     train = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     log = StepLog(log_path)
@@ -189,11 +203,25 @@ def run_hf_trainer(folder: Path, steps: int, log_path: str, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder / "model")
     collator = _CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
     args = TrainingArguments(
-        output_dir=str(out) + "-trainer", per_device_train_batch_size=PER_DEVICE_BATCH, learning_rate=LR, max_steps=steps,
-        lr_scheduler_type="constant", logging_steps=steps, save_strategy="no", report_to=[], use_cpu=True, max_grad_norm=1.0,
+        output_dir=str(out) + "-trainer",
+        per_device_train_batch_size=PER_DEVICE_BATCH,
+        learning_rate=LR,
+        max_steps=steps,
+        lr_scheduler_type="constant",
+        logging_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        max_grad_norm=1.0,
     )
     log = StepLog(log_path)
-    trainer = Trainer(model=model, args=args, train_dataset=_hf_dataset(folder), data_collator=collator, callbacks=[_step_callback(log, collator)])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_hf_dataset(folder),
+        data_collator=collator,
+        callbacks=[_step_callback(log, collator)],
+    )
     trainer.train()
     if trainer.is_world_process_zero():
         model.save_pretrained(out)
@@ -210,12 +238,23 @@ def run_trl(folder: Path, steps: int, log_path: str, out: Path, packing: bool) -
     model = AutoModelForCausalLM.from_pretrained(folder / "model")
     rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
     config = SFTConfig(
-        output_dir=str(out) + "-trl", per_device_train_batch_size=PER_DEVICE_BATCH, learning_rate=LR, max_steps=steps,
-        lr_scheduler_type="constant", logging_steps=steps, save_strategy="no", report_to=[], use_cpu=True,
-        max_length=MAX_LENGTH, packing=packing, max_grad_norm=1.0,
+        output_dir=str(out) + "-trl",
+        per_device_train_batch_size=PER_DEVICE_BATCH,
+        learning_rate=LR,
+        max_steps=steps,
+        lr_scheduler_type="constant",
+        logging_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        max_length=MAX_LENGTH,
+        packing=packing,
+        max_grad_norm=1.0,
     )
     log = StepLog(log_path)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+    )
     counter = _CountingCollator(trainer.data_collator)
     trainer.data_collator = counter
     trainer.add_callback(_step_callback(log, counter))
@@ -228,19 +267,35 @@ def run_trl(folder: Path, steps: int, log_path: str, out: Path, packing: bool) -
 # ---------------------------------------------------------------- the harness
 
 
-CONTENDERS = ["raw loop", "accord", "accord (no packing)", "accord (compile)", "transformers.Trainer", "TRL SFTTrainer", "TRL SFTTrainer (packing)"]
+CONTENDERS = [
+    "raw loop",
+    "accord",
+    "accord (no packing)",
+    "accord (compile)",
+    "transformers.Trainer",
+    "TRL SFTTrainer",
+    "TRL SFTTrainer (packing)",
+]
 
 
 def accord_recipe(folder: Path, steps: int, processes: int, packing: bool, compile: bool, out: Path) -> Path:
     import yaml
 
     recipe = {
-        "seed": 0, "model": {"path": str(folder / "model")}, "task": "sft",
-        "data": {"train": str(folder / "train.jsonl"), "max_length": MAX_LENGTH, "packing": packing, "cache_dir": str(folder / "cache")},
+        "seed": 0,
+        "model": {"path": str(folder / "model")},
+        "task": "sft",
+        "data": {
+            "train": str(folder / "train.jsonl"),
+            "max_length": MAX_LENGTH,
+            "packing": packing,
+            "cache_dir": str(folder / "cache"),
+        },
         "batch": {"global_batch_size": PER_DEVICE_BATCH * processes, "micro_batch_size": PER_DEVICE_BATCH},
         "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"max_steps": steps, "log_every": 1},
-        "engine": {"processes": processes, "compile": compile}, "checkpoint": {"every_steps": None, "keep_last": 1},
+        "engine": {"processes": processes, "compile": compile},
+        "checkpoint": {"every_steps": None, "keep_last": 1},
         "output": {"dir": str(out), "overwrite": True},
     }
     path = folder / f"recipe-{processes}-{packing}-{compile}.yaml"
@@ -252,9 +307,26 @@ def command_for(name: str, folder: Path, steps: int, processes: int, log: Path, 
     if name.startswith("accord"):
         recipe = accord_recipe(folder, steps, processes, "no packing" not in name, "compile" in name, out)
         return [sys.executable, "-m", "accord", "train", str(recipe)]
-    key = {"raw loop": "raw", "transformers.Trainer": "trainer", "TRL SFTTrainer": "trl", "TRL SFTTrainer (packing)": "trl-packing"}[name]
+    key = {
+        "raw loop": "raw",
+        "transformers.Trainer": "trainer",
+        "TRL SFTTrainer": "trl",
+        "TRL SFTTrainer (packing)": "trl-packing",
+    }[name]
     # Option names that are no prefix of any of torchrun's own (its parser matches abbreviations).
-    inner = [str(HERE), "--bench-run", key, "--bench-folder", str(folder), "--steps", str(steps), "--bench-log", str(log), "--bench-out", str(out)]
+    inner = [
+        str(HERE),
+        "--bench-run",
+        key,
+        "--bench-folder",
+        str(folder),
+        "--steps",
+        str(steps),
+        "--bench-log",
+        str(log),
+        "--bench-out",
+        str(out),
+    ]
     if processes == 1:
         return [sys.executable, *inner]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *inner]
@@ -284,7 +356,12 @@ def tree_rss(root: int) -> int:
 def measure(name: str, folder: Path, steps: int, processes: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=folder))
     log, out = work / "steps.json", work / "model"
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     command = command_for(name, folder, steps, processes, log, out)
     peak, start = 0, time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -302,15 +379,24 @@ def measure(name: str, folder: Path, steps: int, processes: int) -> dict:
     sampling = False
     sampler.join()
     if proc.returncode != 0:
-        return {"name": name, "processes": processes, "error": output.strip().splitlines()[-1][:200] if output.strip() else "failed"}
+        return {
+            "name": name,
+            "processes": processes,
+            "error": output.strip().splitlines()[-1][:200] if output.strip() else "failed",
+        }
     times, targets, total, notes = _steps(name, log, out, processes)
     span = times[-1] - times[0]
     model_dir = out / "final" if name.startswith("accord") else out
     return {
-        "name": name, "processes": processes, "steps": len(times),
-        "useful_tokens_per_s": sum(targets[1:]) / span, "total_tokens_per_s": sum(total[1:]) / span,
-        "peak_rss_gib": peak / 2**30, "start_to_first_step_s": times[0] - start,
-        "eval_loss": held_out_loss(folder, model_dir), **notes,
+        "name": name,
+        "processes": processes,
+        "steps": len(times),
+        "useful_tokens_per_s": sum(targets[1:]) / span,
+        "total_tokens_per_s": sum(total[1:]) / span,
+        "peak_rss_gib": peak / 2**30,
+        "start_to_first_step_s": times[0] - start,
+        "eval_loss": held_out_loss(folder, model_dir),
+        **notes,
     }
 
 
@@ -337,7 +423,7 @@ def held_out_loss(folder: Path, model_dir: Path) -> float:
     rows = encoded_rows(folder, "eval")
     with torch.no_grad():
         for i in range(0, len(rows), 16):
-            chunk = rows[i:i + 16]
+            chunk = rows[i : i + 16]
             ids = pad_rows([r["input_ids"] for r in chunk], 0)
             labels = pad_rows([r["labels"] for r in chunk], -100)
             mask = (ids != 0).long()
@@ -372,7 +458,12 @@ def main() -> None:
     parser.add_argument("--bench-out", dest="out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per contender")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="tiny: a 4-layer Llama from a config; smollm2: SmolLM2-135M (needs the examples)")
+    parser.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: a 4-layer Llama from a config; smollm2: SmolLM2-135M (needs the examples)",
+    )
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="run only these contenders")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()

@@ -29,7 +29,10 @@ TINY_RECIPE = {
         "tokenizer": "byte",
     },
     "task": "sft",
-    "data": {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 32, "max_digits": 3}, "max_length": 32},
+    "data": {
+        "generate": {"kind": "addition", "train_examples": 512, "eval_examples": 32, "max_digits": 3},
+        "max_length": 32,
+    },
     "batch": {"global_batch_size": 32, "micro_batch_size": 8},
     "optim": {"lr": 3.0e-3, "warmup_steps": 2, "schedule": "cosine", "max_grad_norm": 1.0},
     "train": {"max_steps": 10, "log_every": 5},
@@ -161,15 +164,22 @@ def kill_tree(proc: subprocess.Popen) -> tuple[str | None, str | None]:
         return None, None
 
 
-def start_process(command: list[str], *, merge_output: bool = False, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+def start_process(
+    command: list[str], *, merge_output: bool = False, env: dict[str, str] | None = None, **popen
+) -> subprocess.Popen:
     """Popen in a new session, its tree tagged so that all of it is killed on a timeout, or
     when the test ends if it is still running."""
     import uuid
 
     token = uuid.uuid4().hex
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
-        text=True, start_new_session=True, env=(os.environ if env is None else env) | {_TREE_VARIABLE: token}, **popen,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=(os.environ if env is None else env) | {_TREE_VARIABLE: token},
+        **popen,
     )
     proc.tree_token = token
     _started.append(proc)
@@ -203,7 +213,9 @@ def run_process(command: list[str], *, timeout: float, **popen) -> subprocess.Co
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def run_accord(*args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_accord(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `python -m accord ARGS` (or under `launcher`) and return the finished process.
     A test that gets as far as training (a worker announces its batch) must be marked
     `distributed`, so that `-m "not distributed"` stays a fast tier without workers."""
@@ -255,10 +267,14 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
-def start_accord(*args: str | Path, cwd: Path | None = None, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def start_accord(
+    *args: str | Path, cwd: Path | None = None, env_extra: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start `python -m accord ARGS` in its own session, stdout and stderr merged, so a
     test can signal it mid-run."""
     if not _is_distributed_test():
@@ -325,6 +341,7 @@ def step_losses(out: Path) -> dict[int, float]:
 
 # ---------------------------------------------------------------- small data for every task
 
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     import json
 
@@ -357,30 +374,61 @@ def task_data(folder: Path, task: str) -> dict:
         path.write_text("sentence,sentiment\n" + "".join(f"{r['sentence']},{r['sentiment']}\n" for r in rows))
         return {
             "task": "classify",
-            "model": {"config": {"architecture": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                                 "num_attention_heads": 4, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
-                                 "attention_probs_dropout_prob": 0.0}, "tokenizer": "byte"},
-            "data": {"train": [{"path": str(path), "fields": {"text": "sentence", "label": "sentiment"}}], "eval_fraction": 0.2, "max_length": 32},
+            "model": {
+                "config": {
+                    "architecture": "bert",
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "max_position_embeddings": 64,
+                    "hidden_dropout_prob": 0.0,
+                    "attention_probs_dropout_prob": 0.0,
+                },
+                "tokenizer": "byte",
+            },
+            "data": {
+                "train": [{"path": str(path), "fields": {"text": "sentence", "label": "sentiment"}}],
+                "eval_fraction": 0.2,
+                "max_length": 32,
+            },
         }
     if task == "dpo":
         rows = []
         for _ in range(96):
             a, b = rng.randint(0, 50), rng.randint(0, 50)
             rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))})
-        return {"task": "dpo", "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.1, "max_length": 32}}
+        return {
+            "task": "dpo",
+            "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.1, "max_length": 32},
+        }
     if task == "reward":
         # The preferred answer ends politely: a cue a tiny scorer learns in a few steps.
         rows = []
         for _ in range(96):
             prompt, answer = (" ".join(rng.choice(words) for _ in range(rng.randint(1, 4))) for _ in range(2))
             rows.append({"prompt": f"{prompt}? ", "chosen": f"{answer} thanks", "rejected": f"{answer} go away"})
-        return {"task": "reward", "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.125, "max_length": 48}}
+        return {
+            "task": "reward",
+            "data": {"train": str(write_jsonl(folder / "pairs.jsonl", rows)), "eval_fraction": 0.125, "max_length": 48},
+        }
     if task == "chat":
         rows = []
         for _ in range(128):
             a, b = rng.randint(0, 50), rng.randint(0, 50)
-            rows.append({"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": str(a + b)}]})
-        return {"task": "sft", "data": {"train": str(write_jsonl(folder / "chat.jsonl", rows)), "eval_fraction": 0.1, "max_length": 48}}
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "add"},
+                        {"role": "user", "content": f"{a}+{b}"},
+                        {"role": "assistant", "content": str(a + b)},
+                    ]
+                }
+            )
+        return {
+            "task": "sft",
+            "data": {"train": str(write_jsonl(folder / "chat.jsonl", rows)), "eval_fraction": 0.1, "max_length": 48},
+        }
     raise ValueError(task)
 
 
@@ -415,5 +463,14 @@ def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("reference-1")
     recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
     out = root / "1x8x4"
-    assert_ok(run_accord("train", recipe, "engine.processes=1", "batch.micro_batch_size=8", "checkpoint.every_steps=6", f"output.dir={out}"))
+    assert_ok(
+        run_accord(
+            "train",
+            recipe,
+            "engine.processes=1",
+            "batch.micro_batch_size=8",
+            "checkpoint.every_steps=6",
+            f"output.dir={out}",
+        )
+    )
     return recipe, out

@@ -28,9 +28,13 @@ print("result: " + json.dumps({"status": result.status, "output_dir": str(result
 @pytest.mark.distributed
 def test_train_from_a_plain_python_program_writes_the_final_model(tmp_path):
     out = tmp_path / "run"
-    proc = run_process([sys.executable, "-c", TRAIN_FROM_PYTHON, str(out)], cwd=REPO / "tests", env=accord_env(), timeout=300)
+    proc = run_process(
+        [sys.executable, "-c", TRAIN_FROM_PYTHON, str(out)], cwd=REPO / "tests", env=accord_env(), timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: "):])
+    result = json.loads(
+        next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: ") :]
+    )
     assert result == {"status": "completed", "output_dir": str(out), "final": str(out / "final")}
     assert (out / "final" / "config.json").is_file()
     assert "accord: batch " in proc.stderr  # the workers ran, 2 of them

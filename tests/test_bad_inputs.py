@@ -17,7 +17,19 @@ import pytest
 
 from accord.output.procstat import process_stat
 from conftest import (
-    REPO, TINY_RECIPE, accord_env, assert_ok, final_params, finish, kill_tree, run_accord, run_accord_here, start_accord, start_process, wait_for, write_jsonl,
+    REPO,
+    TINY_RECIPE,
+    accord_env,
+    assert_ok,
+    final_params,
+    finish,
+    kill_tree,
+    run_accord,
+    run_accord_here,
+    start_accord,
+    start_process,
+    wait_for,
+    write_jsonl,
 )
 from test_cli_errors import HERE, assert_clean_error
 
@@ -27,7 +39,11 @@ SHORT = ("engine.processes=1", "train.max_steps=2", "train.log_every=1")
 
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under `folder` (hidden ones included) -> sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_one_line(proc, *needles) -> None:
@@ -70,7 +86,13 @@ def damaged_copy(model_folder: Path, where: Path, damage: str) -> Path:
         weights.write_bytes(b"\xff" * 64)
     elif damage == "missing-shard":
         weights.rename(folder / "model-00001-of-00002.safetensors")
-        index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors", "model.norm.weight": "model-00002-of-00002.safetensors"}}
+        index = {
+            "metadata": {},
+            "weight_map": {
+                "lm_head.weight": "model-00001-of-00002.safetensors",
+                "model.norm.weight": "model-00002-of-00002.safetensors",
+            },
+        }
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     elif damage == "tokenizer":
         (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
@@ -81,10 +103,20 @@ def damaged_copy(model_folder: Path, where: Path, damage: str) -> Path:
 
 
 @pytest.mark.distributed  # the earlier run is the session's reference run
-def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_run, model_folder, tiny_recipe, tmp_path):
+def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(
+    earlier_run, model_folder, tiny_recipe, tmp_path
+):
     before = snapshot(earlier_run)
     broken = damaged_copy(model_folder, tmp_path, "truncated")
-    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={broken}", f"output.dir={earlier_run}", "--overwrite", HERE)
+    proc = run_accord_here(
+        "train",
+        tiny_recipe,
+        "model.config=null",
+        f"model.path={broken}",
+        f"output.dir={earlier_run}",
+        "--overwrite",
+        HERE,
+    )
     assert_one_line(proc, f"model.path: {broken}/model.safetensors cannot be read", "truncated")
     assert snapshot(earlier_run) == before
 
@@ -94,15 +126,29 @@ def test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run(earlier_
     [
         # (a truncated file: test_overwrite_with_truncated_weights_refuses_and_keeps_earlier_run)
         # The same check as a truncated file: slow tier (the default suite's budget).
-        pytest.param("garbage", "model.safetensors cannot be read (Error while deserializing header", marks=pytest.mark.slow),
-        pytest.param("missing-shard", "model-00002-of-00002.safetensors cannot be read (listed in the index but missing)", marks=pytest.mark.slow),
+        pytest.param(
+            "garbage", "model.safetensors cannot be read (Error while deserializing header", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "missing-shard",
+            "model-00002-of-00002.safetensors cannot be read (listed in the index but missing)",
+            marks=pytest.mark.slow,
+        ),
         ("tokenizer", "model.path: the tokenizer in"),
     ],
 )
 def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_recipe, tmp_path, damage, needle):
     broken = damaged_copy(model_folder, tmp_path, damage)
     out = tmp_path / "out"
-    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={broken}", "model.tokenizer=null", f"output.dir={out}", HERE)
+    proc = run_accord_here(
+        "train",
+        tiny_recipe,
+        "model.config=null",
+        f"model.path={broken}",
+        "model.tokenizer=null",
+        f"output.dir={out}",
+        HERE,
+    )
     assert_one_line(proc, needle)
     assert not out.exists()
 
@@ -117,7 +163,9 @@ def test_weights_of_another_config_refuse_in_one_line_and_leave_no_run_behind(mo
     out = tmp_path / "out"
     args = ("model.config=null", f"model.path={folder}", "model.tokenizer=null", f"output.dir={out}", *SHORT)
     proc = run_accord("train", tiny_recipe, *args, timeout=120)
-    assert_one_line(proc, "model.safetensors holds model.layers.0.mlp.gate_proj.weight of shape", "come from different models")
+    assert_one_line(
+        proc, "model.safetensors holds model.layers.0.mlp.gate_proj.weight of shape", "come from different models"
+    )
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -128,7 +176,9 @@ def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_ne
     (earlier_run / "hang-20261201-101500" / "stacks-rank-0.txt").write_text("Thread 0x1\n")
     before = snapshot(earlier_run)
     # A run that passes every check but fails at its first step (a NaN loss, injected).
-    failing = run_process_with_faults("nan_loss_at_step=1", tiny_recipe, *SHORT, f"output.dir={earlier_run}", "--overwrite")
+    failing = run_process_with_faults(
+        "nan_loss_at_step=1", tiny_recipe, *SHORT, f"output.dir={earlier_run}", "--overwrite"
+    )
     assert failing.returncode == 1, failing.stderr
     assert "step 1: loss nan is not finite" in failing.stderr
     assert "the earlier run in" in failing.stderr and "is back as it was" in failing.stderr
@@ -140,9 +190,15 @@ def test_overwrite_puts_earlier_run_back_if_new_run_fails_and_removes_it_once_ne
     assert "removed the earlier run that --overwrite had set aside" in replacing.stderr
     assert not (earlier_run / ".previous-run").exists()
     assert not (earlier_run / "hang-20261201-101500").exists()
-    steps = [json.loads(line)["step"] for line in (earlier_run / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (earlier_run / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "train"' in line
+    ]
     assert steps == [1, 2]  # only the new run's steps: nothing of the old one mixed in
-    assert sorted(p.name for p in (earlier_run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-000002"]
+    assert sorted(p.name for p in (earlier_run / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+        "step-000002"
+    ]
 
 
 def run_process_with_faults(faults: str, *args):
@@ -166,7 +222,9 @@ def test_overwrite_sets_aside_every_file_a_run_writes_and_puts_them_back(tmp_pat
     assert sorted(p.name for p in aside.iterdir()) == ["hang-20261201-101500", "metrics.jsonl", "samples.jsonl"]
     (out / "samples.jsonl").write_text("the failed new run's")
     assert restore_earlier_run(out)
-    assert (out / "samples.jsonl").read_text() == "samples.jsonl" and (out / "hang-20261201-101500" / "stacks-rank-0.txt").is_file()
+    assert (out / "samples.jsonl").read_text() == "samples.jsonl" and (
+        out / "hang-20261201-101500" / "stacks-rank-0.txt"
+    ).is_file()
 
 
 def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, tmp_path):
@@ -189,7 +247,12 @@ def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(ti
     # The first run stops itself (SIGSTOP) in step 1 until the second has been refused: on an
     # idle machine a 2-step run would otherwise be over before the second one looks.
     first = start_accord(
-        "train", tiny_recipe, *SHORT, "resume=auto", "engine.hang_timeout_s=null", f"output.dir={out}",
+        "train",
+        tiny_recipe,
+        *SHORT,
+        "resume=auto",
+        "engine.hang_timeout_s=null",
+        f"output.dir={out}",
         env_extra={"ACCORD_FAULTS": "stop_rank=0,stop_at_step=1"},
     )
     wait_for(lambda: (out / ".accord.lock").exists() or first.poll() is not None, timeout=180)
@@ -198,7 +261,9 @@ def test_second_run_into_the_same_folder_is_refused_while_the_first_completes(ti
     # One process: the launcher is the worker that stops itself; continue it once it has.
     wait_for(lambda: process_stat(holder["pid"])[0] in ("T", "") or first.poll() is not None, timeout=180)
     os.kill(holder["pid"], signal.SIGCONT)
-    assert_one_line(second, f"output.dir: {out} is in use by another run (host {holder['host']}, pid {holder['pid']}, started 20")
+    assert_one_line(
+        second, f"output.dir: {out} is in use by another run (host {holder['host']}, pid {holder['pid']}, started 20"
+    )
     first_out, _ = finish(first, timeout=300)
     assert first.returncode == 0, first_out[-4000:]
     assert final_params(out)  # the first run's model, whole
@@ -216,7 +281,10 @@ def test_lock_left_by_a_sigkilled_run_is_taken_over(tiny_recipe, tmp_path):
     assert (out / ".accord.lock").exists()
     proc = run_accord("train", tiny_recipe, *SHORT, f"output.dir={out}", "--overwrite")
     assert_ok(proc)
-    assert "taking over the lock of a run that is gone (host" in proc.stderr and f"process {pid} no longer exists" in proc.stderr
+    assert (
+        "taking over the lock of a run that is gone (host" in proc.stderr
+        and f"process {pid} no longer exists" in proc.stderr
+    )
     assert not (out / ".accord.lock").exists()
 
 
@@ -251,11 +319,19 @@ def test_a_stale_lock_is_taken_over_by_exactly_one_of_several_starters(tmp_path)
 
     out = tmp_path / "out"
     out.mkdir()
-    stale = {"host": socket.gethostname(), "pid": dead_pid(), "started": time.time() - 60, "run_id": "dead", "pid_start": ""}
+    stale = {
+        "host": socket.gethostname(),
+        "pid": dead_pid(),
+        "started": time.time() - 60,
+        "run_id": "dead",
+        "pid_start": "",
+    }
     (out / ".accord.lock").write_text(json.dumps(stale))
     start = time.time() + 1.5  # all four try at the same moment
     env = accord_env() | {"PYTHONPATH": str(REPO / "src")}
-    procs = [start_process([sys.executable, "-c", TAKE_OVER, str(out), str(start), f"run-{i}"], env=env) for i in range(4)]
+    procs = [
+        start_process([sys.executable, "-c", TAKE_OVER, str(out), str(start), f"run-{i}"], env=env) for i in range(4)
+    ]
     outputs = [finish(p, timeout=60)[0] for p in procs]
     assert sorted(line.split(":")[0].strip() for line in outputs) == ["owner", "refused", "refused", "refused"], outputs
     assert all("is in use by another run" in line for line in outputs if line.startswith("refused"))
@@ -310,11 +386,17 @@ def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
 
 def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
     typo = tmp_path / "rnus" / "long-run"
-    assert_one_line(run_accord_here("train", tiny_recipe, f"output.dir={typo}", "--resume"), f"--resume: nothing to resume ({typo} does not exist)")
+    assert_one_line(
+        run_accord_here("train", tiny_recipe, f"output.dir={typo}", "--resume"),
+        f"--resume: nothing to resume ({typo} does not exist)",
+    )
     assert not typo.exists()
     empty = tmp_path / "started"
     (empty / "checkpoints").mkdir(parents=True)
-    assert_one_line(run_accord_here("train", tiny_recipe, f"output.dir={empty}", "--resume"), f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)")
+    assert_one_line(
+        run_accord_here("train", tiny_recipe, f"output.dir={empty}", "--resume"),
+        f"--resume: nothing to resume (no complete checkpoint in {empty}/checkpoints)",
+    )
 
 
 # ------------------------------------------------------------------ tracebacks to one line
@@ -323,14 +405,18 @@ def test_resume_flag_with_nothing_to_resume_refuses(tiny_recipe, tmp_path):
 def test_recipe_that_is_not_utf8_is_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(b"seed: 7\n# caf\xe9 au lait\n")
-    assert_one_line(run_accord_here("train", recipe), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8")
+    assert_one_line(
+        run_accord_here("train", recipe), f"{recipe}:2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8"
+    )
 
 
 @pytest.mark.parametrize("split", ["train", pytest.param("eval", marks=pytest.mark.slow)])
 def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, split):
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
     bad = tmp_path / "latin1.jsonl"
-    bad.write_bytes(b'{"prompt": "1+1=", "completion": "2"}\n' * 3 + '{"prompt": "café", "completion": "x"}\n'.encode("latin-1"))
+    bad.write_bytes(
+        b'{"prompt": "1+1=", "completion": "2"}\n' * 3 + '{"prompt": "café", "completion": "x"}\n'.encode("latin-1")
+    )
     data = [f"data.train={bad}"] if split == "train" else [f"data.train={good}", f"data.eval={bad}"]
     proc = run_accord_here("train", tiny_recipe, "data.generate=null", *data, f"output.dir={tmp_path / 'o'}", HERE)
     prefix = "data.eval: " if split == "eval" else ""
@@ -341,7 +427,9 @@ def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, s
 def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
     bad = tmp_path / "rows.csv"
     bad.write_bytes("prompt,completion\n1+1=,2\ncafé,x\n".encode("latin-1"))
-    proc = run_accord("train", tiny_recipe, "data.generate=null", f"data.train={bad}", f"output.dir={tmp_path / 'o'}", timeout=120)
+    proc = run_accord(
+        "train", tiny_recipe, "data.generate=null", f"data.train={bad}", f"output.dir={tmp_path / 'o'}", timeout=120
+    )
     assert_one_line(proc, f"{bad}:3: not UTF-8 text", "or set encoding: (e.g. latin-1) on this source")
 
 
@@ -352,14 +440,25 @@ def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
     "rows, needle",
     [
         ([{"prompt": "1+1="}], "sft data (prompt/completion or messages): missing field 'completion'"),
-        pytest.param([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": None}],
-                     "row 2: field 'completion' is missing or null", marks=pytest.mark.slow),
+        pytest.param(
+            [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": None}],
+            "row 2: field 'completion' is missing or null",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_error_in_the_eval_file_names_it_as_the_eval_source(tiny_recipe, tmp_path, rows, needle):
     good = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])
     bad = write_jsonl(tmp_path / "eval.jsonl", rows)
-    proc = run_accord_here("train", tiny_recipe, "data.generate=null", f"data.train={good}", f"data.eval={bad}", f"output.dir={tmp_path / 'o'}", HERE)
+    proc = run_accord_here(
+        "train",
+        tiny_recipe,
+        "data.generate=null",
+        f"data.train={good}",
+        f"data.eval={bad}",
+        f"output.dir={tmp_path / 'o'}",
+        HERE,
+    )
     assert_one_line(proc, f"data.eval: {bad}: {needle}")
 
 
@@ -373,7 +472,9 @@ def test_empty_completions_give_a_warning_with_their_count(tmp_path):
     for i in (5, 17, 30):
         rows[i]["completion"] = ""
     train = write_jsonl(tmp_path / "train.jsonl", rows)
-    recipe = validate_recipe({**TINY_RECIPE, "data": {"train": str(train), "max_length": 32, "cache_dir": str(tmp_path / "cache")}})
+    recipe = validate_recipe(
+        {**TINY_RECIPE, "data": {"train": str(train), "max_length": 32, "cache_dir": str(tmp_path / "cache")}}
+    )
     tokenizer = build_byte_tokenizer()
     for _ in range(2):  # prepared here, then read from the cache: the warning is said at every start
         task = build_task(recipe, tokenizer)

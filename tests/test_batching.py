@@ -38,4 +38,7 @@ def test_micro_slices_cover_the_global_batch_exactly_once(world, micro):
 
 
 def test_describe_reads_as_the_product():
-    assert BatchPlan.derive(32, 8, 2).describe() == "2 processes × 8 sequences × 2 accumulation steps = 32 sequences per optimizer step"
+    assert (
+        BatchPlan.derive(32, 8, 2).describe()
+        == "2 processes × 8 sequences × 2 accumulation steps = 32 sequences per optimizer step"
+    )

@@ -62,7 +62,13 @@ def test_policy_changes_the_data_fingerprint(tmp_path):
     prints = set()
     for policy in ("auto", "never"):
         task, tok = _sft_task({"add_bos": policy})
-        prints.add(fingerprint(validate_recipe(copy.deepcopy(TINY_RECIPE) | {"data": {**TINY_RECIPE["data"], "add_bos": policy}}), tok, task))
+        prints.add(
+            fingerprint(
+                validate_recipe(copy.deepcopy(TINY_RECIPE) | {"data": {**TINY_RECIPE["data"], "add_bos": policy}}),
+                tok,
+                task,
+            )
+        )
     assert len(prints) == 2
 
 
@@ -96,7 +102,9 @@ def test_real_tokenizer_tokens_equal_tokenizer_of_prompt(smollm2):
     task, _ = _sft_task({"max_length": 256}, tokenizer=tok)
     for prompt, completion in [("What is 57+8?", " 65"), ("Name a colour:", " blue")]:
         ids, _ = _encode(task, prompt, completion)
-        assert ids == tok(prompt)["input_ids"] + tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert ids == tok(prompt)["input_ids"] + tok(completion, add_special_tokens=False)["input_ids"] + [
+            tok.eos_token_id
+        ]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     task.chat = True
     chat_ids = task.encode_batch({"messages": [messages]})["input_ids"][0]

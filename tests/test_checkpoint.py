@@ -59,12 +59,18 @@ def _manifested_checkpoint(folder, files: dict[str, tuple[bytes, int]]):
 def test_verify_names_changed_bytes_a_wrong_size_and_a_missing_file_with_its_writer(tmp_path):
     from accord.checkpoint.manifest import verify
 
-    files = {"state/__0_0.distcp": (b"a" * 4096, 0), "state/__1_0.distcp": (b"b" * 4096, 1), "schedule.pt": (b"c" * 10, 0)}
+    files = {
+        "state/__0_0.distcp": (b"a" * 4096, 0),
+        "state/__1_0.distcp": (b"b" * 4096, 1),
+        "schedule.pt": (b"c" * 10, 0),
+    }
     folder = _manifested_checkpoint(tmp_path / "step-000001", files)
     assert verify(folder) == []
     (folder / "state" / "__0_0.distcp").write_bytes(b"a" * 4095 + b"x")  # same length
     assert verify(folder, checksums=False) == []  # sizes only: what the launcher checks
-    assert verify(folder) == ["state/__0_0.distcp does not match its sha256 checksum (its bytes changed after it was written)"]
+    assert verify(folder) == [
+        "state/__0_0.distcp does not match its sha256 checksum (its bytes changed after it was written)"
+    ]
     (folder / "schedule.pt").write_bytes(b"c" * 1234)
     (folder / "state" / "__1_0.distcp").unlink()
     problems = verify(folder, checksums=False)
@@ -98,7 +104,9 @@ def test_identity_changes_name_the_field_and_ignore_safe_ones():
 
 
 def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
-    lines = [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 9)] + [{"kind": "eval", "step": 8, "loss": 1.0}]
+    lines = [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 9)] + [
+        {"kind": "eval", "step": 8, "loss": 1.0}
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     writer = MetricsWriter(tmp_path, resume_step=5)
     writer.write({"kind": "train", "step": 6, "loss": float("nan")})
@@ -124,8 +132,16 @@ def _tiny_llama(tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -249,19 +265,38 @@ def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
     reader (read_whole: DeepSpeed; read_into: the torch strategies) reads as a single write."""
     import torch
 
-    from accord.engine.state import MODEL, OPTIM, SaveEntry, read_into, read_whole, save_parts, state_problems, stored_keys, write_in_parts, write_sharded
+    from accord.engine.state import (
+        MODEL,
+        OPTIM,
+        SaveEntry,
+        read_into,
+        read_whole,
+        save_parts,
+        state_problems,
+        stored_keys,
+        write_in_parts,
+        write_sharded,
+    )
 
     generator = torch.Generator().manual_seed(0)
     shapes = {"embed": (8, 16), "a": (16, 16), "b": (16,), "c": (32, 16), "head": (4, 16)}
     model = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
-    optim = {name: {"exp_avg": torch.randn(shape, generator=generator), "exp_avg_sq": torch.rand(shape, generator=generator), "step": torch.tensor(3.0)}
-             for name, shape in shapes.items()}
+    optim = {
+        name: {
+            "exp_avg": torch.randn(shape, generator=generator),
+            "exp_avg_sq": torch.rand(shape, generator=generator),
+            "step": torch.tensor(3.0),
+        }
+        for name, shape in shapes.items()
+    }
     entries = [SaveEntry(MODEL, name, 4 * tensor.numel()) for name, tensor in model.items()]
     entries += [SaveEntry(OPTIM, name, 8 * model[name].numel()) for name in model]
     budget = 3 * 4 * 16 * 16
     for world in (1, 3):
         planned = save_parts(entries, world, budget)
-        assert [(owner, entry) for part in planned for owner, entry in part] == [(i % world, e) for i, e in enumerate(entries)]  # in order, round-robin
+        assert [(owner, entry) for part in planned for owner, entry in part] == [
+            (i % world, e) for i, e in enumerate(entries)
+        ]  # in order, round-robin
         for part, rank in ((part, rank) for part in planned for rank in range(world)):
             held = [entry.nbytes for owner, entry in part if owner == rank]
             assert len(held) <= 1 or sum(held) <= budget
@@ -270,7 +305,10 @@ def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
 
     def part_states():
         for part in parts:
-            yield {MODEL: {e.name: model[e.name] for _, e in part if e.kind == MODEL}, OPTIM: {e.name: optim[e.name] for _, e in part if e.kind == OPTIM}}
+            yield {
+                MODEL: {e.name: model[e.name] for _, e in part if e.kind == MODEL},
+                OPTIM: {e.name: optim[e.name] for _, e in part if e.kind == OPTIM},
+            }
 
     streamed, whole = tmp_path / "parts", tmp_path / "whole"
     write_in_parts(part_states(), streamed).result()
@@ -282,8 +320,10 @@ def test_a_state_written_in_bounded_parts_reads_back_as_one_write(tmp_path):
     read = {key: value for batch in read_whole(streamed, keys, stored_keys(streamed)) for key, value in batch.items()}
     expected = {key: value for batch in read_whole(whole, keys, stored_keys(whole)) for key, value in batch.items()}
     assert read.keys() == expected.keys() and all(torch.equal(read[key], expected[key]) for key in keys)
-    into = {MODEL: {name: torch.zeros_like(t) for name, t in model.items()},
-            OPTIM: {name: {k: torch.zeros_like(v) for k, v in o.items()} for name, o in optim.items()}}
+    into = {
+        MODEL: {name: torch.zeros_like(t) for name, t in model.items()},
+        OPTIM: {name: {k: torch.zeros_like(v) for k, v in o.items()} for name, o in optim.items()},
+    }
     read_into(into, streamed)
     assert all(torch.equal(into[MODEL][name], model[name]) for name in model)
     assert all(torch.equal(into[OPTIM][name][k], optim[name][k]) for name in optim for k in optim[name])
@@ -309,7 +349,13 @@ def test_a_zero3_rank_reads_the_rows_around_its_partition_in_bounded_batches(tmp
     monkeypatch.setattr(engine_state, "READ_BUFFER_BYTES", budget)
     batches: list[dict[str, torch.Size]] = []
     real_read = engine_state._read
-    monkeypatch.setattr(engine_state, "_read", lambda folder, batch, planner=None: batches.append({k: v.shape for k, v in batch.items()}) or real_read(folder, batch, planner))
+    monkeypatch.setattr(
+        engine_state,
+        "_read",
+        lambda folder, batch, planner=None: (
+            batches.append({k: v.shape for k, v in batch.items()}) or real_read(folder, batch, planner)
+        ),
+    )
     for world in (1, 3, 4):
         pieces: dict[str, list[torch.Tensor]] = {name: [] for name in model}
         for rank in range(world):
@@ -329,7 +375,9 @@ def test_a_zero3_rank_reads_the_rows_around_its_partition_in_bounded_batches(tmp
                 for key, shape in batch.items():  # the rows around the range: at most one partial row each side
                     start, stop = ranges[key]
                     row = math.prod(shape[1:]) if len(shape) > 1 else 1
-                    assert shape[1:] == model[key.removeprefix(f"{MODEL}.")].shape[1:] and shape[0] * row <= stop - start + 2 * (row - 1)
+                    assert shape[1:] == model[key.removeprefix(f"{MODEL}.")].shape[1:] and shape[
+                        0
+                    ] * row <= stop - start + 2 * (row - 1)
         for name, tensor in model.items():
             assert torch.equal(torch.cat(pieces[name]), tensor.flatten()), (world, name)
 
@@ -348,9 +396,15 @@ def test_streamed_export_writes_each_tensor_as_it_arrives_in_every_dtype(tmp_pat
     from accord.output.safetensors_writer import ShardedSafetensorsWriter
 
     expected = {
-        "f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),
-        "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False, True]), "u8": torch.arange(9, dtype=torch.uint8),
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6).t(),
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).bfloat16(),
+        "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(4, 6).t(),
     }
     writer = ShardedSafetensorsWriter(tmp_path, shard_bytes=64)
     handed = []

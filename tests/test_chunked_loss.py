@@ -14,7 +14,7 @@ from accord.models.build import build_byte_tokenizer, build_model
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
 from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens
-from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
+from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 CHUNK = 5  # tokens: every batch below spans several chunks and a partial last one
@@ -64,7 +64,10 @@ def _assert_same(plain, chunked):
     assert int(chunked_out.num_targets) == int(plain_out.num_targets)
     assert plain_grads.keys() == chunked_grads.keys() and "lm_head.weight" in plain_grads
     # Relative to each gradient's largest entry: the losses are sums (not means) over targets.
-    worst = max(((chunked_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp(min=1e-30)).item() for n in plain_grads)
+    worst = max(
+        ((chunked_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp(min=1e-30)).item()
+        for n in plain_grads
+    )
     print(f"max |Δgrad| / max |grad| {worst:.2e}")
     assert worst <= 1e-6
 
@@ -97,7 +100,10 @@ def test_chunked_dpo_loss_gradients_and_rewards_equal_the_plain_ones():
     (plain, plain_model), (chunked, chunked_model) = _tasks_and_models("dpo")
     assert chunked.reference_logprobs is not None  # the frozen reference is chunked too
     batch = _batch(plain, {"prompt": PROMPTS, "chosen": COMPLETIONS, "rejected": ["358", "16", "301", "1"]})
-    plain_result, chunked_result = _loss_and_grads(plain, plain_model, batch), _loss_and_grads(chunked, chunked_model, batch)
+    plain_result, chunked_result = (
+        _loss_and_grads(plain, plain_model, batch),
+        _loss_and_grads(chunked, chunked_model, batch),
+    )
     _assert_same(plain_result, chunked_result)
     for name, value in plain_result[0].metrics.items():
         torch.testing.assert_close(chunked_result[0].metrics[name], value, rtol=1e-6, atol=1e-6)
@@ -121,13 +127,22 @@ def test_a_row_without_targets_still_reaches_the_output_layer():
 
 def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
     recipe = _recipe("sft", CHUNK)
-    recipe.model.config = {"architecture": "granite", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "logits_scaling": 2.0}
+    recipe.model.config = {
+        "architecture": "granite",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "logits_scaling": 2.0,
+    }
     tokenizer = build_byte_tokenizer()
     task = build_task(recipe, tokenizer)
     task.configure_model(build_model(recipe.model, tokenizer, recipe.seed, meta=True))
     assert task.logprobs is None
-    assert task.describe() == ["loss: over whole logits (not chunked: the model rescales its logits after the output layer (logits_scaling=2.0))"]
+    assert task.describe() == [
+        "loss: over whole logits (not chunked: the model rescales its logits after the output layer (logits_scaling=2.0))"
+    ]
 
 
 @pytest.mark.distributed
@@ -136,7 +151,11 @@ def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
     [
         pytest.param(["train.loss_chunk_size=7"], id="ddp-chunk7"),
         pytest.param(["engine.strategy=fsdp", "train.loss_chunk_size=7"], marks=pytest.mark.slow, id="fsdp-chunk7"),
-        pytest.param(["engine.strategy=zero3", "train.loss_chunk_size=7"], marks=[pytest.mark.slow, needs_deepspeed], id="zero3-chunk7"),
+        pytest.param(
+            ["engine.strategy=zero3", "train.loss_chunk_size=7"],
+            marks=[pytest.mark.slow, needs_deepspeed],
+            id="zero3-chunk7",
+        ),
     ],
 )
 def test_two_process_chunked_run_equals_the_plain_run(tmp_path, tiny_reference, overrides):

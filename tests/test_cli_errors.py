@@ -34,7 +34,10 @@ def assert_clean_error(proc, *needles):
         ("batch.micro_batch_size=5", "valid micro_batch_size values for 2 processes: 1, 2, 4, 8, 16"),
         ("engine.processes=3", "cannot be split over 3 processes"),
         ("engine.sequence_parallel=3", "engine.sequence_parallel=3 does not divide the 2 processes; use one of 1, 2"),
-        ("model.rope_scaling.rope_type=yarn model.rope_scaling.factor=0.5", "model.rope_scaling.factor: input should be greater than or equal to 1"),
+        (
+            "model.rope_scaling.rope_type=yarn model.rope_scaling.factor=0.5",
+            "model.rope_scaling.factor: input should be greater than or equal to 1",
+        ),
         ("train.loss_chunk_size=-1", "train.loss_chunk_size=-1 must be auto, 0 (the plain loss) or a number of tokens"),
         ("engine.hang_timeout_s=0", "engine.hang_timeout_s="),
         ("batch.micro_batch_size", "expected key.sub=value"),
@@ -42,12 +45,23 @@ def assert_clean_error(proc, *needles):
         ("train.eval_on_start=maybe", "train.eval_on_start: expected"),
         # found by the first worker's checks on 2 processes (by this process on 1)
         (f"model.config.architecture=lama {HERE}", "unknown model type 'lama'; did you mean llama"),
-        (f"model.config.architecture=bert model.rope_scaling.rope_type=linear model.rope_scaling.factor=2 {HERE}",
-         "model.rope_scaling: a bert model has no rotary position embeddings (RoPE)"),
-        (f"data.generate.train_examples=8 {HERE}", "(8 examples packed into rows of 32 tokens) but batch.global_batch_size=32"),
+        (
+            f"model.config.architecture=bert model.rope_scaling.rope_type=linear model.rope_scaling.factor=2 {HERE}",
+            "model.rope_scaling: a bert model has no rotary position embeddings (RoPE)",
+        ),
+        (
+            f"data.generate.train_examples=8 {HERE}",
+            "(8 examples packed into rows of 32 tokens) but batch.global_batch_size=32",
+        ),
         # Enough examples, but packed 3-4 to a row they fill fewer rows than one global batch.
-        (f"data.generate.train_examples=40 {HERE}", "(40 examples packed into rows of 32 tokens) but batch.global_batch_size=32"),
-        (f"data.packing=false data.generate.train_examples=8 {HERE}", "only 8 training examples but batch.global_batch_size=32"),
+        (
+            f"data.generate.train_examples=40 {HERE}",
+            "(40 examples packed into rows of 32 tokens) but batch.global_batch_size=32",
+        ),
+        (
+            f"data.packing=false data.generate.train_examples=8 {HERE}",
+            "only 8 training examples but batch.global_batch_size=32",
+        ),
     ],
 )
 def test_bad_input_fails_with_one_clear_line(tiny_recipe, tmp_path, override, needle):
@@ -71,7 +85,10 @@ def test_a_missing_run_output_names_the_run_to_train_first(tiny_recipe, tmp_path
     without it, the line says which run's output.dir writes that folder."""
     missing = tmp_path / "runs" / "quickstart" / "final"
     proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={missing}", HERE)
-    assert_clean_error(proc, f"model.path: folder not found: {missing} (the final model of an accord run: train the recipe whose output.dir is {missing.parent} first)")
+    assert_clean_error(
+        proc,
+        f"model.path: folder not found: {missing} (the final model of an accord run: train the recipe whose output.dir is {missing.parent} first)",
+    )
 
 
 def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
@@ -106,7 +123,9 @@ def test_model_folder_with_a_broken_config(tiny_recipe, tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
-    proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={folder}", "model.tokenizer=byte", HERE)
+    proc = run_accord_here(
+        "train", tiny_recipe, "model.config=null", f"model.path={folder}", "model.tokenizer=byte", HERE
+    )
     assert_clean_error(proc, f"model.path: {folder}/config.json cannot be loaded")
 
 
@@ -116,7 +135,11 @@ def test_model_folder_with_a_broken_config(tiny_recipe, tmp_path):
         # accelerate's accumulation against a batch that does not split at all (a BatchPlanError)
         ("2", "batch.micro_batch_size=5", "batch.micro_batch_size=5 does not divide the 32 sequences per process"),
         # ... and against a batch that splits, but into another accumulation
-        ("2", "batch.micro_batch_size=8", "gradient_accumulation_steps=2 but the recipe gives 4 (1 process × 8 sequences × 4"),
+        (
+            "2",
+            "batch.micro_batch_size=8",
+            "gradient_accumulation_steps=2 but the recipe gives 4 (1 process × 8 sequences × 4",
+        ),
     ],
 )
 def test_accelerate_accumulation_that_does_not_fit_is_one_line(tiny_recipe, tmp_path, accumulation, override, needle):
@@ -127,7 +150,9 @@ def test_accelerate_accumulation_that_does_not_fit_is_one_line(tiny_recipe, tmp_
         "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": accumulation,
     }
-    proc = run_accord_here("train", tiny_recipe, "engine.strategy=zero2", override, f"output.dir={tmp_path / 'o'}", env_extra=env)
+    proc = run_accord_here(
+        "train", tiny_recipe, "engine.strategy=zero2", override, f"output.dir={tmp_path / 'o'}", env_extra=env
+    )
     assert_clean_error(proc, needle)
 
 
@@ -138,12 +163,25 @@ def test_what_the_machine_lacks_is_checked_before_start_not_in_the_recipe(tiny_r
         proc = run_accord_here("train", tiny_recipe, "engine.strategy=zero2", f"output.dir={tmp_path / 'o'}", HERE)
         assert_clean_error(proc, "engine.strategy=zero2 needs DeepSpeed, which is not installed: pip install deepspeed")
     else:
-        proc = run_accord_here("train", tiny_recipe, "engine.strategy=zero2", "engine.precision=fp16", f"output.dir={tmp_path / 'o'}", HERE)
-        assert_clean_error(proc, "engine.precision=fp16 with engine.strategy=zero2 (DeepSpeed) needs a GPU: DeepSpeed has no fp16 on the CPU")
+        proc = run_accord_here(
+            "train", tiny_recipe, "engine.strategy=zero2", "engine.precision=fp16", f"output.dir={tmp_path / 'o'}", HERE
+        )
+        assert_clean_error(
+            proc,
+            "engine.precision=fp16 with engine.strategy=zero2 (DeepSpeed) needs a GPU: DeepSpeed has no fp16 on the CPU",
+        )
 
 
 def test_other_commands_fail_in_one_line_too(tiny_recipe, tmp_path):
-    assert_clean_error(run_accord_here("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "lots"), "--gpu-memory 'lots': expected a size")
-    assert_clean_error(run_accord_here("plan", tiny_recipe, "batch.micro_batch_size=5", "--gpus", "2"), "valid micro_batch_size values")
+    assert_clean_error(
+        run_accord_here("plan", tiny_recipe, "--gpus", "2", "--gpu-memory", "lots"),
+        "--gpu-memory 'lots': expected a size",
+    )
+    assert_clean_error(
+        run_accord_here("plan", tiny_recipe, "batch.micro_batch_size=5", "--gpus", "2"), "valid micro_batch_size values"
+    )
     assert_clean_error(run_accord_here("report", tmp_path), "no metrics.jsonl here")
-    assert_clean_error(run_accord_here("config", tiny_recipe, "--out", tmp_path / "a.yaml", "--nodes", "2"), "--nodes > 1 needs --master-addr")
+    assert_clean_error(
+        run_accord_here("config", tiny_recipe, "--out", tmp_path / "a.yaml", "--nodes", "2"),
+        "--nodes > 1 needs --master-addr",
+    )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from accord.data.fetch import fetch
 from accord.data.columns import ColumnShards, ColumnWriter, Schema, encode_columns
+from accord.data.fetch import fetch
 from accord.data.prepare import _encode, prepare_data, reads_datasets
 from accord.data.sources import DataError, load_split
 from accord.models.build import build_byte_tokenizer
@@ -52,7 +52,12 @@ def test_shards_hold_the_examples_the_arrow_encoding_gave(tmp_path, name):
 def test_dropped_examples_leave_every_column_aligned(tmp_path):
     rows = [{"prompt": "p" * (i % 7), "chosen": "c" * (i % 11), "rejected": f"r{i}"} for i in range(60)]
     recipe = recipe_for("dpo", tmp_path)
-    recipe["data"] |= {"train": str(write_jsonl(tmp_path / "d.jsonl", rows)), "max_length": 12, "truncation": "drop", "eval_fraction": 0}
+    recipe["data"] |= {
+        "train": str(write_jsonl(tmp_path / "d.jsonl", rows)),
+        "max_length": 12,
+        "truncation": "drop",
+        "eval_fraction": 0,
+    }
     recipe = validate_recipe(recipe)
     tokenizer = build_byte_tokenizer()
     data = prepare_data(recipe, tokenizer, build_task(recipe, tokenizer), preparer=True)
@@ -65,15 +70,28 @@ def test_dropped_examples_leave_every_column_aligned(tmp_path):
 def test_a_truncated_column_file_or_another_tokenizer_is_refused(tmp_path):
     schema = Schema(("a_ids", "b_ids"), labels={"a_labels": "a_ids"}, values={"label_id": "int32"})
     writer = ColumnWriter(tmp_path / "s", schema, np.dtype(np.uint16))
-    out = {"a_ids": [[1, 2, 3], [4]], "a_labels": [[-100, 2, 3], [4]], "b_ids": [[5], [6, 7]], "label_id": [1, 0],
-           "length": [3, 2], "num_targets": [1, 1], "over_length": [False, False]}
+    out = {
+        "a_ids": [[1, 2, 3], [4]],
+        "a_labels": [[-100, 2, 3], [4]],
+        "b_ids": [[5], [6, 7]],
+        "label_id": [1, 0],
+        "length": [3, 2],
+        "num_targets": [1, 1],
+        "over_length": [False, False],
+    }
     writer.add_chunk(encode_columns(schema, out, np.dtype(np.uint16)), np.array([True, True]))
     writer.close("tok")
-    assert ColumnShards(tmp_path / "s", "tok")[1] == {"a_ids": [4], "b_ids": [6, 7], "a_labels": [4], "label_id": 0, "length": 2, "num_targets": 1}
+    assert ColumnShards(tmp_path / "s", "tok")[1] == {
+        "a_ids": [4],
+        "b_ids": [6, 7],
+        "a_labels": [4],
+        "label_id": 0,
+        "length": 2,
+        "num_targets": 1,
+    }
     with pytest.raises(DataError, match="prepared with another tokenizer"):
         ColumnShards(tmp_path / "s", "other")
     with open(tmp_path / "s" / "b_ids.ids.bin", "r+b") as f:
         f.truncate(2)
     with pytest.raises(DataError, match=r"b_ids.ids.bin: truncated or damaged \(2 bytes, expected 6\)"):
         ColumnShards(tmp_path / "s", "tok")
-

@@ -53,7 +53,12 @@ def test_latin_1_csv_and_text_files_are_decoded(tmp_path):
     (tmp_path / "rows.csv").write_bytes("sentence,sentiment\ncafé crème,positive\n".encode("latin-1"))
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "play.txt").write_bytes("naïve façade".encode("latin-1"))
-    rows = load_source(SourceConfig(path=str(tmp_path / "rows.csv"), encoding="latin-1", fields={"text": "sentence", "label": "sentiment"}), ("text", "label"))
+    rows = load_source(
+        SourceConfig(
+            path=str(tmp_path / "rows.csv"), encoding="latin-1", fields={"text": "sentence", "label": "sentiment"}
+        ),
+        ("text", "label"),
+    )
     assert (rows[0]["text"], rows[0]["label"]) == ("café crème", "positive")
     texts = load_source(SourceConfig(path=str(tmp_path / "texts"), format="text", encoding="latin-1"), ("text",))
     assert texts["text"] == ["naïve façade"]
@@ -61,7 +66,9 @@ def test_latin_1_csv_and_text_files_are_decoded(tmp_path):
 
 def test_fields_rename_columns(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
-    loaded = load_source(SourceConfig(path=str(path), fields={"prompt": "question", "completion": "answer"}), ("prompt", "completion"))
+    loaded = load_source(
+        SourceConfig(path=str(path), fields={"prompt": "question", "completion": "answer"}), ("prompt", "completion")
+    )
     assert loaded[0]["prompt"] == "q" and loaded[0]["completion"] == "a"
 
 
@@ -90,7 +97,9 @@ def test_weighted_sources_are_mixed_in_proportion(tmp_path):
     cfg = sft_recipe(tmp_path, train=[{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}]).data
     train, _ = load_split(cfg, seed=0, required=("prompt", "completion"))
     share_a = train["prompt"].count("a") / len(train)
-    assert 0.65 < share_a < 0.85 and set(train.filter(lambda r: r["prompt"] == "b")["completion"]) == {str(i) for i in range(100)}
+    assert 0.65 < share_a < 0.85 and set(train.filter(lambda r: r["prompt"] == "b")["completion"]) == {
+        str(i) for i in range(100)
+    }
 
 
 def test_held_out_fraction_is_seeded_and_disjoint(tmp_path):
@@ -107,7 +116,16 @@ def test_chatterbot_and_contrastive_adapters(tmp_path):
     chat = load_source(SourceConfig(path=str(tmp_path / "c.yml")), ())
     assert chat[0]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     pairs = tmp_path / "p.json"
-    pairs.write_text(json.dumps([{"positive": "Question?\nChoices: (A) (B)\nAnswer: (A)", "negative": "Question?\nChoices: (A) (B)\nAnswer: (B)"}]))
+    pairs.write_text(
+        json.dumps(
+            [
+                {
+                    "positive": "Question?\nChoices: (A) (B)\nAnswer: (A)",
+                    "negative": "Question?\nChoices: (A) (B)\nAnswer: (B)",
+                }
+            ]
+        )
+    )
     row = load_source(SourceConfig(path=str(pairs), format="contrastive"), ("prompt", "chosen", "rejected"))[0]
     assert (row["prompt"], row["chosen"], row["rejected"]) == ("Question?\nChoices: (A) (B)\nAnswer: ", "(A)", "(B)")
 
@@ -147,7 +165,10 @@ def test_over_long_example_with_truncation_error(tmp_path):
 
 
 def test_drop_and_truncate_policies_are_counted(tmp_path):
-    path = write_jsonl(tmp_path / "long.jsonl", ROWS + [{"prompt": "x" * 100, "completion": "y"}, {"prompt": "1", "completion": "z" * 100}])
+    path = write_jsonl(
+        tmp_path / "long.jsonl",
+        ROWS + [{"prompt": "x" * 100, "completion": "y"}, {"prompt": "1", "completion": "z" * 100}],
+    )
     dropped = prepare(sft_recipe(tmp_path, train=str(path), truncation="drop")).report
     assert (dropped["train_examples"], dropped["train_over_length"], dropped["train_dropped"]) == (12, 2, 2)
     cut = prepare(sft_recipe(tmp_path, train=str(path), truncation="truncate")).report

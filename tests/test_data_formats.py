@@ -38,7 +38,9 @@ def test_sharegpt_and_content_parts_give_the_same_tokens_as_messages(tmp_path):
     shapes = {
         "messages": [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in CHAT],
         "sharegpt": [{"conversations": [{"from": SHAREGPT_NAMES[r], "value": c} for r, c in chat]} for chat in CHAT],
-        "parts": [{"messages": [{"role": r, "content": [{"type": "text", "text": c}]} for r, c in chat]} for chat in CHAT],
+        "parts": [
+            {"messages": [{"role": r, "content": [{"type": "text", "text": c}]} for r, c in chat]} for chat in CHAT
+        ],
     }
     encoded = {}
     for name, rows in shapes.items():
@@ -46,18 +48,26 @@ def test_sharegpt_and_content_parts_give_the_same_tokens_as_messages(tmp_path):
         encoded[name] = (data.train["input_ids"], data.train["labels"])
     assert encoded["sharegpt"] == encoded["messages"] and encoded["parts"] == encoded["messages"]
     assert sum(label != -100 for label in encoded["messages"][1][1]) > 0  # assistant turns carry the loss
-    two_parts = write_jsonl(tmp_path / "two.jsonl", [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}])
+    two_parts = write_jsonl(
+        tmp_path / "two.jsonl",
+        [{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}],
+    )
     assert load_source(SourceConfig(path=str(two_parts)), ())[0]["messages"][0]["content"] == "a\nb"
 
 
 def test_a_sharegpt_role_outside_the_mapping_and_a_non_text_part_name_the_file_and_row(tmp_path):
-    bad = write_jsonl(tmp_path / "c.jsonl", [
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "hello"}]},
-    ])
+    bad = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "hello"}]},
+        ],
+    )
     with pytest.raises(DataError, match=r"c\.jsonl: row 2: ShareGPT role 'narrator' is not one of human, user, gpt"):
         load_source(SourceConfig(path=str(bad)), ())
-    image = write_jsonl(tmp_path / "i.jsonl", [{"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]}])
+    image = write_jsonl(
+        tmp_path / "i.jsonl", [{"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]}]
+    )
     with pytest.raises(DataError, match=r"i\.jsonl: row 1: a message content part of type 'image_url'"):
         load_source(SourceConfig(path=str(image)), ())
 
@@ -70,13 +80,29 @@ def test_text_is_cut_into_documents_by_line_paragraph_or_separator(tmp_path):
         return load_source(SourceConfig(path=str(path), document=document), ("text",))["text"]
 
     assert docs("file") == [path.read_text()]
-    assert docs("line") == ["A penny saved.", "Is a penny earned.", "%", "He who hesitates", "is lost, 50% of the time.", "%"]  # blank lines are no documents
-    assert docs("paragraph") == ["A penny saved.\nIs a penny earned.\n%", "He who hesitates", "is lost, 50% of the time.\n%"]
-    assert docs({"separator": "\n%\n"}) == ["A penny saved.\nIs a penny earned.", "He who hesitates\n  \nis lost, 50% of the time."]
+    assert docs("line") == [
+        "A penny saved.",
+        "Is a penny earned.",
+        "%",
+        "He who hesitates",
+        "is lost, 50% of the time.",
+        "%",
+    ]  # blank lines are no documents
+    assert docs("paragraph") == [
+        "A penny saved.\nIs a penny earned.\n%",
+        "He who hesitates",
+        "is lost, 50% of the time.\n%",
+    ]
+    assert docs({"separator": "\n%\n"}) == [
+        "A penny saved.\nIs a penny earned.",
+        "He who hesitates\n  \nis lost, 50% of the time.",
+    ]
     with pytest.raises(DataError, match=r"fortunes\.txt: the document separator '@@' never occurs in this file"):
         docs({"separator": "@@"})
     with pytest.raises(DataError, match=r"document: line splits text files; this source is jsonl"):
-        load_source(SourceConfig(path=str(write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])), document="line"), ("text",))
+        load_source(
+            SourceConfig(path=str(write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])), document="line"), ("text",)
+        )
 
 
 def test_a_folder_glob_picks_the_files_and_one_matching_nothing_is_an_error(tmp_path):
@@ -85,7 +111,9 @@ def test_a_folder_glob_picks_the_files_and_one_matching_nothing_is_an_error(tmp_
     (tmp_path / "docs" / "deep" / "b.md").write_text("beta")
     (tmp_path / "docs" / "notes.txt").write_text("gamma")
     folder = str(tmp_path / "docs")
-    assert load_source(SourceConfig(path=folder), ("text",))["text"] == ["gamma"]  # default: the folder's format's suffixes
+    assert load_source(SourceConfig(path=folder), ("text",))["text"] == [
+        "gamma"
+    ]  # default: the folder's format's suffixes
     assert load_source(SourceConfig(path=folder, glob="**/*.md"), ("text",))["text"] == ["alpha", "beta"]
     with pytest.raises(DataError, match=r"docs: glob: '\*\*/\*\.rst' matches no files in this folder"):
         load_source(SourceConfig(path=folder, glob="**/*.rst"), ("text",))
@@ -100,7 +128,9 @@ def test_relative_paths_are_read_beside_the_recipe_and_the_error_says_where_it_l
     monkeypatch.chdir(tmp_path)
     loaded = load_recipe(path)
     assert loaded.data.train[0].path == str(project / "rows.jsonl")
-    with pytest.raises(DataError, match=rf"data.eval: data source 'missing.jsonl' not found \(looked in {tmp_path} and {project}; "):
+    with pytest.raises(
+        DataError, match=rf"data.eval: data source 'missing.jsonl' not found \(looked in {tmp_path} and {project}; "
+    ):
         load_split(loaded.data, 0, ("prompt", "completion"))
     write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "from the", "completion": "current folder"}])
     assert load_recipe(path).data.train[0].path == "rows.jsonl"  # as before: the current folder first
@@ -108,7 +138,9 @@ def test_relative_paths_are_read_beside_the_recipe_and_the_error_says_where_it_l
 
 def classify_fit(tmp_path, rows, labels=None):
     """(task after fit, the label ids it encodes the rows with); `rows`: a list, or a source path."""
-    r = recipe(tmp_path, "classify", train=rows if isinstance(rows, str) else str(write_jsonl(tmp_path / "labels.jsonl", rows)))
+    r = recipe(
+        tmp_path, "classify", train=rows if isinstance(rows, str) else str(write_jsonl(tmp_path / "labels.jsonl", rows))
+    )
     if labels:
         r = validate_recipe(r.model_dump(mode="json") | {"classify": {"labels": labels}})
     task = build_task(r, build_byte_tokenizer())
@@ -121,7 +153,9 @@ def test_integer_labels_keep_their_ids_and_can_be_named(tmp_path):
     rows = [{"text": f"t{i}", "label": i} for i in (11, 2, 0, 10, 1, 3, 4, 5, 6, 7, 8, 9)]
     task, ids = classify_fit(tmp_path, rows)
     assert task.model_kwargs()["id2label"] == {i: str(i) for i in range(12)} and ids == [r["label"] for r in rows]
-    task, ids = classify_fit(tmp_path, [{"text": "a", "label": 1}, {"text": "b", "label": 0}], labels=["different", "same"])
+    task, ids = classify_fit(
+        tmp_path, [{"text": "a", "label": 1}, {"text": "b", "label": 0}], labels=["different", "same"]
+    )
     assert task.model_kwargs()["id2label"] == {0: "different", 1: "same"} and ids == [1, 0]
     with pytest.raises(DataError, match=r"row 2: label 2 is not in the label set ids 0=different, 1=same"):
         classify_fit(tmp_path, [{"text": "a", "label": 1}, {"text": "b", "label": 2}], labels=["different", "same"])
@@ -145,7 +179,9 @@ def test_a_save_to_disk_folder_with_a_class_label_column_brings_its_names(tmp_pa
     import datasets
 
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
-    rows = datasets.Dataset.from_list([{"text": "bad", "label": 0}, {"text": "good", "label": 1}, {"text": "fine", "label": 1}], features=features)
+    rows = datasets.Dataset.from_list(
+        [{"text": "bad", "label": 0}, {"text": "good", "label": 1}, {"text": "fine", "label": 1}], features=features
+    )
     datasets.DatasetDict({"train": rows}).save_to_disk(str(tmp_path / "saved"))
     task, ids = classify_fit(tmp_path, str(tmp_path / "saved"))
     assert task.model_kwargs()["id2label"] == {0: "neg", 1: "pos"} and ids == [0, 1, 1]
@@ -159,9 +195,13 @@ def test_eval_fraction_over_documents_holds_out_that_share_of_the_text(tmp_path)
     train, held = load_split(recipe(tmp_path, "pretrain", train=str(folder), eval_fraction=0.05).data, 0, ("text",))
     sizes = [sum(map(len, ds["text"])) for ds in (train, held)]
     assert 0.045 < sizes[1] / sum(sizes) < 0.055 and all(t.endswith("\n") for t in held["text"])  # cut at a line break
-    assert "".join(list(train["text"]) + list(held["text"])).count("\n") == sum([400, 900, 150, 1200, 700, 300, 1000, 500])
+    assert "".join(list(train["text"]) + list(held["text"])).count("\n") == sum(
+        [400, 900, 150, 1200, 700, 300, 1000, 500]
+    )
     assert held_out_warning(0.05, 900, 100) is None
-    assert "held-out split has 15.0% of the tokens, over twice data.eval_fraction=0.05" in held_out_warning(0.05, 850, 150)
+    assert "held-out split has 15.0% of the tokens, over twice data.eval_fraction=0.05" in held_out_warning(
+        0.05, 850, 150
+    )
 
 
 def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, monkeypatch):
@@ -173,10 +213,19 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
     from accord.models.build import adapter_saving, apply_lora
     from accord.recipe.schema import LoraConfig
 
-    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     model = AutoModelForCausalLM.from_config(config)
     model.name_or_path = str(tmp_path / ".cache" / "converted-gguf")  # where transformers loaded it from
-    wrapped = apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0, base="models/tiny.gguf")
+    wrapped = apply_lora(
+        model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0, base="models/tiny.gguf"
+    )
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     requests = []
     monkeypatch.setattr("peft.utils.other.file_exists", lambda *a, **k: requests.append(a) or True)
@@ -192,9 +241,14 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
 def test_accord_data_shows_the_loss_tokens_and_the_counts(tmp_path, capsys):
     from accord.cli.main import main
 
-    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(6)] + [{"prompt": "long:", "completion": "y" * 40}]
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(6)] + [
+        {"prompt": "long:", "completion": "y" * 40}
+    ]
     train = write_jsonl(tmp_path / "rows.jsonl", rows)
-    path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"data": {"train": str(train), "max_length": 32, "cache_dir": str(tmp_path / "cache")}})
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        TINY_RECIPE | {"data": {"train": str(train), "max_length": 32, "cache_dir": str(tmp_path / "cache")}},
+    )
     assert main(["data", str(path), "--show", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1:5] == ["--- example 1", "<|bos|>0+1=[[1<|eos|>]]", "--- example 2", "<|bos|>1+1=[[2<|eos|>]]"]

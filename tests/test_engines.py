@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from accord.distributed.batch_plan import BatchPlan
 from accord.checkpoint.store import complete_checkpoints
+from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine import build_engine
 from accord.engine.ddp import DDPEngine
@@ -57,9 +57,15 @@ def test_an_engine_names_its_model_and_its_state_optimizer_once():
     assert not hasattr(engine, "model")
     grad_norm, applied = _train_step(engine, torch.ones(2, 4))
     assert applied and torch.isfinite(grad_norm)
-    assert engine.state_optimizer is engine.optimizer and len(engine.state_optimizer.state) == len(list(model.parameters()))
+    assert engine.state_optimizer is engine.optimizer and len(engine.state_optimizer.state) == len(
+        list(model.parameters())
+    )
     held = engine.model_state_bytes()
-    assert held["params"] == sum(p.numel() * 4 for p in model.parameters()) and held["optimizer"] > 0 and held["master"] == 0
+    assert (
+        held["params"] == sum(p.numel() * 4 for p in model.parameters())
+        and held["optimizer"] > 0
+        and held["master"] == 0
+    )
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -76,18 +82,28 @@ def test_a_nonfinite_update_is_dropped_only_when_asked(skip):
 
 def test_zero1_without_deepspeed_takes_torch_and_one_process_takes_ddp(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
+    )
     engine = build_engine(_recipe(strategy="zero1"), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
     assert type(engine) is DDPEngine  # one process: nothing to shard
-    assert "zero1 uses torch's ZeroRedundancyOptimizer over DDP because DeepSpeed is not installed" in capsys.readouterr().err
+    assert (
+        "zero1 uses torch's ZeroRedundancyOptimizer over DDP because DeepSpeed is not installed"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_without_deepspeed_its_strategies_name_the_install(monkeypatch, strategy):
     recipe = _recipe(strategy=strategy)  # validated while DeepSpeed is there
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
-    with pytest.raises(UserInputError, match=rf"^engine.strategy={strategy} needs DeepSpeed, which is not installed: pip install deepspeed"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
+    )
+    with pytest.raises(
+        UserInputError,
+        match=rf"^engine.strategy={strategy} needs DeepSpeed, which is not installed: pip install deepspeed",
+    ):
         build_engine(recipe, _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
 
 
@@ -131,7 +147,9 @@ ZERO_INTERNALS = {
         (3, "fp16", "loss_scale"),
     ],
 )
-def test_the_state_bridge_stops_on_a_deepspeed_without_an_internal_it_needs(monkeypatch, capsys, stage, precision, missing):
+def test_the_state_bridge_stops_on_a_deepspeed_without_an_internal_it_needs(
+    monkeypatch, capsys, stage, precision, missing
+):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     import deepspeed
 
@@ -163,7 +181,9 @@ def _nan_run(tmp_path, strategy: str, on_nonfinite: str, *overrides: str):
     raw["engine"] |= {"strategy": strategy, "device": "cpu"}
     recipe = write_recipe(tmp_path / f"{strategy}.yaml", raw)
     out = tmp_path / f"{strategy}-{on_nonfinite}"
-    proc = run_accord("train", recipe, "train.max_steps=12", f"train.on_nonfinite={on_nonfinite}", f"output.dir={out}", *overrides)
+    proc = run_accord(
+        "train", recipe, "train.max_steps=12", f"train.on_nonfinite={on_nonfinite}", f"output.dir={out}", *overrides
+    )
     return proc, out
 
 

@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 
 from accord.distributed import group as dist
-from accord.run.evaluate import GENERATION_ROWS_PER_CHECK, EvaluationStopped, Evaluator
 from accord.recipe.schema import TrainConfig
+from accord.run.evaluate import GENERATION_ROWS_PER_CHECK, EvaluationStopped, Evaluator
 from accord.stopping import StopRequest
 from accord.tasks.base import PADDING
 
@@ -53,7 +53,9 @@ class _CountingTask:
 
 
 def _evaluator(task, rows: int, eval_generate: int) -> Evaluator:
-    engine = types.SimpleNamespace(module=torch.nn.Linear(1, 1), device=torch.device("cpu"), lockstep=False, autocast=contextlib.nullcontext)
+    engine = types.SimpleNamespace(
+        module=torch.nn.Linear(1, 1), device=torch.device("cpu"), lockstep=False, autocast=contextlib.nullcontext
+    )
     info = dist.DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
     cfg = TrainConfig(max_steps=1, eval_micro_batch_size=8, eval_generate=eval_generate)
     return Evaluator(task, engine, info, Dataset.from_dict({"x": list(range(rows))}), cfg)

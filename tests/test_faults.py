@@ -8,7 +8,17 @@ import sys
 import pytest
 
 from accord.checkpoint.store import complete_checkpoints, incomplete_checkpoints
-from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_accord_here, run_process, step_losses, write_recipe
+from conftest import (
+    REPO,
+    TINY_RECIPE,
+    accord_env,
+    assert_ok,
+    run_accord,
+    run_accord_here,
+    run_process,
+    step_losses,
+    write_recipe,
+)
 from test_cli_errors import HERE
 
 
@@ -25,7 +35,9 @@ def _accord_faults(monkeypatch, spec: str) -> None:
 def test_nonfinite_loss_stops_naming_the_step(recipe, tmp_path, monkeypatch):
     _accord_faults(monkeypatch, "nan_loss_at_step=7")
     out = tmp_path / "nan"
-    proc = run_accord("train", recipe, "train.max_steps=12", "train.log_every=4", "checkpoint.every_steps=5", f"output.dir={out}")
+    proc = run_accord(
+        "train", recipe, "train.max_steps=12", "train.log_every=4", "checkpoint.every_steps=5", f"output.dir={out}"
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "accord: error: step 7: loss nan is not finite; stopping" in proc.stderr
@@ -81,7 +93,9 @@ def test_checkpoint_write_failure_stops_cleanly_and_keeps_the_previous(tmp_path)
     out = tmp_path / "full"
     proc = run_process([sys.executable, "-c", DISK_FULL, str(out)], cwd=REPO / "tests", env=accord_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: "):])
+    result = json.loads(
+        next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[len("result: ") :]
+    )
     assert result["status"] == "stopped"
     assert "could not write the checkpoint of step 8: No space left on device" in result["message"]
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-000004"]

@@ -50,7 +50,11 @@ entry()
 
 @pytest.mark.parametrize(
     "command, first_line",
-    [("train", "checking recipe…"), ("plan", "planning (the model is built on the meta device: nothing is loaded)…"), ("report", "rendering the report of {}…")],
+    [
+        ("train", "checking recipe…"),
+        ("plan", "planning (the model is built on the meta device: nothing is loaded)…"),
+        ("report", "rendering the report of {}…"),
+    ],
 )
 def test_the_first_line_comes_before_torch_is_imported(tmp_path, command, first_line):
     """`accord train`, `plan` and `report` say what they do on stderr before importing torch or
@@ -61,8 +65,16 @@ def test_the_first_line_comes_before_torch_is_imported(tmp_path, command, first_
 
     from conftest import accord_env
 
-    missing = str(tmp_path / ("missing-run" if command == "report" else "missing.yaml"))  # never read: the test ends at the first line
+    missing = str(
+        tmp_path / ("missing-run" if command == "report" else "missing.yaml")
+    )  # never read: the test ends at the first line
     first_line = first_line.format(missing)
-    proc = subprocess.run([sys.executable, "-c", FIRST_LINE, command, missing], capture_output=True, text=True, env=accord_env(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_LINE, command, missing],
+        capture_output=True,
+        text=True,
+        env=accord_env(),
+        timeout=120,
+    )
     assert proc.stdout.strip() == repr((False, first_line)), proc.stdout + proc.stderr
     assert proc.stderr == f"accord: {first_line}\n"

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from accord.errors import UserInputError
-from accord.recipe.schema import RecipeError, validate_recipe
 from accord.recipe.grpo import GRPOConfig
+from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
 from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed, token_logprobs
-
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
 
@@ -28,8 +27,18 @@ def _tiny_llama(vocab: int = 40):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -72,8 +81,20 @@ def test_sampled_tokens_follow_the_softmax_the_loss_scores_at_that_temperature()
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # a peaked distribution, so a temperature mix-up shows
     prompt, temperature, n = [1, 5, 9, 7], 0.5, 3000
-    firsts = [g[0] for g in sample_groups(model, [prompt], [[sample_seed(0, 0, 0, k) for k in range(n)]], max_new_tokens=1,
-                                         temperature=temperature, top_p=1.0, eos_id=2, pad_id=0, lockstep=False)[0]]
+    firsts = [
+        g[0]
+        for g in sample_groups(
+            model,
+            [prompt],
+            [[sample_seed(0, 0, 0, k) for k in range(n)]],
+            max_new_tokens=1,
+            temperature=temperature,
+            top_p=1.0,
+            eos_id=2,
+            pad_id=0,
+            lockstep=False,
+        )[0]
+    ]
     candidates = torch.tensor([prompt + [t] for t in range(40)])
     with torch.no_grad():
         probs = token_logprobs(model, candidates, torch.ones_like(candidates), temperature)[:, -1].exp()
@@ -100,17 +121,31 @@ def test_token_loss_and_gradient_equal_trl_grpo_trainer_compute_loss():
 
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros(b, t), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1), loss_type="dapo",
-        epsilon_low=eps, epsilon_high=eps, use_vllm=False, model=types.SimpleNamespace(training=True),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        loss_type="dapo",
+        epsilon_low=eps,
+        epsilon_high=eps,
+        use_vllm=False,
+        model=types.SimpleNamespace(training=True),
         accelerator=types.SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x),
-        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
     )
     inputs = {
-        "prompt_ids": torch.ones(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
-        "completion_ids": torch.ones(b, t, dtype=torch.long), "completion_mask": mask,
-        "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum(),
+        "prompt_ids": torch.ones(b, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.ones(b, t, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
     }
     trl_loss = trainer_mod.GRPOTrainer._compute_loss(fake, None, inputs)
     (trl_grad,) = torch.autograd.grad(trl_loss, logps)
@@ -128,7 +163,9 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
     completion's own (logits at t score token t+1, prompt and padding left out), and the step
     raises the log-probability of the rewarded completion and lowers the others'."""
     model = _tiny_llama()
-    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 4, "max_new_tokens": 4, "beta": 0.0}}))
+    raw = json.loads(
+        json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 4, "max_new_tokens": 4, "beta": 0.0}})
+    )
     raw["data"]["add_bos"] = "never"
     task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
     prompt, completions = [1, 5, 9, 7], [[11, 12, 2], [13, 2], [14, 15, 16, 17], [18, 19, 2]]
@@ -138,7 +175,9 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
 
     def own_logps() -> torch.Tensor:  # each (prompt + completion) alone, unpadded
         with torch.no_grad():
-            rows = [model(torch.tensor([prompt + c])).logits[0, len(prompt) - 1 : -1].log_softmax(-1) for c in completions]
+            rows = [
+                model(torch.tensor([prompt + c])).logits[0, len(prompt) - 1 : -1].log_softmax(-1) for c in completions
+            ]
             return torch.stack([row.gather(-1, torch.tensor(c)[:, None]).sum() for row, c in zip(rows, completions)])
 
     before = own_logps()
@@ -158,7 +197,15 @@ def test_a_group_gets_the_sampling_policys_log_probs_of_its_completion_positions
     denominator; completions of different lengths, right-padded): its (G, longest
     completion) rows equal the log-probs of each sequence alone."""
     model = _tiny_llama()
-    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04, "num_iterations": 2}}))
+    raw = json.loads(
+        json.dumps(
+            {
+                **TINY_RECIPE,
+                "task": "grpo",
+                "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04, "num_iterations": 2},
+            }
+        )
+    )
     raw["data"]["add_bos"] = "never"
     task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
     task.policy = model
@@ -183,11 +230,16 @@ def test_while_the_policy_is_the_reference_the_kl_term_adds_exactly_no_gradient(
     depends on the split of the batch (1 and 2 processes ended 0.01 apart). Two groups of
     different prompt lengths in one micro-batch, every advantage 0: no gradient at all."""
     model = _tiny_llama()
-    raw = json.loads(json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}}))
+    raw = json.loads(
+        json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}})
+    )
     raw["data"]["add_bos"] = "never"
     task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
     task.policy, task.reference = model, copy.deepcopy(model).requires_grad_(False).eval()
-    groups = [Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []), Rollout([5, 9], [[20, 21, 22], [23]], {}, [])]
+    groups = [
+        Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []),
+        Rollout([5, 9], [[20, 21, 22], [23]], {}, []),
+    ]
     for g in groups:
         g.advantages = torch.zeros(2)
     out = task.loss(model, task._collate_groups(groups, with_logps=True))
@@ -212,21 +264,37 @@ def answer_length(prompts, completions, completion, **columns):
 
 
 def _group(completions):
-    return Group("1+2=", {"prompt": "1+2=", "completion": "3", "__source": "data.jsonl", "__row": 4}, completions, [len(c) + 1 for c in completions])
+    return Group(
+        "1+2=",
+        {"prompt": "1+2=", "completion": "3", "__source": "data.jsonl", "__row": 4},
+        completions,
+        [len(c) + 1 for c in completions],
+    )
 
 
 def test_builtin_and_callable_rewards_score_a_group():
-    cfg = GRPOConfig(max_new_tokens=4, rewards=[
-        {"kind": "exact_match"}, {"kind": "regex", "pattern": r"\d+"}, {"kind": "length"}, {"kind": "function", "function": "test_grpo:answer_length"},
-    ])
+    cfg = GRPOConfig(
+        max_new_tokens=4,
+        rewards=[
+            {"kind": "exact_match"},
+            {"kind": "regex", "pattern": r"\d+"},
+            {"kind": "length"},
+            {"kind": "function", "function": "test_grpo:answer_length"},
+        ],
+    )
     rewards = RewardFunctions(cfg)
     assert rewards.names == ["exact_match", "regex", "length", "answer_length"]
     scores = rewards.score(_group(["3", " 3 ", "x3", "12"]))
     assert scores.tolist() == [[1, 1, 0, 0], [1, 0, 0, 1], [-0.5, -1.0, -0.75, -0.75], [1, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("function, words", [("test_grpo:bad_reward", ["test_grpo:bad_reward raised ValueError: boom", "data.jsonl: row 4"]),
-                                             ("test_grpo:nan_reward", ["nan_reward returned nan", "data.jsonl: row 4"])])
+@pytest.mark.parametrize(
+    "function, words",
+    [
+        ("test_grpo:bad_reward", ["test_grpo:bad_reward raised ValueError: boom", "data.jsonl: row 4"]),
+        ("test_grpo:nan_reward", ["nan_reward returned nan", "data.jsonl: row 4"]),
+    ],
+)
 def test_a_failing_reward_callable_is_one_line_naming_function_and_row(function, words):
     rewards = RewardFunctions(GRPOConfig(rewards=[{"kind": "function", "function": function}]))
     with pytest.raises(RewardFailed) as e:
@@ -240,8 +308,11 @@ def _recipe(**grpo):
 
 
 def test_bad_grpo_settings_are_one_line_each(tmp_path):
-    for grpo, words in (({"group_size": 1}, "grpo.group_size"), ({"max_new_tokens": 0}, "grpo.max_new_tokens"),
-                        ({"rewards": [{"kind": "exact"}]}, "grpo.rewards")):
+    for grpo, words in (
+        ({"group_size": 1}, "grpo.group_size"),
+        ({"max_new_tokens": 0}, "grpo.max_new_tokens"),
+        ({"rewards": [{"kind": "exact"}]}, "grpo.rewards"),
+    ):
         with pytest.raises(RecipeError) as e:
             _recipe(**grpo)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -253,9 +324,21 @@ def test_bad_grpo_settings_are_one_line_each(tmp_path):
     causal = tmp_path / "causal"
     _tiny_llama().save_pretrained(causal)
     two = tmp_path / "two"
-    LlamaForSequenceClassification(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                               num_attention_heads=2, num_labels=2)).save_pretrained(two)
-    for folder, words in ((causal, "is not a sequence classifier"), (two, "has 2 outputs"), (tmp_path / "none", "is not a model folder")):
+    LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_labels=2,
+        )
+    ).save_pretrained(two)
+    for folder, words in (
+        (causal, "is not a sequence classifier"),
+        (two, "has 2 outputs"),
+        (tmp_path / "none", "is not a model folder"),
+    ):
         with pytest.raises(UserInputError, match=words):
             RewardFunctions(GRPOConfig(rewards=[{"kind": "model", "path": str(folder)}]))
 
@@ -269,8 +352,17 @@ def test_reward_model_folder_scores_prompt_and_completion(tmp_path):
     folder = tmp_path / "rm"
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                       num_attention_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    model = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     rewards = RewardFunctions(GRPOConfig(rewards=[{"kind": "model", "path": str(folder)}]))
@@ -286,8 +378,13 @@ def test_missing_prompt_column_stops_before_training(tmp_path):
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
-    raw = {**TINY_RECIPE, "task": "grpo", "data": {"train": str(data), "max_length": 32, "cache_dir": str(tmp_path / "cache")},
-           "batch": {"global_batch_size": 4}, "grpo": {"max_new_tokens": 8}}
+    raw = {
+        **TINY_RECIPE,
+        "task": "grpo",
+        "data": {"train": str(data), "max_length": 32, "cache_dir": str(tmp_path / "cache")},
+        "batch": {"global_batch_size": 4},
+        "grpo": {"max_new_tokens": 8},
+    }
     problems = prepare_and_check_data(validate_recipe(json.loads(json.dumps(raw))))
     assert len(problems) == 1 and "missing field 'prompt'" in problems[0], problems
 
@@ -304,8 +401,12 @@ def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
     task = GRPOTask(tokenizer, _recipe(max_new_tokens=4, rewards=[{"kind": "regex", "pattern": ".*"}]))
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                    {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "SECRET"}]
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "SECRET"},
+    ]
     rows = datasets.Dataset.from_list([{"messages": conversation}])
     train, _ = task.fit(rows, None)
     encoded = task.encode_batch(train[:1])
@@ -332,15 +433,26 @@ def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone()
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
     model = _tiny_llama(vocab=len(tokenizer))
-    task = GRPOTask(tokenizer, _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}]))
+    task = GRPOTask(
+        tokenizer, _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}])
+    )
     prompts = ["1+2=", "13+4=", "5+6=", "99+9=", "7+8=", "40+1="]
     rows = [{k: v[0] for k, v in task.encode_batch({"prompt": [p], "completion": ["0"]}).items()} for p in prompts]
     rows.append({**rows[0], PADDING: True})
 
     def alone(row) -> str:
         ids = torch.tensor([row["prompt_ids"]])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                             pad_token_id=task.pad_id, eos_token_id=task.eos_id, temperature=None, top_p=None, top_k=None)[0, ids.shape[1] :].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=task.pad_id,
+            eos_token_id=task.eos_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )[0, ids.shape[1] :].tolist()
         out = out[: out.index(task.eos_id)] if task.eos_id in out else out
         return tokenizer.decode(out, skip_special_tokens=True)
 
@@ -356,11 +468,19 @@ def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone()
 GRPO_RUN = {
     **TINY_RECIPE,
     "task": "grpo",
-    "data": {"generate": {"kind": "addition", "train_examples": 64, "eval_examples": 8, "max_digits": 2}, "max_length": 32},
+    "data": {
+        "generate": {"kind": "addition", "train_examples": 64, "eval_examples": 8, "max_digits": 2},
+        "max_length": 32,
+    },
     "batch": {"global_batch_size": 4, "micro_batch_size": 2},
     "optim": {"lr": 3.0e-3, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
     "train": {"max_steps": 4, "log_every": 1},
-    "grpo": {"group_size": 4, "max_new_tokens": 5, "beta": 0.04, "rewards": [{"kind": "regex", "pattern": ".*[a-z].*"}, {"kind": "length", "weight": 0.5}]},
+    "grpo": {
+        "group_size": 4,
+        "max_new_tokens": 5,
+        "beta": 0.04,
+        "rewards": [{"kind": "regex", "pattern": ".*[a-z].*"}, {"kind": "length", "weight": 0.5}],
+    },
 }
 
 
@@ -369,7 +489,9 @@ def _samples(out: Path) -> list[dict]:
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
-    recipe = write_recipe(tmp_path / f"{name}.yaml", {**GRPO_RUN, "data": {**GRPO_RUN["data"], "cache_dir": str(tmp_path / "cache")}})
+    recipe = write_recipe(
+        tmp_path / f"{name}.yaml", {**GRPO_RUN, "data": {**GRPO_RUN["data"], "cache_dir": str(tmp_path / "cache")}}
+    )
     out = tmp_path / name
     assert_ok(run_accord("train", recipe, f"output.dir={out}", *overrides, timeout=600))
     return out
@@ -388,7 +510,17 @@ def test_grpo_update_is_the_same_on_one_and_two_processes(tmp_path):
     by_two = {(s["step"], s["prompt"], s["completion"]) for s in _samples(two)}
     assert by_two and by_two <= {(s["step"], s["prompt"], s["completion"]) for s in _samples(one)}
     steps = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
-    for key in ("reward", "reward_regex", "reward_length", "reward_std", "kl", "clip_fraction", "completion_length", "generation_s", "training_s"):
+    for key in (
+        "reward",
+        "reward_regex",
+        "reward_length",
+        "reward_std",
+        "kl",
+        "clip_fraction",
+        "completion_length",
+        "generation_s",
+        "training_s",
+    ):
         assert all(math.isfinite(s[key]) for s in steps), key
     assert [s["step"] for s in _samples(one)][::16] == [1, 2, 3, 4]  # 4 prompts × G=4 each step
     unstepped = [{k: v for k, v in s.items() if k != "step"} for s in _samples(one)]
@@ -400,8 +532,13 @@ def test_grpo_update_is_the_same_on_one_and_two_processes(tmp_path):
 @pytest.mark.distributed
 def test_grpo_resumed_on_another_world_size_continues_with_the_same_completions(tmp_path):
     full = _train(tmp_path, "full", "engine.processes=2", "batch.micro_batch_size=1", "checkpoint.every_steps=2")
-    resumed = _train(tmp_path, "resumed", "engine.processes=1", "batch.micro_batch_size=4",
-                     f"resume={full / 'checkpoints' / 'step-000002'}")
+    resumed = _train(
+        tmp_path,
+        "resumed",
+        "engine.processes=1",
+        "batch.micro_batch_size=4",
+        f"resume={full / 'checkpoints' / 'step-000002'}",
+    )
     assert max_param_diff(final_params(full), final_params(resumed)) <= 1e-5
     later = {(s["step"], s["prompt"], s["completion"]) for s in _samples(full) if s["step"] > 2}
     assert later and later <= {(s["step"], s["prompt"], s["completion"]) for s in _samples(resumed)}
@@ -426,11 +563,24 @@ def test_a_reward_callable_that_raises_stops_the_run_with_one_line(tmp_path):
     (tmp_path / "myrewards.py").write_text(
         "def picky(prompts, completions, **columns):\n    raise KeyError('answer')\n"
     )
-    raw = {**GRPO_RUN, "data": {**GRPO_RUN["data"], "cache_dir": str(tmp_path / "cache")}, "engine": {**GRPO_RUN["engine"], "processes": 1},
-           "train": {"max_steps": 2, "log_every": 1}, "grpo": {**GRPO_RUN["grpo"], "max_new_tokens": 2, "rewards": [{"kind": "function", "function": "myrewards:picky"}]}}
+    raw = {
+        **GRPO_RUN,
+        "data": {**GRPO_RUN["data"], "cache_dir": str(tmp_path / "cache")},
+        "engine": {**GRPO_RUN["engine"], "processes": 1},
+        "train": {"max_steps": 2, "log_every": 1},
+        "grpo": {
+            **GRPO_RUN["grpo"],
+            "max_new_tokens": 2,
+            "rewards": [{"kind": "function", "function": "myrewards:picky"}],
+        },
+    }
     recipe = write_recipe(tmp_path / "r.yaml", raw)
     proc = run_accord("train", recipe, f"output.dir={tmp_path / 'out'}", cwd=tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("accord: error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
-    assert "reward function myrewards:picky raised KeyError: 'answer' on " in errors[0] and "data row " in errors[0] and "(prompt '" in errors[0], errors[0]
+    assert (
+        "reward function myrewards:picky raised KeyError: 'answer' on " in errors[0]
+        and "data row " in errors[0]
+        and "(prompt '" in errors[0]
+    ), errors[0]
     assert "Traceback" not in proc.stderr

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from accord.launch.watchdog import StallClock, diagnose
 from accord.observe import heartbeat
 from accord.observe.metrics import read_metrics
 from accord.recipe.schema import RecipeError, load_recipe
-from accord.launch.watchdog import StallClock, diagnose
 from conftest import TINY_RECIPE, _tree_members, final_params, finish, max_param_diff, start_accord, write_recipe
 
 TIMEOUT_S = 5  # small, so that a hang costs the test seconds; progress comes every few ms
@@ -40,7 +40,16 @@ def test_hang_timeout_null_turns_the_watchdog_off(tmp_path):
 
 
 def _record(rank: int, seq: int, op: str = "forward", ticks: int = 0, step: int = 3) -> dict:
-    return {"rank": rank, "local_rank": rank, "host": "h", "pid": 100 + rank, "seq": seq, "ticks": ticks, "op": op, "step": step}
+    return {
+        "rank": rank,
+        "local_rank": rank,
+        "host": "h",
+        "pid": 100 + rank,
+        "seq": seq,
+        "ticks": ticks,
+        "op": op,
+        "step": step,
+    }
 
 
 def test_one_rank_progressing_while_the_others_wait_is_not_a_hang():
@@ -95,7 +104,13 @@ def test_progress_is_read_back_exactly_as_the_rank_wrote_it(tmp_path, monkeypatc
         heartbeat.phase("optimizer step", 41)
         heartbeat.tick()
         record = heartbeat.read_progress(path)
-        assert (record["rank"], record["local_rank"], record["op"], record["step"], record["ticks"]) == (3, 1, "optimizer step", 41, 1)
+        assert (record["rank"], record["local_rank"], record["op"], record["step"], record["ticks"]) == (
+            3,
+            1,
+            "optimizer step",
+            41,
+            1,
+        )
         assert heartbeat.progress_files(tmp_path, 2) == [path]
     finally:
         faulthandler.unregister(heartbeat.DUMP_SIGNAL)
@@ -108,7 +123,15 @@ def test_progress_is_read_back_exactly_as_the_rank_wrote_it(tmp_path, monkeypatc
 def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str, fault: str = "") -> tuple[str, int]:
     """Train with rank 1 SIGSTOPping itself in step STOP_AT_STEP: (output, exit code)."""
     faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}{fault}"}
-    proc = start_accord("train", recipe, f"engine.hang_timeout_s={TIMEOUT_S}", "checkpoint.every_steps=5", *extra, f"output.dir={out}", env_extra=faults)
+    proc = start_accord(
+        "train",
+        recipe,
+        f"engine.hang_timeout_s={TIMEOUT_S}",
+        "checkpoint.every_steps=5",
+        *extra,
+        f"output.dir={out}",
+        env_extra=faults,
+    )
     output, _ = finish(proc, timeout=240)
     assert not _tree_members(proc.tree_token), "processes of the run outlived it"
     return output, proc.returncode

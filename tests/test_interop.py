@@ -39,16 +39,27 @@ def test_deepspeed_environment_maps_to_the_zero_strategy():
 
 
 def test_a_users_deepspeed_json_is_read(tmp_path):
-    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}, "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True}}
+    ds = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": True},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    settings = accelerate_settings(BASE_ENV | {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)})
+    settings = accelerate_settings(
+        BASE_ENV | {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+    )
     assert settings["engine.strategy"] == "zero2" and settings["engine.precision"] == "bf16"
     assert "batch.micro_batch_size" not in settings  # "auto" is accord's to decide
 
 
 def test_fsdp_environment_maps_to_fsdp():
-    env = BASE_ENV | {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
+    env = BASE_ENV | {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_ACTIVATION_CHECKPOINTING": "true",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+    }
     assert accelerate_settings(env) == {
         "engine.precision": "no",
         "engine.strategy": "fsdp",
@@ -59,19 +70,25 @@ def test_fsdp_environment_maps_to_fsdp():
 
 def test_settings_fill_what_the_recipe_leaves_open():
     recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
-    merged = reconcile(recipe, {"engine.strategy": "zero2", "engine.precision": "no", "batch.grad_accum": 2}, world_size=2)
+    merged = reconcile(
+        recipe, {"engine.strategy": "zero2", "engine.precision": "no", "batch.grad_accum": 2}, world_size=2
+    )
     assert merged.engine.strategy == "zero2"
 
 
 def test_a_contradiction_names_both_values():
     recipe = validate_recipe(TINY_RECIPE)  # says engine.strategy: ddp
-    with pytest.raises(RecipeError, match=r"accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'"):
+    with pytest.raises(
+        RecipeError, match=r"accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'"
+    ):
         reconcile(recipe, {"engine.strategy": "zero2"}, world_size=2)
 
 
 def test_an_accumulation_mismatch_says_what_would_agree():
     recipe = validate_recipe(TINY_RECIPE)  # 32 global, micro 8: 2 processes -> accumulation 2
-    with pytest.raises(RecipeError, match=r"gradient_accumulation_steps=4 but the recipe gives 2 .* set batch.micro_batch_size=4"):
+    with pytest.raises(
+        RecipeError, match=r"gradient_accumulation_steps=4 but the recipe gives 2 .* set batch.micro_batch_size=4"
+    ):
         reconcile(recipe, {"batch.grad_accum": 4}, world_size=2)
 
 
@@ -79,9 +96,17 @@ def test_accord_config_describes_each_strategy():
     recipe = validate_recipe(TINY_RECIPE)
     ddp = accelerate_config(recipe, 2)
     assert (ddp["distributed_type"], ddp["num_processes"], ddp["use_cpu"]) == ("MULTI_GPU", 2, False)
-    zero = accelerate_config(validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer"}}), 2)
+    zero = accelerate_config(
+        validate_recipe(
+            TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer"}}
+        ),
+        2,
+    )
     assert (zero["distributed_type"], zero["deepspeed_config"]["zero_stage"]) == ("DEEPSPEED", 3)
-    assert zero["deepspeed_config"]["gradient_accumulation_steps"] == 2 and zero["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+    assert (
+        zero["deepspeed_config"]["gradient_accumulation_steps"] == 2
+        and zero["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+    )
     fsdp = accelerate_config(validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": "fsdp"}}), 2)
     assert fsdp["distributed_type"] == "FSDP" and fsdp["fsdp_config"]["fsdp_version"] == 2
     multi = accelerate_config(recipe, 4, num_machines=2, main_process_ip="10.0.0.1")
@@ -95,13 +120,21 @@ def _launch_environment(config_file) -> dict[str, str]:
     from unittest import mock
 
     import accelerate.commands.launch as launch
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     env: dict[str, str] = {}
-    with mock.patch.object(launch, "deepspeed_launcher", lambda args: env.update(prepare_deepspeed_cmd_env(args)[1])), \
-            mock.patch.object(launch, "multi_gpu_launcher", lambda args: env.update(prepare_multi_gpu_env(args))), \
-            mock.patch.object(launch, "simple_launcher", lambda args: env.update(prepare_simple_launcher_cmd_env(args)[1])):
-        launch.launch_command(launch.launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"]))
+    with (
+        mock.patch.object(launch, "deepspeed_launcher", lambda args: env.update(prepare_deepspeed_cmd_env(args)[1])),
+        mock.patch.object(launch, "multi_gpu_launcher", lambda args: env.update(prepare_multi_gpu_env(args))),
+        mock.patch.object(launch, "simple_launcher", lambda args: env.update(prepare_simple_launcher_cmd_env(args)[1])),
+    ):
+        launch.launch_command(
+            launch.launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+        )
     return env
 
 
@@ -122,7 +155,9 @@ def test_accord_config_round_trips_through_accelerate(tmp_path, engine):
     from accord.launch.accelerate_config import write_accelerate_config
 
     pytest.importorskip("accelerate")
-    recipe = validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | engine, "optim": TINY_RECIPE["optim"] | {"max_grad_norm": 0.5}})
+    recipe = validate_recipe(
+        TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | engine, "optim": TINY_RECIPE["optim"] | {"max_grad_norm": 0.5}}
+    )
     path = tmp_path / "accelerate.yaml"
     write_accelerate_config(accelerate_config(recipe, 2), path)
     settings = accelerate_settings(_launch_environment(path))
@@ -135,7 +170,10 @@ def test_accord_config_round_trips_through_accelerate(tmp_path, engine):
     if recipe.engine.strategy == "fsdp":
         assert settings["engine.activation_checkpointing"] is True
     # A recipe that leaves the engine open, launched with that file, becomes the original one.
-    open_recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {"optim": TINY_RECIPE["optim"] | {"max_grad_norm": 0.5}})
+    open_recipe = validate_recipe(
+        {k: v for k, v in TINY_RECIPE.items() if k != "engine"}
+        | {"optim": TINY_RECIPE["optim"] | {"max_grad_norm": 0.5}}
+    )
     merged = reconcile(open_recipe, settings, world_size=2)
     assert merged.engine.model_dump() | {"device": "cpu"} == recipe.engine.model_dump() | {"device": "cpu"}
     assert merged.optim == recipe.optim and merged.batch == recipe.batch
@@ -160,15 +198,32 @@ def test_accelerate_launch_of_accord_config_equals_accord_train(tmp_path, tiny_r
 def test_a_launch_config_that_contradicts_the_recipe_stops_before_training(tmp_path):
     recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
     config = tmp_path / "zero2.yaml"
-    config.write_text(yaml.safe_dump({
-        "compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "mixed_precision": "no",
-        "num_machines": 1, "num_processes": 2, "machine_rank": 0, "use_cpu": False,
-        "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 1, "offload_optimizer_device": "none", "offload_param_device": "none"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "DEEPSPEED",
+                "mixed_precision": "no",
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "use_cpu": False,
+                "deepspeed_config": {
+                    "zero_stage": 2,
+                    "gradient_accumulation_steps": 1,
+                    "offload_optimizer_device": "none",
+                    "offload_param_device": "none",
+                },
+            }
+        )
+    )
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     proc = run_accord("train", recipe, f"output.dir={tmp_path / 'o'}", launcher=accelerate, timeout=180)
     assert proc.returncode != 0
-    assert "accord: error: accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'" in proc.stderr
+    assert (
+        "accord: error: accelerate config has engine.strategy='zero2' but the recipe has engine.strategy='ddp'"
+        in proc.stderr
+    )
     assert "accord: batch" not in proc.stderr  # nothing trained
 
 
@@ -176,23 +231,50 @@ def _trl_style_config(distributed_type: str, **section) -> dict:
     """The field set of TRL's examples/accelerate_configs, with num_processes and
     mixed_precision adjusted to a 2-core CPU machine."""
     config = {
-        "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": distributed_type,
-        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main", "mixed_precision": "no",
-        "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True,
-        "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False,
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": distributed_type,
+        "downcast_bf16": "no",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": "no",
+        "num_machines": 1,
+        "num_processes": 2,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "tpu_env": [],
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+        "use_cpu": False,
     }
     return config | section
 
 
 TRL_CONFIGS = {
     "multi_gpu": _trl_style_config("MULTI_GPU", gpu_ids="all"),
-    "fsdp2": _trl_style_config("FSDP", fsdp_config={
-        "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": False, "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_version": 2}),
-    "deepspeed_zero2": _trl_style_config("DEEPSPEED", deepspeed_config={
-        "deepspeed_multinode_launcher": "standard", "gradient_accumulation_steps": 2, "offload_optimizer_device": "none",
-        "offload_param_device": "none", "zero3_init_flag": False, "zero_stage": 2}),
+    "fsdp2": _trl_style_config(
+        "FSDP",
+        fsdp_config={
+            "fsdp_activation_checkpointing": False,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": False,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_version": 2,
+        },
+    ),
+    "deepspeed_zero2": _trl_style_config(
+        "DEEPSPEED",
+        deepspeed_config={
+            "deepspeed_multinode_launcher": "standard",
+            "gradient_accumulation_steps": 2,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "zero3_init_flag": False,
+            "zero_stage": 2,
+        },
+    ),
 }
 
 
@@ -202,14 +284,18 @@ TRL_CONFIGS = {
 # test_accord_config_round_trips_through_accelerate[fsdp-True], and fsdp's updates equal DDP's in
 # test_strategies. deepspeed_zero2 stays: the recipe filled in by a launch config, end to end.
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "deepspeed_zero2" else []) for n in sorted(TRL_CONFIGS)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n != "deepspeed_zero2" else []) for n in sorted(TRL_CONFIGS)]
+)
 def test_trl_example_configs_run_the_same_training(name, tmp_path, tiny_reference):
     """A recipe that leaves the strategy open, launched with a user's accelerate config,
     trains under what the config says and ends where the DDP run ends."""
     if name.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     _, reference = tiny_reference
-    open_recipe = {k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {"engine": {"device": "cpu"}}  # strategy etc. left open
+    open_recipe = {k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {
+        "engine": {"device": "cpu"}
+    }  # strategy etc. left open
     recipe = write_recipe(tmp_path / "open.yaml", open_recipe)
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(TRL_CONFIGS[name]))
@@ -226,11 +312,24 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
     from accord.launch.accelerate_config import deepspeed_file_settings
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": "auto"}))
-    open_recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {"engine": {"deepspeed_config": str(path)}})
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 1.0,
+                "train_micro_batch_size_per_gpu": "auto",
+            }
+        )
+    )
+    open_recipe = validate_recipe(
+        {k: v for k, v in TINY_RECIPE.items() if k != "engine"} | {"engine": {"deepspeed_config": str(path)}}
+    )
     merged = reconcile(open_recipe, deepspeed_file_settings(str(path)), world_size=2, source=str(path))
     assert merged.engine.strategy == "zero3"
-    with pytest.raises(RecipeError, match=r"ds.json has engine.strategy='zero3' but the recipe has engine.strategy='ddp'"):
+    with pytest.raises(
+        RecipeError, match=r"ds.json has engine.strategy='zero3' but the recipe has engine.strategy='ddp'"
+    ):
         reconcile(validate_recipe(TINY_RECIPE), deepspeed_file_settings(str(path)), world_size=2, source=str(path))
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(RecipeError, match="is not valid JSON"):
@@ -238,7 +337,11 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
     # The same file given through `accelerate launch` is read by the same checks.
     from accord.launch.accelerate_config import accelerate_settings
 
-    env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "gone.json")}
+    env = {
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "gone.json"),
+    }
     with pytest.raises(RecipeError, match="accelerate config: deepspeed_config_file: file not found"):
         accelerate_settings(env)
 
@@ -249,21 +352,55 @@ def test_a_users_deepspeed_json_fills_in_and_conflicts_are_named(tmp_path):
 # ALST/Ulysses sequence parallelism on DeepSpeed (its current cp_backend form and the
 # earlier sp_size form).
 TRL_LONG_CONTEXT_CONFIGS = {
-    "context_parallel_2gpu": _trl_style_config("FSDP", mixed_precision="bf16") | {
-        "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
-                        "fsdp_offload_params": False, "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_version": 2},
-        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
-                               "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2},
+    "context_parallel_2gpu": _trl_style_config("FSDP", mixed_precision="bf16")
+    | {
+        "fsdp_config": {
+            "fsdp_activation_checkpointing": False,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": False,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_version": 2,
+        },
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": 1,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 2,
+        },
     },
-    "alst_ulysses_4gpu": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
-        "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
-        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
-                               "parallelism_config_cp_size": 2, "parallelism_config_cp_backend": "deepspeed"},
+    "alst_ulysses_4gpu": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4)
+    | {
+        "deepspeed_config": {
+            "zero_stage": 3,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "zero3_init_flag": False,
+        },
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": 2,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 2,
+            "parallelism_config_cp_backend": "deepspeed",
+        },
     },
-    "alst_ulysses_4gpu_sp_size": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4) | {
-        "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False},
-        "parallelism_config": {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 1,
-                               "parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed"},
+    "alst_ulysses_4gpu_sp_size": _trl_style_config("DEEPSPEED", mixed_precision="bf16", num_processes=4)
+    | {
+        "deepspeed_config": {
+            "zero_stage": 3,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "zero3_init_flag": False,
+        },
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": 2,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_sp_size": 2,
+            "parallelism_config_sp_backend": "deepspeed",
+        },
     },
 }
 
@@ -271,8 +408,14 @@ TRL_LONG_CONTEXT_CONFIGS = {
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("context_parallel_2gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), which accord does not support yet; set it to 1"),
-        ("alst_ulysses_4gpu", r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), which accord does not support yet"),
+        (
+            "context_parallel_2gpu",
+            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), which accord does not support yet; set it to 1",
+        ),
+        (
+            "alst_ulysses_4gpu",
+            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), which accord does not support yet",
+        ),
     ],
 )
 def test_trl_long_context_configs_are_refused_naming_the_key(tmp_path, name, message):
@@ -297,9 +440,14 @@ def test_trl_ulysses_sp_size_config_becomes_engine_sequence_parallel_and_accord_
     recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
     merged = reconcile(recipe, dict(settings), world_size=4)
     assert (merged.engine.sequence_parallel, merged.engine.strategy) == (2, "zero3")
-    with pytest.raises(RecipeError, match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 2 processes, 1 data-parallel groups of 2"):
+    with pytest.raises(
+        RecipeError,
+        match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 2 processes, 1 data-parallel groups of 2",
+    ):
         reconcile(recipe, dict(settings), world_size=2)
-    with pytest.raises(RecipeError, match=r"has engine.sequence_parallel=2 but the recipe has engine.sequence_parallel=4"):
+    with pytest.raises(
+        RecipeError, match=r"has engine.sequence_parallel=2 but the recipe has engine.sequence_parallel=4"
+    ):
         reconcile(validate_recipe(TINY_RECIPE | {"engine": {"sequence_parallel": 4}}), dict(settings), world_size=4)
     from accord.launch.accelerate_config import accelerate_config
 
@@ -311,14 +459,25 @@ def test_trl_ulysses_sp_size_config_becomes_engine_sequence_parallel_and_accord_
 
 
 def test_data_parallel_sizes_are_accepted_when_they_are_the_world():
-    env = BASE_ENV | {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                      "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "1"}
+    env = BASE_ENV | {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
+        "PARALLELISM_CONFIG_CP_SIZE": "1",
+    }
     recipe = validate_recipe({k: v for k, v in TINY_RECIPE.items() if k != "engine"})
     assert reconcile(recipe, accelerate_settings(env), world_size=2).engine.strategy == "fsdp"
-    with pytest.raises(RecipeError, match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 4 processes"):
+    with pytest.raises(
+        RecipeError, match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 4 processes"
+    ):
         reconcile(recipe, accelerate_settings(env), world_size=4)
     hybrid = env | {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}
-    with pytest.raises(RecipeError, match=r"parallelism_config_dp_replicate_size=2 with parallelism_config_dp_shard_size=2 asks for hybrid sharding"):
+    with pytest.raises(
+        RecipeError,
+        match=r"parallelism_config_dp_replicate_size=2 with parallelism_config_dp_shard_size=2 asks for hybrid sharding",
+    ):
         accelerate_settings(hybrid)
 
 
@@ -326,7 +485,14 @@ def test_fsdp_version_1_is_run_as_fsdp2_and_says_so(tmp_path):
     pytest.importorskip("accelerate")
     from accord.launch.accelerate_config import accelerate_warnings
 
-    config = _trl_style_config("FSDP", fsdp_config={"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    config = _trl_style_config(
+        "FSDP",
+        fsdp_config={
+            "fsdp_version": 1,
+            "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        },
+    )
     path = tmp_path / "fsdp1.yaml"
     path.write_text(yaml.safe_dump(config))
     env = _launch_environment(path)

@@ -25,7 +25,11 @@ def runs(tmp_path_factory, tiny_reference, one_process_reference) -> dict[str, P
         if name in outs:
             continue
         out = root / name
-        assert_ok(run_accord("train", recipe, f"engine.processes={world}", f"batch.micro_batch_size={micro}", f"output.dir={out}"))
+        assert_ok(
+            run_accord(
+                "train", recipe, f"engine.processes={world}", f"batch.micro_batch_size={micro}", f"output.dir={out}"
+            )
+        )
         outs[name] = out
     return outs
 

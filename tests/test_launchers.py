@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -28,7 +27,10 @@ def _free_port() -> int:
         (["train", "r.yaml", "--local-rank=1", "--overwrite"], ["train", "r.yaml", "--overwrite"]),
         (["train", "--local_rank", "3", "r.yaml"], ["train", "r.yaml"]),
         (["train", "r.yaml", "--deepspeed", "ds.json"], ["train", "r.yaml", "engine.deepspeed_config=ds.json"]),
-        (["--local_rank=0", "train", "r.yaml", "--deepspeed=ds.json"], ["train", "r.yaml", "engine.deepspeed_config=ds.json"]),
+        (
+            ["--local_rank=0", "train", "r.yaml", "--deepspeed=ds.json"],
+            ["train", "r.yaml", "engine.deepspeed_config=ds.json"],
+        ),
     ],
 )
 def test_launcher_arguments_are_read_wherever_they_are(argv, expected):
@@ -41,7 +43,14 @@ def test_deepspeed_flag_sets_the_recipe_field(tmp_path, tiny_recipe):
     """`--deepspeed FILE` reaches the recipe as engine.deepspeed_config (a missing file is one line)."""
     from conftest import run_accord_here
 
-    proc = run_accord_here("--local_rank=0", "train", tiny_recipe, "--deepspeed", str(tmp_path / "missing.json"), f"output.dir={tmp_path / 'o'}")
+    proc = run_accord_here(
+        "--local_rank=0",
+        "train",
+        tiny_recipe,
+        "--deepspeed",
+        str(tmp_path / "missing.json"),
+        f"output.dir={tmp_path / 'o'}",
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "missing.json" in proc.stderr and proc.stderr.count("accord: error:") == 1
 
@@ -50,8 +59,18 @@ def test_deepspeed_flag_sets_the_recipe_field(tmp_path, tiny_recipe):
 def test_torch_distributed_launch_equals_accord_train(tiny_reference, tmp_path):
     recipe, reference = tiny_reference
     out = tmp_path / "tdl"
-    launcher = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    proc = run_process(launcher + ["-m", "accord", "train", str(recipe), f"output.dir={out}"], env=accord_env(), timeout=300)
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+    ]
+    proc = run_process(
+        launcher + ["-m", "accord", "train", str(recipe), f"output.dir={out}"], env=accord_env(), timeout=300
+    )
     assert_ok(proc)
     assert proc.stderr.count("accord: batch 2 processes × 8 sequences × 2 accumulation steps") == 1
     assert max_param_diff(final_params(reference), final_params(out)) <= 1e-5
@@ -68,8 +87,22 @@ def test_deepspeed_launcher_on_cpu_equals_accord_train(tiny_reference, tmp_path)
         pytest.skip("no deepspeed launcher next to this Python")
     recipe, reference = tiny_reference
     out = tmp_path / "ds"
-    env = accord_env() | {"DS_ACCELERATOR": "cpu", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    command = [runner, "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "accord", "train", str(recipe), f"output.dir={out}"]
+    env = accord_env() | {
+        "DS_ACCELERATOR": "cpu",
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    }
+    command = [
+        runner,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "--module",
+        "accord",
+        "train",
+        str(recipe),
+        f"output.dir={out}",
+    ]
     proc = run_process(command, env=env, timeout=300)
     assert_ok(proc)
     assert proc.stderr.count("accord: batch 2 processes × 8 sequences × 2 accumulation steps") == 1
@@ -83,8 +116,15 @@ def _outer_launcher_env(monkeypatch, master: str, world: int, local_world: int) 
     # workers inherit this machine's interface, which a network namespace lacks).
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
-                        "TORCHELASTIC_RUN_ID": "t", "MASTER_ADDR": master, "MASTER_PORT": "29500"}.items():
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "TORCHELASTIC_RUN_ID": "t",
+        "MASTER_ADDR": master,
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -93,7 +133,10 @@ def test_outer_launcher_multi_node_with_a_loopback_master_stops_with_one_line(mo
     from accord.launch.cluster import ClusterError
 
     _outer_launcher_env(monkeypatch, "localhost", world=4, local_world=2)
-    with pytest.raises(ClusterError, match=r"MASTER_ADDR=localhost is a loopback address, which the other nodes of this 2-node job cannot reach"):
+    with pytest.raises(
+        ClusterError,
+        match=r"MASTER_ADDR=localhost is a loopback address, which the other nodes of this 2-node job cannot reach",
+    ):
         dist.choose_gloo_interface()
 
 
@@ -131,9 +174,19 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
 
     from accord.launch import refusal_relay as refusals
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)  # the agent's
-    env = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )  # the agent's
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "t",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+    }
     watching = "import time; from accord.launch import refusal_relay; refusal_relay.watch(); print('watching', flush=True); time.sleep(60)"
     node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
     assert node1.stdout.readline().strip() == "watching"

@@ -44,7 +44,9 @@ def _loss_and_grads(**engine):
 def _assert_same(reference, other, what):
     (_, ref_loss, ref_grads), (_, loss, grads) = reference, other
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    worst = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-30)).item() for n in ref_grads)
+    worst = max(
+        ((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-30)).item() for n in ref_grads
+    )
     print(f"{what}: max |Δgrad| / max |grad| {worst:.2e}")
     assert worst <= 1e-6, what
 
@@ -95,10 +97,22 @@ def test_tiled_mlp_true_takes_tiles_of_about_hidden_size_tokens_of_max_length():
     "engine, data, expected",
     [
         ({"tiled_mlp": 0}, {}, "engine.tiled_mlp=0 must be true, false or a number of tiles of at least 1"),
-        ({"activation_checkpointing": "host"}, {}, "engine.activation_checkpointing='host' must be true, false or offload"),
+        (
+            {"activation_checkpointing": "host"},
+            {},
+            "engine.activation_checkpointing='host' must be true, false or offload",
+        ),
         ({"context_parallel": 2, "strategy": "ddp"}, {}, "engine.context_parallel=2 needs engine.strategy=fsdp"),
-        ({"context_parallel": 3, "strategy": "fsdp"}, {"max_length": 64}, "data.max_length=64 must divide by 2 × 3 = 6"),
-        ({"context_parallel": 2, "strategy": "fsdp"}, {"max_length": 64}, "torch runs it only on CUDA's attention kernels"),
+        (
+            {"context_parallel": 3, "strategy": "fsdp"},
+            {"max_length": 64},
+            "data.max_length=64 must divide by 2 × 3 = 6",
+        ),
+        (
+            {"context_parallel": 2, "strategy": "fsdp"},
+            {"max_length": 64},
+            "torch runs it only on CUDA's attention kernels",
+        ),
     ],
     ids=["tiles-zero", "checkpointing-word", "cp-ddp", "cp-length", "cp-fsdp"],
 )
@@ -120,8 +134,11 @@ def test_plan_leaves_offloaded_layer_inputs_and_all_but_one_mlp_tile_off_the_gpu
     raw["data"]["max_length"] = 4096
     tokens = 4096 * 8  # micro batch 8
     activations = {}
-    for name, engine in {"checkpointing": {"activation_checkpointing": True}, "offload": {"activation_checkpointing": "offload"},
-                         "offload+tiles": {"activation_checkpointing": "offload", "tiled_mlp": 4}}.items():
+    for name, engine in {
+        "checkpointing": {"activation_checkpointing": True},
+        "offload": {"activation_checkpointing": "offload"},
+        "offload+tiles": {"activation_checkpointing": "offload", "tiled_mlp": 4},
+    }.items():
         raw["engine"] |= engine
         rows, _ = plan(validate_recipe(raw), gpus=2)
         activations[name] = rows[0].activations

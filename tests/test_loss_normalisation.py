@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from accord.distributed.batch_plan import BatchPlan
+from accord.data.fetch import fetch
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows
 from accord.data.prepare import prepare_data
+from accord.distributed.batch_plan import BatchPlan
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.models.build import build_model, build_tokenizer
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
-from accord.data.fetch import fetch
 from conftest import TINY_RECIPE, max_param_diff
 
 STEPS = 10

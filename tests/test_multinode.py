@@ -95,8 +95,21 @@ def _launcher(kind: str, rank: int, port: int, nproc: int, config_dir) -> list[s
     """torchrun, or accelerate launch with its multi-node config (machine_rank 0/1), as
     the guides write them; no GLOO_SOCKET_IFNAME anywhere."""
     if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
-                "--nproc_per_node", str(nproc), "--master_addr", ADDRESSES[0], "--master_port", str(port)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(rank),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            ADDRESSES[0],
+            "--master_port",
+            str(port),
+        ]
     from accord.launch.accelerate_config import accelerate_config, write_accelerate_config
     from accord.recipe.schema import validate_recipe
     from conftest import TINY_RECIPE
@@ -107,7 +120,9 @@ def _launcher(kind: str, rank: int, port: int, nproc: int, config_dir) -> list[s
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
 
 
-def _start_outer(namespace: str, launcher: list[str], args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def _start_outer(
+    namespace: str, launcher: list[str], args: list[str], env_extra: dict[str, str] | None = None
+) -> subprocess.Popen:
     env = accord_env() | (env_extra or {})
     env.pop("GLOO_SOCKET_IFNAME", None)  # accord must find the interface itself
     command = ["ip", "netns", "exec", namespace, *launcher, "-m", "accord", *args]
@@ -115,7 +130,10 @@ def _start_outer(namespace: str, launcher: list[str], args: list[str], env_extra
 
 
 def _run_two_nodes(namespaces, kind, port, args_of_node, tmp_path, nproc=1, timeout=300):
-    nodes = [_start_outer(ns, _launcher(kind, rank, port, nproc, tmp_path), args_of_node(rank)) for rank, ns in enumerate(namespaces)]
+    nodes = [
+        _start_outer(ns, _launcher(kind, rank, port, nproc, tmp_path), args_of_node(rank))
+        for rank, ns in enumerate(namespaces)
+    ]
     outputs = [finish(node, timeout=timeout)[0] for node in nodes]
     return [node.returncode for node in nodes], outputs
 
@@ -137,7 +155,9 @@ def _assert_node_local_checkpoint(out0, out1):
 
 # Slow (default-suite budget): the default tier keeps two nodes under accord's own launcher
 # (test_two_nodes_match_one_node_with_two_processes) and the per-node folders' unit tests.
-@pytest.mark.parametrize("kind", [pytest.param("torchrun", marks=pytest.mark.slow), pytest.param("accelerate", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("torchrun", marks=pytest.mark.slow), pytest.param("accelerate", marks=pytest.mark.slow)]
+)
 def test_outer_launcher_two_nodes_with_a_folder_each_match_one_node(namespaces, single, tmp_path, kind):
     """The guides' multi-node commands, each node writing its own output.dir and no
     GLOO_SOCKET_IFNAME: gloo finds the veth towards the master, checkpoints are sealed in
@@ -145,7 +165,17 @@ def test_outer_launcher_two_nodes_with_a_folder_each_match_one_node(namespaces, 
     recipe, reference = single
     outs = [tmp_path / f"out{rank}" for rank in (0, 1)]
     codes, outputs = _run_two_nodes(
-        namespaces, kind, 29621, lambda rank: ["train", str(recipe), "engine.processes=1", "checkpoint.every_steps=5", f"output.dir={outs[rank]}"], tmp_path
+        namespaces,
+        kind,
+        29621,
+        lambda rank: [
+            "train",
+            str(recipe),
+            "engine.processes=1",
+            "checkpoint.every_steps=5",
+            f"output.dir={outs[rank]}",
+        ],
+        tmp_path,
     )
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "each node writes its own output.dir (2 folders)" in outputs[0]
@@ -168,11 +198,24 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
 
     recipe, reference = single
     outs = [tmp_path / "out0", tmp_path / ("out1" if folders == "node-local" else "out0")]
-    args = lambda rank, *more: ["train", str(recipe), "engine.processes=1", "checkpoint.every_steps=2", f"output.dir={outs[rank]}", *more]  # noqa: E731
+    args = lambda rank, *more: [
+        "train",
+        str(recipe),
+        "engine.processes=1",
+        "checkpoint.every_steps=2",
+        f"output.dir={outs[rank]}",
+        *more,
+    ]  # noqa: E731
     # The checkpoint of step 2 is held open for 5 s on every rank: the signal comes mid-run however fast the machine is.
     pause = {"ACCORD_FAULTS": "checkpoint_pause_at_step=2,checkpoint_pause_s=5"}
-    nodes = [_start_outer(ns, _launcher(kind, rank, 29631, 1, tmp_path), args(rank), pause) for rank, ns in enumerate(namespaces)]
-    wait_for(lambda: (outs[0] / "checkpoints" / ".tmp-step-000002").is_dir() or any(n.poll() is not None for n in nodes), timeout=240)
+    nodes = [
+        _start_outer(ns, _launcher(kind, rank, 29631, 1, tmp_path), args(rank), pause)
+        for rank, ns in enumerate(namespaces)
+    ]
+    wait_for(
+        lambda: (outs[0] / "checkpoints" / ".tmp-step-000002").is_dir() or any(n.poll() is not None for n in nodes),
+        timeout=240,
+    )
     for node in nodes:
         os.kill(node.pid, signal.SIGTERM)  # a scheduler's preemption reaches every node
     outputs = [finish(node, timeout=240)[0] for node in nodes]
@@ -183,7 +226,9 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
         # node 0 alone cannot resume: it lacks node 1's shard, and says which and where it is
         alone = run_accord("train", recipe, f"output.dir={outs[0]}", "--resume", timeout=240)
         assert alone.returncode == 1 and "Traceback" not in alone.stderr
-        assert f"rank 1 wrote it into {outs[1]}/checkpoints/step-{stopped_at:06d} on node 1" in alone.stderr, alone.stderr[-3000:]
+        assert f"rank 1 wrote it into {outs[1]}/checkpoints/step-{stopped_at:06d} on node 1" in alone.stderr, (
+            alone.stderr[-3000:]
+        )
 
     codes, outputs = _run_two_nodes(namespaces, kind, 29632, lambda rank: args(rank, "--resume"), tmp_path)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
@@ -209,8 +254,13 @@ def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, c
         (tmp_path / "o0").mkdir()
         (tmp_path / "o0" / "metrics.jsonl").write_text("{}\n")
     codes, outputs = _run_two_nodes(
-        namespaces, "torchrun", 29641, lambda rank: ["train", str(tiny_recipe), *overrides, f"output.dir={tmp_path / f'o{rank}'}"],
-        tmp_path, nproc=nproc, timeout=150,
+        namespaces,
+        "torchrun",
+        29641,
+        lambda rank: ["train", str(tiny_recipe), *overrides, f"output.dir={tmp_path / f'o{rank}'}"],
+        tmp_path,
+        nproc=nproc,
+        timeout=150,
     )
     for code, output in zip(codes, outputs):
         assert code != 0
@@ -224,13 +274,34 @@ def test_doctor_across_two_nodes_compares_them_and_passes(namespaces, tmp_path, 
     """`accord doctor` on both nodes: each node's view (versions, data, disk, the veth
     towards the master), the all-reduce between the two nodes and the 2-step equivalence."""
     nodes = [
-        _start_node(ns, ["doctor", str(tiny_recipe), "engine.processes=1", f"output.dir={tmp_path / f'd{rank}'}", "--nnodes", "2",
-                         "--node-rank", str(rank), "--master-addr", ADDRESSES[0], "--master-port", "29651"])
+        _start_node(
+            ns,
+            [
+                "doctor",
+                str(tiny_recipe),
+                "engine.processes=1",
+                f"output.dir={tmp_path / f'd{rank}'}",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                ADDRESSES[0],
+                "--master-port",
+                "29651",
+            ],
+        )
         for rank, ns in enumerate(namespaces)
     ]
     outputs = [finish(node, timeout=400)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     table = outputs[0].splitlines()
-    assert any(line.startswith("ok") and "network" in line and "towards the master 10.123.0.1; the nodes met" in line and "node 1" in line for line in table)
+    assert any(
+        line.startswith("ok")
+        and "network" in line
+        and "towards the master 10.123.0.1; the nodes met" in line
+        and "node 1" in line
+        for line in table
+    )
     assert any(line.startswith("ok") and "all-reduce bandwidth" in line and "nodes 0 and 1" in line for line in table)
     assert any(line.startswith("ok") and "2 processes on 2 nodes vs 1 process" in line for line in table)

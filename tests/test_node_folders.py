@@ -12,7 +12,13 @@ from accord.checkpoint import node_folders as nodefolders
 
 @pytest.mark.parametrize(
     "relative, rank",
-    [("state/__3_0.distcp", 3), ("state/__12_1.distcp", 12), ("rng/rank-00005.pt", 5), ("state/.metadata", 0), ("schedule.pt", 0)],
+    [
+        ("state/__3_0.distcp", 3),
+        ("state/__12_1.distcp", 12),
+        ("rng/rank-00005.pt", 5),
+        ("state/.metadata", 0),
+        ("schedule.pt", 0),
+    ],
 )
 def test_each_checkpoint_file_is_credited_to_the_rank_that_writes_it(relative, rank):
     assert nodefolders.writer_of(relative) == rank
@@ -33,7 +39,9 @@ def test_a_missing_file_another_node_wrote_is_named_with_its_rank_host_and_folde
     folder = _node_local_checkpoint(tmp_path / "step-000004", this_folder=0)
     line = f"resume: {folder / 'state' / '__3_0.distcp'} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)"
     named = nodefolders._named(line, folder)
-    assert named.startswith(f"resume: {folder / 'state' / '__3_0.distcp'} is missing here: rank 3 wrote it into /disk/out1/checkpoints/step-000004")
+    assert named.startswith(
+        f"resume: {folder / 'state' / '__3_0.distcp'} is missing here: rank 3 wrote it into /disk/out1/checkpoints/step-000004"
+    )
     assert "node 1 (host node-b)" in named and "\n" not in named
 
 

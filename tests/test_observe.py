@@ -18,7 +18,9 @@ def _metrics(folder, records):
 def test_report_renders_plots_into_one_self_contained_page(tmp_path):
     records = [{"kind": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 21)]
     records += [{"kind": "eval", "step": 20, "loss": 0.3, "accuracy": 0.9}]
-    records += [{"kind": "throughput", "step": 20, "tokens_per_s": 1000.0, "target_tokens_per_s": 800.0, "peak_memory_gib": 1.5}]
+    records += [
+        {"kind": "throughput", "step": 20, "tokens_per_s": 1000.0, "target_tokens_per_s": 800.0, "peak_memory_gib": 1.5}
+    ]
     _metrics(tmp_path, records)
     page = render_report(tmp_path)
     names = sorted(p.name for p in page.parent.glob("*.png"))
@@ -33,17 +35,53 @@ def test_report_plots_only_metrics_per_task_with_labelled_axes(tmp_path):
     from accord.observe.report import panels, summary
 
     t0 = 1.796e9
-    records = [{"kind": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3, "grad_norm": 1.0, "time": t0 + s} for s in range(1, 11)]
-    records += [{"kind": "eval", "step": s, "loss": 1.0 / s, "perplexity": 2.0, "exact_match_accuracy": s / 10, "generated": 256, "time": t0 + s} for s in (5, 10)]
-    records += [{"kind": "throughput", "step": s, "tokens_per_s": 900.0 + s, "peak_memory_gib": 0.59 + s / 1000, "time": t0} for s in (5, 10)]
-    records += [{"kind": "memory", "step": 10, "phase": "export", "peak_gib_per_rank": [0.6, 0.597], "peak_gib_max": 0.6}]
+    records = [
+        {"kind": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3, "grad_norm": 1.0, "time": t0 + s}
+        for s in range(1, 11)
+    ]
+    records += [
+        {
+            "kind": "eval",
+            "step": s,
+            "loss": 1.0 / s,
+            "perplexity": 2.0,
+            "exact_match_accuracy": s / 10,
+            "generated": 256,
+            "time": t0 + s,
+        }
+        for s in (5, 10)
+    ]
+    records += [
+        {"kind": "throughput", "step": s, "tokens_per_s": 900.0 + s, "peak_memory_gib": 0.59 + s / 1000, "time": t0}
+        for s in (5, 10)
+    ]
+    records += [
+        {"kind": "memory", "step": 10, "phase": "export", "peak_gib_per_rank": [0.6, 0.597], "peak_gib_max": 0.6}
+    ]
     made = {p.name: p for p in panels(records, "sft")}
-    assert set(made) == {"loss", "eval_accuracy", "eval_perplexity", "learning_rate", "grad_norm", "throughput", "memory"}
+    assert set(made) == {
+        "loss",
+        "eval_accuracy",
+        "eval_perplexity",
+        "learning_rate",
+        "grad_norm",
+        "throughput",
+        "memory",
+    }
     assert [label for label, _ in made["eval_accuracy"].lines] == ["exact match"] and made["eval_accuracy"].percent
     every_label = [label for p in made.values() for label, _ in p.lines]
     assert not any("time" in label or "generated" in label for label in every_label)
     assert all(p.ylabel for p in made.values()) and made["memory"].from_zero
-    rows = dict(summary(records, {"task": "sft", "model": {"config": {"architecture": "llama"}}, "engine": {"strategy": "ddp", "precision": "no"}}))
+    rows = dict(
+        summary(
+            records,
+            {
+                "task": "sft",
+                "model": {"config": {"architecture": "llama"}},
+                "engine": {"strategy": "ddp", "precision": "no"},
+            },
+        )
+    )
     assert rows["final evaluation (step 10)"].startswith("loss 0.1, perplexity 2, exact match 100.0%")
     assert "time" not in rows["final evaluation (step 10)"] and rows["peak memory"] == "0.60 GiB per process (largest)"
 
@@ -68,10 +106,22 @@ def test_flops_per_token_counts_non_embedding_weights_and_attention():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         tie_word_embeddings=False, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(config)
-    elementwise = sum(p.numel() for m in model.modules() if not isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters(recurse=False))
+    elementwise = sum(
+        p.numel()
+        for m in model.modules()
+        if not isinstance(m, (nn.Linear, nn.Embedding))
+        for p in m.parameters(recurse=False)
+    )
     assert elementwise == (2 * 2 + 1) * 32  # two norms per layer and the final one
     for context in (64, 128):
         ids = torch.randint(0, 100, (2, context))
@@ -97,11 +147,26 @@ def test_report_page_in_a_headless_browser_shows_the_summary_first(tmp_path):
         import pytest
 
         pytest.skip("no chromium installed (apt-get install -y chromium)")
-    records = [{"kind": "train", "step": s, "loss": 4.0 / s, "lr": 1e-3, "grad_norm": 0.5, "time": 1.796e9 + s} for s in range(1, 11)]
-    records += [{"kind": "eval", "step": 10, "loss": 0.25, "perplexity": 1.28, "exact_match_accuracy": 0.973, "generated": 256, "time": 1.796e9}]
+    records = [
+        {"kind": "train", "step": s, "loss": 4.0 / s, "lr": 1e-3, "grad_norm": 0.5, "time": 1.796e9 + s}
+        for s in range(1, 11)
+    ]
+    records += [
+        {
+            "kind": "eval",
+            "step": 10,
+            "loss": 0.25,
+            "perplexity": 1.28,
+            "exact_match_accuracy": 0.973,
+            "generated": 256,
+            "time": 1.796e9,
+        }
+    ]
     records += [{"kind": "throughput", "step": 10, "tokens_per_s": 4321.0, "peak_memory_gib": 0.59, "time": 1.796e9}]
     _metrics(tmp_path, records)
-    (tmp_path / "recipe.yaml").write_text("seed: 0\ntask: sft\nmodel: {config: {architecture: llama}}\nengine: {strategy: ddp, precision: 'no'}\n")
+    (tmp_path / "recipe.yaml").write_text(
+        "seed: 0\ntask: sft\nmodel: {config: {architecture: llama}}\nengine: {strategy: ddp, precision: 'no'}\n"
+    )
     page = render_report(tmp_path)
     base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,900"]
     dom = subprocess.run(base + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=60).stdout

@@ -38,10 +38,24 @@ def test_packed_per_document_loss_equals_unpacked(attn):
 
     tokenizer = build_byte_tokenizer()
     task = SFTTask(tokenizer, validate_recipe(TINY_RECIPE))
-    rows = [{"prompt": "12+345=", "completion": "357"}, {"prompt": "7+8=", "completion": "15"}, {"prompt": "99+1=", "completion": "100"}]
-    examples = [{"input_ids": ids, "labels": labels} for ids, labels in (task._encode_pair(task._tokens(r["prompt"]), task._tokens(r["completion"])) for r in rows)]
+    rows = [
+        {"prompt": "12+345=", "completion": "357"},
+        {"prompt": "7+8=", "completion": "15"},
+        {"prompt": "99+1=", "completion": "100"},
+    ]
+    examples = [
+        {"input_ids": ids, "labels": labels}
+        for ids, labels in (task._encode_pair(task._tokens(r["prompt"]), task._tokens(r["completion"])) for r in rows)
+    ]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, attn_implementation=attn)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attn_implementation=attn,
+    )
     model = LlamaForCausalLM(config).eval()
     task.configure_model(model)
 
@@ -56,7 +70,9 @@ def test_packed_per_document_loss_equals_unpacked(attn):
     task.packing = True
     batch = task.collate([examples])
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    token_losses = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100, reduction="none")
+    token_losses = torch.nn.functional.cross_entropy(
+        logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100, reduction="none"
+    )
     start = 0
     for e, a in zip(examples, alone):
         end = start + len(e["input_ids"])

@@ -27,10 +27,15 @@ def test_a_text_file_read_in_pieces_prepares_the_tokens_of_the_whole_file(tmp_pa
     prepared, _ = _prepare(_recipe(tmp_path, "pretrain", str(folder)))
     tokenizer = build_byte_tokenizer()
     whole = [
-        t for text in docs.values()
-        for t in text_prefix(tokenizer) + tokenizer(text.replace("\r\n", "\n"), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        t
+        for text in docs.values()
+        for t in text_prefix(tokenizer)
+        + tokenizer(text.replace("\r\n", "\n"), add_special_tokens=False)["input_ids"]
+        + [tokenizer.eos_token_id]
     ]
-    assert prepared.train[list(range(len(prepared.train)))]["input_ids"] == [whole[i : i + 64] for i in range(0, len(whole), 64)]
+    assert prepared.train[list(range(len(prepared.train)))]["input_ids"] == [
+        whole[i : i + 64] for i in range(0, len(whole), 64)
+    ]
 
 
 def _documents(ds) -> list[str]:

@@ -35,20 +35,31 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 def _recipe(folder: Path, name: str, hidden: int, layers: int, **engine) -> Path:
     config = {
-        "architecture": "llama", "hidden_size": hidden, "intermediate_size": 8 * hidden // 3 // 64 * 64,
-        "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 128), "num_key_value_heads": max(1, hidden // 128),
+        "architecture": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 8 * hidden // 3 // 64 * 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": max(1, hidden // 128),
+        "num_key_value_heads": max(1, hidden // 128),
         "max_position_embeddings": 64,
     }
-    return write_recipe(folder / f"{name}.yaml", {
-        "seed": 0, "task": "sft",
-        "model": {"config": config, "tokenizer": "byte"},
-        "data": {"generate": {"kind": "addition", "train_examples": 64, "eval_examples": 0, "max_digits": 2}, "max_length": 32},
-        "batch": {"global_batch_size": 4, "micro_batch_size": 1},
-        "train": {"max_steps": 2, "log_every": 1},
-        "engine": {"device": "cpu", "processes": 2, "release_host_memory": True, **engine},
-        "checkpoint": {"keep_last": 1},
-        "output": {"dir": str(folder / name)},
-    })
+    return write_recipe(
+        folder / f"{name}.yaml",
+        {
+            "seed": 0,
+            "task": "sft",
+            "model": {"config": config, "tokenizer": "byte"},
+            "data": {
+                "generate": {"kind": "addition", "train_examples": 64, "eval_examples": 0, "max_digits": 2},
+                "max_length": 32,
+            },
+            "batch": {"global_batch_size": 4, "micro_batch_size": 1},
+            "train": {"max_steps": 2, "log_every": 1},
+            "engine": {"device": "cpu", "processes": 2, "release_host_memory": True, **engine},
+            "checkpoint": {"keep_last": 1},
+            "output": {"dir": str(folder / name)},
+        },
+    )
 
 
 def _peaks(out: Path) -> dict[str, float]:
@@ -81,7 +92,9 @@ def _measure(folder: Path, strategy: str, resume: bool = False) -> tuple[float, 
 
 def _assert_close(strategy: str, baseline: float, measured: dict[str, float], planned: dict[str, float]) -> None:
     report = ", ".join(f"{p}: planned {planned[p]:.3f} measured {measured[p] - baseline:.3f}" for p in measured)
-    print(f"{strategy} (GiB above the empty process's {baseline:.3f}): {report}")  # for the README's figures (pytest -s)
+    print(
+        f"{strategy} (GiB above the empty process's {baseline:.3f}): {report}"
+    )  # for the README's figures (pytest -s)
     for phase, peak in measured.items():
         above = peak - baseline
         assert (1 - UNDER) * above <= planned[phase] <= (1 + OVER) * above + SLACK_GIB, (

@@ -24,7 +24,16 @@ ROWS = [{"text": f"document {i}: " + "some words, then more words. " * (1 + i % 
 
 
 def recipe(tmp_path, cache: str, **data):
-    raw = TINY_RECIPE | {"task": "pretrain", "data": {"train": str(tmp_path / "docs.jsonl"), "max_length": 16, "cache_dir": str(tmp_path / cache), "prepare_workers": 1, **data}}
+    raw = TINY_RECIPE | {
+        "task": "pretrain",
+        "data": {
+            "train": str(tmp_path / "docs.jsonl"),
+            "max_length": 16,
+            "cache_dir": str(tmp_path / cache),
+            "prepare_workers": 1,
+            **data,
+        },
+    }
     return validate_recipe(raw)
 
 
@@ -65,7 +74,9 @@ def test_the_first_claim_seals_and_a_dead_local_claim_is_taken_over(tmp_path):
     assert not claim_seal(tmp_path / "sealed-and-removed")
 
 
-def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one_node_cache(tmp_path, small_units, monkeypatch):
+def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one_node_cache(
+    tmp_path, small_units, monkeypatch
+):
     one = recipe(tmp_path, "one", eval_fraction=0.1)
     prepare(one, NodeShare())
     shared = recipe(tmp_path, "shared", eval_fraction=0.1)
@@ -81,7 +92,11 @@ def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one
     # ...then node 0 does its own, finds node 1's and seals the cache.
     encoded: list[str] = []
     real = chunks._encode_unit
-    monkeypatch.setattr(chunks, "_encode_unit", lambda payload, path: (encoded.append(path.parent.name + path.stem[-2:]), real(payload, path)))
+    monkeypatch.setattr(
+        chunks,
+        "_encode_unit",
+        lambda payload, path: (encoded.append(path.parent.name + path.stem[-2:]), real(payload, path)),
+    )
     prepare(shared, NodeShare(0, 2))
     train_units = sorted(int(e[-2:]) for e in encoded if e.startswith("train"))
     assert train_units and all(i % 2 == 0 for i in train_units)  # node 1's units were not tokenised again
@@ -92,9 +107,14 @@ def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one
 
 def test_pairs_tokenised_by_two_nodes_give_the_one_node_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(chunks, "UNIT_ROWS", 4)  # 7 units of pairs
-    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)} for i in range(30)])
+    write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)} for i in range(30)]
+    )
     data = {"train": str(tmp_path / "pairs.jsonl"), "eval_fraction": 0.1, "max_length": 16, "prepare_workers": 1}
-    one, shared = (validate_recipe(TINY_RECIPE | {"task": "dpo", "data": data | {"cache_dir": str(tmp_path / c)}}) for c in ("one", "shared"))
+    one, shared = (
+        validate_recipe(TINY_RECIPE | {"task": "dpo", "data": data | {"cache_dir": str(tmp_path / c)}})
+        for c in ("one", "shared")
+    )
     prepare(one, NodeShare())
     tokenizer = build_byte_tokenizer()
     task = build_task(shared, tokenizer)
@@ -104,7 +124,9 @@ def test_pairs_tokenised_by_two_nodes_give_the_one_node_cache(tmp_path, monkeypa
     tokenise_share(train, task, "train", work, 1, NodeShare(1, 2), lambda: False, rest=False)
     assert sorted(int(p.stem[-7:]) for p in work.glob("chunk-*.npz")) == [1, 3, 5]  # node 1's share of 7 units
     prepare(shared, NodeShare(0, 2))
-    assert folder_bytes(shared) == folder_bytes(one) and any(name.endswith("columns.json") for name in folder_bytes(one))
+    assert folder_bytes(shared) == folder_bytes(one) and any(
+        name.endswith("columns.json") for name in folder_bytes(one)
+    )
 
 
 def test_a_node_alone_on_its_own_cache_prepares_everything(tmp_path, small_units):
@@ -133,21 +155,36 @@ def test_accord_prepare_on_two_nodes_at_once_writes_the_one_node_cache(tmp_path)
 
     from conftest import accord_env, finish, run_accord, start_process
 
-    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{i}*3=", "completion": str(3 * i)} for i in range(4500)])  # 5 units
+    write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": f"{i}*3=", "completion": str(3 * i)} for i in range(4500)]
+    )  # 5 units
     recipes = {}
     for name in ("one", "shared"):
-        raw = TINY_RECIPE | {"data": {"train": str(tmp_path / "pairs.jsonl"), "max_length": 24, "cache_dir": str(tmp_path / name)}}
+        raw = TINY_RECIPE | {
+            "data": {"train": str(tmp_path / "pairs.jsonl"), "max_length": 24, "cache_dir": str(tmp_path / name)}
+        }
         recipes[name] = tmp_path / f"{name}.yaml"
         recipes[name].write_text(yaml.safe_dump(raw))
     assert run_accord("prepare", recipes["one"], cwd=tmp_path).returncode == 0
     nodes = [
-        start_process([sys.executable, "-m", "accord", "prepare", str(recipes["shared"]), "--nnodes", "2", "--node-rank", str(r)], cwd=tmp_path, env=accord_env())
+        start_process(
+            [sys.executable, "-m", "accord", "prepare", str(recipes["shared"]), "--nnodes", "2", "--node-rank", str(r)],
+            cwd=tmp_path,
+            env=accord_env(),
+        )
         for r in (0, 1)
     ]
     for node in nodes:
         finish(node, timeout=300)
         assert node.returncode == 0
-    caches = {name: {str(p.relative_to(tmp_path / name)): p.read_bytes() for p in sorted((tmp_path / name).rglob("*")) if p.is_file()} for name in recipes}
+    caches = {
+        name: {
+            str(p.relative_to(tmp_path / name)): p.read_bytes()
+            for p in sorted((tmp_path / name).rglob("*"))
+            if p.is_file()
+        }
+        for name in recipes
+    }
     assert caches["shared"] == caches["one"] and len(caches["one"]) >= 5
     bad = run_accord("prepare", recipes["one"], "--nnodes", "2", "--node-rank", "2", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--node-rank 2" in bad.stderr
@@ -157,7 +194,10 @@ def test_accord_prepare_refuses_a_node_rank_outside_the_nodes_in_one_line(tmp_pa
     from conftest import run_accord_here, write_recipe
 
     write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "completion": "2"}])
-    path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"data": {"train": str(tmp_path / "pairs.jsonl"), "cache_dir": str(tmp_path / "cache")}})
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        TINY_RECIPE | {"data": {"train": str(tmp_path / "pairs.jsonl"), "cache_dir": str(tmp_path / "cache")}},
+    )
     bad = run_accord_here("prepare", path, "--nnodes", "2", "--node-rank", "2")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--node-rank 2" in bad.stderr, bad.stderr
     assert not (tmp_path / "cache").exists()

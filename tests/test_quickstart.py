@@ -12,7 +12,13 @@ from conftest import REPO, assert_ok, run_accord
 pytestmark = pytest.mark.distributed
 
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of 2 CPU processes.
-SHORT = ["engine.device=cpu", "train.max_steps=12", "train.eval_every=6", "train.eval_generate=16", "data.generate.train_examples=1024"]
+SHORT = [
+    "engine.device=cpu",
+    "train.max_steps=12",
+    "train.eval_every=6",
+    "train.eval_generate=16",
+    "data.generate.train_examples=1024",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +40,12 @@ def test_quickstart_reports_plan_eval_and_outputs(quickstart_run):
     assert f"accord: outputs in {out}/" in log
     assert log.startswith("accord: checking recipe…\n")
     # The workers start while the data is prepared: those two lines come in either order.
-    stages = ["accord: checking recipe…", ("accord: preparing data…", "accord: starting 2 workers…"), "accord: loading model…", "accord: batch "]
+    stages = [
+        "accord: checking recipe…",
+        ("accord: preparing data…", "accord: starting 2 workers…"),
+        "accord: loading model…",
+        "accord: batch ",
+    ]
     positions = [[log.index(stage)] if isinstance(stage, str) else [log.index(s) for s in stage] for stage in stages]
     assert all(max(before) < min(after) for before, after in zip(positions, positions[1:])), log[:2000]
     assert log.count("accord: loading model…") == 1
@@ -112,13 +123,17 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     logged = [r for r in read_metrics(out) if r["kind"] == "eval"][-1]
     recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
     accord_tokenizer = build_tokenizer(recipe.model)
-    rows = list(prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval.select(range(16)))
+    rows = list(
+        prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval.select(
+            range(16)
+        )
+    )
 
     script = f"""
 import json, sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained({str(out / 'final')!r})
-model = AutoModelForCausalLM.from_pretrained({str(out / 'final')!r})
+tokenizer = AutoTokenizer.from_pretrained({str(out / "final")!r})
+model = AutoModelForCausalLM.from_pretrained({str(out / "final")!r})
 answers = []
 for prompt in json.loads(sys.stdin.read()):
     output = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=4, do_sample=False)
@@ -126,7 +141,13 @@ for prompt in json.loads(sys.stdin.read()):
 assert not [name for name in sys.modules if name.split(".")[0] == "accord"]
 print(json.dumps(answers))
 """
-    proc = subprocess.run([sys.executable, "-c", script], input=json.dumps([r["prompt"] for r in rows]), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps([r["prompt"] for r in rows]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -136,7 +157,13 @@ print(json.dumps(answers))
     for row in rows:
         start = row["labels"].index(next(t for t in row["labels"] if t != -100))
         prompt = torch.tensor([row["input_ids"][:start]])
-        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=accord_tokenizer.pad_token_id, eos_token_id=accord_tokenizer.eos_token_id)
+        generated = model.generate(
+            prompt,
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=accord_tokenizer.pad_token_id,
+            eos_token_id=accord_tokenizer.eos_token_id,
+        )
         trained.append(accord_tokenizer.decode(generated[0, start:], skip_special_tokens=True))
     print("plain transformers:", plain)
     assert plain == trained

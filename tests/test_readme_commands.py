@@ -46,7 +46,9 @@ def readme_examples() -> dict[str, list[str]]:
 
 def test_every_readme_example_is_checked_or_says_why_not():
     shown = set(readme_examples())
-    assert shown == set(CHECKED) | set(NOT_RUN), f"README shows {sorted(shown - set(CHECKED) - set(NOT_RUN))}; not in README any more: {sorted((set(CHECKED) | set(NOT_RUN)) - shown)}"
+    assert shown == set(CHECKED) | set(NOT_RUN), (
+        f"README shows {sorted(shown - set(CHECKED) - set(NOT_RUN))}; not in README any more: {sorted((set(CHECKED) | set(NOT_RUN)) - shown)}"
+    )
 
 
 @pytest.mark.parametrize("command", CHECKED)
@@ -60,11 +62,15 @@ def test_readme_command_prints_what_the_readme_shows(command, tmp_path):
     overrides = [f"output.dir={tmp_path / 'out'}"] if args[1] == "train" else []
     proc = run_process([sys.executable, "-m", "accord", *args[1:], *overrides], cwd=REPO, env=accord_env(), timeout=120)
     printed = [_machine_free(line.rstrip()) for line in (proc.stdout + proc.stderr).splitlines()]
-    assert proc.returncode == (2 if any(line.startswith("accord: error:") for line in expected) else 0), proc.stderr[-3000:]
+    assert proc.returncode == (2 if any(line.startswith("accord: error:") for line in expected) else 0), proc.stderr[
+        -3000:
+    ]
     assert "Traceback" not in proc.stderr
     position = 0
     for line in map(_machine_free, expected):
-        assert line in printed[position:], f"README shows {line!r} after `{command}`; it printed:\n" + "\n".join(printed)
+        assert line in printed[position:], f"README shows {line!r} after `{command}`; it printed:\n" + "\n".join(
+            printed
+        )
         position = printed.index(line, position) + 1
 
 

@@ -34,15 +34,23 @@ def test_a_shipped_recipe_missing_its_starting_run_names_the_recipe_to_train_fir
     recipe = load_recipe(REPO / "recipes" / "grpo-addition.yaml")
     assert recipe.model.path == f"{load_recipe(REPO / 'recipes' / 'addition-sft.yaml').output.dir}/final"
     (line,) = check_model_source(recipe.model)
-    assert line == (f"model.path: folder not found: {recipe.model.path} "
-                    "(the final model of recipes/addition-sft.yaml: run `accord train recipes/addition-sft.yaml` first)")
-    (line,) = check_model_source(load_recipe(REPO / "recipes" / "grpo-addition.yaml", ["model.path=runs/no-such-run/final"]).model)
-    assert line.endswith("(the final model of an accord run: train the recipe whose output.dir is runs/no-such-run first)")
+    assert line == (
+        f"model.path: folder not found: {recipe.model.path} "
+        "(the final model of recipes/addition-sft.yaml: run `accord train recipes/addition-sft.yaml` first)"
+    )
+    (line,) = check_model_source(
+        load_recipe(REPO / "recipes" / "grpo-addition.yaml", ["model.path=runs/no-such-run/final"]).model
+    )
+    assert line.endswith(
+        "(the final model of an accord run: train the recipe whose output.dir is runs/no-such-run first)"
+    )
 
 
 def test_overrides_take_precedence_over_the_file(tmp_path):
     path = write_recipe(tmp_path / "r.yaml", TINY_RECIPE)
-    recipe = load_recipe(path, ["batch.micro_batch_size=4", "optim.lr=1e-3", "engine.devices=[0,1]", "output.dir=elsewhere"])
+    recipe = load_recipe(
+        path, ["batch.micro_batch_size=4", "optim.lr=1e-3", "engine.devices=[0,1]", "output.dir=elsewhere"]
+    )
     assert recipe.batch.micro_batch_size == 4
     assert recipe.optim.lr == pytest.approx(1e-3)
     assert recipe.engine.devices == [0, 1]
@@ -144,9 +152,16 @@ def test_a_recipe_validates_the_same_on_any_machine(monkeypatch):
     import torch
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    engine = TINY_RECIPE["engine"] | {"strategy": "zero3", "offload": "optimizer+params", "precision": "fp16", "device": "auto"}
+    engine = TINY_RECIPE["engine"] | {
+        "strategy": "zero3",
+        "offload": "optimizer+params",
+        "precision": "fp16",
+        "device": "auto",
+    }
     assert validate_recipe(TINY_RECIPE | {"engine": engine}).engine.strategy == "zero3"
 
 
@@ -167,6 +182,11 @@ def test_new_fields_name_bad_values_in_one_line(override, expected):
 
 
 def test_more_generated_sums_than_can_be_drawn_distinct_is_one_line_before_any_work():
-    raw = {**TINY_RECIPE, "data": {"generate": {"kind": "addition", "train_examples": 4000, "eval_examples": 20000, "max_digits": 2}}}
-    with pytest.raises(RecipeError, match=r"data.generate: 4000 train \+ 20000 eval examples asked for, but at most 5000 distinct sums"):
+    raw = {
+        **TINY_RECIPE,
+        "data": {"generate": {"kind": "addition", "train_examples": 4000, "eval_examples": 20000, "max_digits": 2}},
+    }
+    with pytest.raises(
+        RecipeError, match=r"data.generate: 4000 train \+ 20000 eval examples asked for, but at most 5000 distinct sums"
+    ):
         validate_recipe(raw)

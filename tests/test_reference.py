@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, read_safetensors_folder, run_accord, step_losses, write_recipe
+from conftest import (
+    TINY_RECIPE,
+    assert_ok,
+    final_params,
+    max_param_diff,
+    read_safetensors_folder,
+    run_accord,
+    step_losses,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.distributed
 TOLERANCE = 1e-5
@@ -43,7 +52,12 @@ def accord_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("reference")
     tokenizer = build_byte_tokenizer()
-    vocab = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vocab = {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     _initial_model(root / "initial", vocab)
     raw = copy.deepcopy(TINY_RECIPE)
     raw["model"] = {"path": str(root / "initial"), "tokenizer": "byte"}
@@ -75,7 +89,9 @@ def _global_batches(raw: dict, log: str) -> tuple[list[list[dict]], int]:
     rows = Rows.build(np.asarray(train["length"]), np.asarray(train["num_targets"]), recipe.data.max_length)
     assert f"in {len(rows)} packed rows" in log  # the rows the run trained on
     order = GlobalOrder(len(rows), recipe.batch.global_batch_size, recipe.seed)
-    return [[[train[int(i)] for i in rows.members[r]] for r in order.batch(step)] for step in range(STEPS)], tokenizer.pad_token_id
+    return [
+        [[train[int(i)] for i in rows.members[r]] for r in order.batch(step)] for step in range(STEPS)
+    ], tokenizer.pad_token_id
 
 
 def bare_loop(folder: Path, batches: list[list[list[dict]]], pad_id: int, optim: dict, normalisation: str):
@@ -100,7 +116,9 @@ def bare_loop(folder: Path, batches: list[list[list[dict]]], pad_id: int, optim:
         mask = (torch.arange(width)[None, :] < torch.tensor([len(e["input_ids"]) for e in examples])[:, None]).long()
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         targets = labels[:, 1:]
-        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), targets, ignore_index=-100, reduction="none"
+        )
         per_example_sum, per_example_count = token_loss.sum(1), (targets != -100).sum(1)
         global_loss = per_example_sum.sum() / per_example_count.sum()
         if normalisation == "global":

@@ -55,7 +55,7 @@ def test_bad_task_class_is_one_line(target, message):
 
 # A task accord did not write: a causal LM trained on every token of prompt + completion,
 # reporting its own per-step metric.
-CUSTOM_TASK = '''
+CUSTOM_TASK = """
 import torch
 from accord.tasks.base import IGNORE, LossOutput
 from accord.tasks.causal import CausalLMTask
@@ -80,7 +80,7 @@ class EveryTokenTask(CausalLMTask):
         out = super().loss(model, batch)
         out.metrics["targets_seen"] = out.num_targets.float()
         return out
-'''
+"""
 
 
 @pytest.mark.distributed

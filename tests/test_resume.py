@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from accord.checkpoint.store import COMPLETE, complete_checkpoints, read_state
 from accord.checkpoint.manifest import MANIFEST, verify
+from accord.checkpoint.store import COMPLETE, complete_checkpoints, read_state
 from accord.stopping import PREEMPTED_EXIT_CODE
 from conftest import (
     TINY_RECIPE,
@@ -48,7 +48,9 @@ def recipe(tmp_path_factory) -> Path:
     [(2, 5, "epoch 1, example 0", 1), pytest.param(1, 6, "epoch 1, example 32", 2, marks=pytest.mark.slow)],
     ids=["2-to-1", "1-to-2"],
 )
-def test_resume_on_another_world_size_continues_same_data(tiny_reference, one_process_reference, recipe, tmp_path, before, step, position, after):
+def test_resume_on_another_world_size_continues_same_data(
+    tiny_reference, one_process_reference, recipe, tmp_path, before, step, position, after
+):
     """The session's uninterrupted runs (2 processes, checkpoint at step 5; 1 process, at
     step 6) resumed on the other world size end where they ended."""
     reference = (tiny_reference if before == 2 else one_process_reference)[1]
@@ -88,7 +90,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return output
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)], ids=lambda s: s.name
+)
 def test_stop_signal_checkpoints_exits_75_and_resume_matches(uninterrupted, recipe, tmp_path, sig):
     out = tmp_path / "preempted"
     proc = start_accord("train", recipe, *LONG, f"output.dir={out}")
@@ -124,7 +128,9 @@ def test_killed_worker_restarts_the_group_and_ends_as_uninterrupted(uninterrupte
 @pytest.mark.slow  # default-suite budget: the asynchronous variant below runs the same seal protocol by default
 def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, recipe, tmp_path):
     out = tmp_path / "crashed"
-    proc = start_accord("train", recipe, *LONG, f"output.dir={out}", env_extra={"ACCORD_FAULTS": "checkpoint_pause_at_step=20"})
+    proc = start_accord(
+        "train", recipe, *LONG, f"output.dir={out}", env_extra={"ACCORD_FAULTS": "checkpoint_pause_at_step=20"}
+    )
     partial = out / "checkpoints" / ".tmp-step-000020"
     wait_for(lambda: (partial / "state" / ".metadata").exists() and (partial / "rng" / "rank-00001.pt").exists())
     for pid in [*_worker_pids(proc.pid), proc.pid]:  # the whole job dies at once, mid-write
@@ -166,7 +172,9 @@ def test_kill_during_an_async_checkpoint_write_keeps_the_previous_one(uninterrup
 
 def _damage(state: Path, damage: str) -> Path:
     """Damage one file of a checkpoint's state/ folder as a disk or a copy might; the file."""
-    target = {"missing shard": state / "__1_0.distcp", "missing index": state / ".metadata"}.get(damage, state / "__0_0.distcp")
+    target = {"missing shard": state / "__1_0.distcp", "missing index": state / ".metadata"}.get(
+        damage, state / "__0_0.distcp"
+    )
     if damage == "truncated shard":
         os.truncate(target, target.stat().st_size // 2)
     elif damage == "corrupt bytes":  # the same length, 16 bytes in the middle inverted
@@ -198,7 +206,9 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tiny_reference
     proc = run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}", "--resume")
     assert_ok(proc)
     (skipped,) = [line for line in proc.stderr.splitlines() if "skipped" in line]
-    reason = "does not match its sha256 checksum" if damage == "corrupt bytes" else f"is {len(damaged):,} bytes, expected"
+    reason = (
+        "does not match its sha256 checksum" if damage == "corrupt bytes" else f"is {len(damaged):,} bytes, expected"
+    )
     assert skipped.startswith(f"accord: warning: checkpoint step-000010 skipped: state/{target.name} {reason}"), skipped
     assert skipped.endswith("; resuming from step-000005") and "at step 5 " in proc.stderr
     assert max_param_diff(final_params(tiny_reference[1]), final_params(out)) <= TOLERANCE
@@ -208,7 +218,13 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tiny_reference
 
 
 @pytest.mark.parametrize(
-    "damage", ["missing shard", pytest.param("truncated shard", marks=pytest.mark.slow), pytest.param("missing index", marks=pytest.mark.slow), "corrupt bytes"]
+    "damage",
+    [
+        "missing shard",
+        pytest.param("truncated shard", marks=pytest.mark.slow),
+        pytest.param("missing index", marks=pytest.mark.slow),
+        "corrupt bytes",
+    ],
 )
 def test_with_every_checkpoint_damaged_resume_is_refused_naming_the_files(tiny_reference, recipe, tmp_path, damage):
     """Every checkpoint damaged: one line naming each one's damaged file, exit 2, no traceback,
@@ -229,7 +245,9 @@ def test_with_every_checkpoint_damaged_resume_is_refused_naming_the_files(tiny_r
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"no checkpoint in {out / 'checkpoints'} verifies" in errors[0]
     assert f"step-000010: state/{names[1]}" in errors[0] and f"step-000005: state/{names[0]}" in errors[0]
-    assert ("missing" if "missing" in damage else "checksum" if damage == "corrupt bytes" else "bytes, expected") in errors[0]
+    assert (
+        "missing" if "missing" in damage else "checksum" if damage == "corrupt bytes" else "bytes, expected"
+    ) in errors[0]
     assert _snapshot(out) == before  # nothing written, nothing removed
 
 
@@ -278,4 +296,6 @@ def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_refere
 def _worker_pids(launcher: int) -> list[int]:
     """The training workers the launcher started (`python -m accord.launch.worker ...`)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    return sorted(pid for pid in map(int, children) if b"accord.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    return sorted(
+        pid for pid in map(int, children) if b"accord.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )

@@ -36,7 +36,9 @@ def test_resume_with_more_steps_says_and_applies_the_schedule(one_process_refere
     recipe, ten = one_process_reference
     out = tmp_path / extend
     shutil.copytree(ten, out)
-    proc = run_accord("train", recipe, *ONE, "train.max_steps=13", f"optim.extend={extend}", f"output.dir={out}", "--resume")
+    proc = run_accord(
+        "train", recipe, *ONE, "train.max_steps=13", f"optim.extend={extend}", f"output.dir={out}", "--resume"
+    )
     assert_ok(proc)
     assert f"accord: resuming at step 10 with train.max_steps 10 → 13: optim.extend={extend}" in proc.stderr
     lr, warmup = TINY_RECIPE["optim"]["lr"], TINY_RECIPE["optim"]["warmup_steps"]
@@ -51,8 +53,12 @@ def test_resume_with_more_steps_says_and_applies_the_schedule(one_process_refere
 
     if extend == "restart_decay":
         # The extended schedule travels with the checkpoint: a further resume keeps both segments.
-        again = run_accord("train", recipe, *ONE, "train.max_steps=15", "optim.extend=continue", f"output.dir={out}", "--resume")
+        again = run_accord(
+            "train", recipe, *ONE, "train.max_steps=15", "optim.extend=continue", f"output.dir={out}", "--resume"
+        )
         assert_ok(again)
         logged = _lrs(out)
         assert [logged[k] for k in (11, 12, 13)] == pytest.approx(expected, abs=1e-12)
-        assert [logged[k] for k in (14, 15)] == pytest.approx([lr * _cosine(k - 1 - 10, 5, warmup) for k in (14, 15)], abs=1e-12)
+        assert [logged[k] for k in (14, 15)] == pytest.approx(
+            [lr * _cosine(k - 1 - 10, 5, warmup) for k in (14, 15)], abs=1e-12
+        )

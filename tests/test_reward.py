@@ -39,7 +39,9 @@ def _wordpiece_tokenizer(folder):
     from transformers import BertTokenizerFast
 
     vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "is", "red", "a", "colour", "dog", "?"]) + "\n")
+    vocab.write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "is", "red", "a", "colour", "dog", "?"]) + "\n"
+    )
     return BertTokenizerFast(vocab_file=str(vocab))
 
 
@@ -65,11 +67,15 @@ def test_the_pair_loss_equals_a_bare_torch_loss_over_each_text_scored_alone(tmp_
     gradients."""
     task, tokenizer = _reward_task(tmp_path)
     rows = [("2+2=", "4", "5"), ("what is red? ", "a colour", "a small dog that sat"), ("hi", " there, friend", "!")]
-    encoded = task.encode_batch({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]})
+    encoded = task.encode_batch(
+        {"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]}
+    )
     model = _tiny_classifier(tokenizer)
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)  # rewards far from zero: a loss worth comparing
-    ours = task.loss(model, task.collate([[{name: column[i] for name, column in encoded.items()}] for i in range(len(rows))]))
+    ours = task.loss(
+        model, task.collate([[{name: column[i] for name, column in encoded.items()}] for i in range(len(rows))])
+    )
     ours_grads = torch.autograd.grad(ours.loss_sum, model.score.weight)[0]
 
     def reward(text):
@@ -92,20 +98,26 @@ def test_the_pair_loss_equals_trl_reward_trainers_on_the_same_batch(tmp_path):
 
     task, tokenizer = _reward_task(tmp_path)
     rows = [("2+2=", "4", "5"), ("what is red? ", "a colour", "a small dog that sat"), ("hi", " there, friend", "!")]
-    encoded = task.encode_batch({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]})
+    encoded = task.encode_batch(
+        {"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows], "rejected": [r[2] for r in rows]}
+    )
     examples = [{name: column[i] for name, column in encoded.items()} for i in range(len(rows))]
     batch = task.collate([[e] for e in examples])
     trl_batch = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)(
         [{"chosen_ids": e["chosen_input_ids"], "rejected_ids": e["rejected_input_ids"]} for e in examples]
     )
-    assert torch.equal(batch["input_ids"], trl_batch["input_ids"]) and torch.equal(batch["attention_mask"], trl_batch["attention_mask"])
+    assert torch.equal(batch["input_ids"], trl_batch["input_ids"]) and torch.equal(
+        batch["attention_mask"], trl_batch["attention_mask"]
+    )
 
     model = _tiny_classifier(tokenizer)
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)  # rewards far from zero: a loss worth comparing
     import datasets
 
-    pairs = datasets.Dataset.from_list([{"chosen_ids": e["chosen_input_ids"], "rejected_ids": e["rejected_input_ids"]} for e in examples])
+    pairs = datasets.Dataset.from_list(
+        [{"chosen_ids": e["chosen_input_ids"], "rejected_ids": e["rejected_input_ids"]} for e in examples]
+    )
     args = RewardConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True)
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=pairs)
     trl_loss = trainer.compute_loss(model, dict(trl_batch))
@@ -140,12 +152,21 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
     task, tokenizer = _reward_task(tmp_path)
     user = [{"role": "user", "content": "2+2?"}]
     rows = [
-        {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]},
-        {"chosen": user + [{"role": "assistant", "content": "four"}], "rejected": user + [{"role": "assistant", "content": "fish"}]},
+        {
+            "prompt": user,
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}],
+        },
+        {
+            "chosen": user + [{"role": "assistant", "content": "four"}],
+            "rejected": user + [{"role": "assistant", "content": "fish"}],
+        },
     ]
     task.recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
     prepared = prepare_data(task.recipe, tokenizer, task, preparer=True)
-    render = lambda messages: tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]  # noqa: E731
+    render = lambda messages: tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False
+    )["input_ids"]  # noqa: E731
     examples = list(prepared.train) + list(prepared.eval)
     by_answer = {tuple(e["chosen_input_ids"]): e for e in examples}
     for row in rows:
@@ -162,7 +183,10 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
 def trained(tmp_path_factory):
     """A 2-process DDP run (2 × 8 × 2) of the tiny reward recipe, evaluated before and after."""
     root = tmp_path_factory.mktemp("reward")
-    recipe = write_recipe(root / "recipe.yaml", recipe_for("reward", root, train={"max_steps": 10, "log_every": 1, "eval_on_start": True, "eval_every": 10}))
+    recipe = write_recipe(
+        root / "recipe.yaml",
+        recipe_for("reward", root, train={"max_steps": 10, "log_every": 1, "eval_on_start": True, "eval_every": 10}),
+    )
     out = root / "ddp"
     proc = run_accord("train", recipe, f"output.dir={out}")
     assert_ok(proc)

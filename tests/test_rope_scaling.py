@@ -51,6 +51,20 @@ def test_a_model_folder_is_scaled_and_saves_the_scaling(tmp_path):
 
 
 def test_a_model_without_rope_is_refused_in_one_line():
-    bert = {"architecture": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
-    with pytest.raises(UserInputError, match=r"^model.rope_scaling: a bert model has no rotary position embeddings \(RoPE\) .*; drop model.rope_scaling$"):
-        build_model(ModelConfig(config=bert, tokenizer="byte", rope_scaling={"rope_type": "linear", "factor": 2.0}), build_byte_tokenizer(), 0, meta=True)
+    bert = {
+        "architecture": "bert",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+    }
+    with pytest.raises(
+        UserInputError,
+        match=r"^model.rope_scaling: a bert model has no rotary position embeddings \(RoPE\) .*; drop model.rope_scaling$",
+    ):
+        build_model(
+            ModelConfig(config=bert, tokenizer="byte", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            build_byte_tokenizer(),
+            0,
+            meta=True,
+        )

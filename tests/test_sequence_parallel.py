@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, recipe_for, run_accord, step_losses, write_recipe
 from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.engine.sequence_parallel.ulysses import check_sequence_parallel
 from accord.recipe.schema import validate_recipe
@@ -16,6 +15,16 @@ from accord.tasks.base import IGNORE
 from accord.tasks.causal import block_causal_mask, packed_position_ids
 from accord.tasks.chunked_loss import shifted_targets
 from accord.tasks.sequence_shards import SequenceShards
+from conftest import (
+    TINY_RECIPE,
+    assert_ok,
+    final_params,
+    max_param_diff,
+    recipe_for,
+    run_accord,
+    step_losses,
+    write_recipe,
+)
 
 TOLERANCE = 1e-5
 
@@ -30,7 +39,9 @@ def test_the_plan_counts_data_parallel_groups_and_gives_a_group_the_same_rows():
     assert plan.micro_slice(plan.data_rank(1), 0) == plan.micro_slice(plan.data_rank(0), 0) == slice(0, 4)
     assert plan.micro_slice(plan.data_rank(2), 3) == slice(28, 32)
     assert "2 data-parallel groups of 2 processes (sequence parallel)" in plan.describe()
-    with pytest.raises(BatchPlanError, match=r"engine.sequence_parallel=3 does not divide the 4 processes; use one of 1, 2, 4"):
+    with pytest.raises(
+        BatchPlanError, match=r"engine.sequence_parallel=3 does not divide the 4 processes; use one of 1, 2, 4"
+    ):
         BatchPlan.derive(32, 4, 4, sequence_parallel=3)
 
 
@@ -40,9 +51,14 @@ def _packed_batch(doc_lengths: list[list[int]], width: int) -> dict[str, torch.T
     labels = ids.clone()
     labels[:, 0] = IGNORE
     for i, lengths in enumerate(doc_lengths):
-        labels[i, sum(lengths):] = IGNORE  # padding
+        labels[i, sum(lengths) :] = IGNORE  # padding
     positions = packed_position_ids(doc_lengths, width)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": block_causal_mask(doc_lengths, width, False)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "attention_mask": block_causal_mask(doc_lengths, width, False),
+    }
 
 
 def test_slices_rejoin_into_the_row_with_targets_shifted_over_the_whole_row():
@@ -84,14 +100,19 @@ def test_heads_task_and_attention_are_checked_with_one_line_each():
     assert check_sequence_parallel(recipe(sequence_parallel=1), config) == []
     assert check_sequence_parallel(recipe(sequence_parallel=4), config) == []  # kv heads replicated
     [line] = check_sequence_parallel(recipe(sequence_parallel=8), config)
-    assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads") and "use 2, 4 or 1" in line
+    assert (
+        line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads")
+        and "use 2, 4 or 1" in line
+    )
     # Before any worker starts, from the recipe's model config (no weights).
     from accord.launch.preflight import check_sequence_parallel as preflight_check
 
     [line] = preflight_check(recipe(sequence_parallel=8))
     assert line.startswith("engine.sequence_parallel=8 must divide the model's 4 attention heads")
     dpo = validate_recipe({**TINY_RECIPE, "task": "dpo", "engine": {**TINY_RECIPE["engine"], "sequence_parallel": 2}})
-    assert check_sequence_parallel(dpo, config) == ["engine.sequence_parallel=2 supports task sft and pretrain, not dpo; set engine.sequence_parallel=1"]
+    assert check_sequence_parallel(dpo, config) == [
+        "engine.sequence_parallel=2 supports task sft and pretrain, not dpo; set engine.sequence_parallel=1"
+    ]
 
 
 # ---------------------------------------------------------------- processes
@@ -106,7 +127,9 @@ def sp2(tmp_path_factory):
     out = root / "sp2"
     proc = run_accord("train", recipe, "engine.sequence_parallel=2", "checkpoint.every_steps=6", f"output.dir={out}")
     assert_ok(proc)
-    assert "1 data-parallel group of 2 processes (sequence parallel) × 8 sequences × 4 accumulation steps" in proc.stderr
+    assert (
+        "1 data-parallel group of 2 processes (sequence parallel) × 8 sequences × 4 accumulation steps" in proc.stderr
+    )
     return recipe, out
 
 
@@ -124,7 +147,9 @@ def test_sequence_parallel_2_trains_packed_sft_as_one_process(sp2, one_process_r
 def test_resume_from_sequence_parallel_2_on_one_process(sp2, one_process_reference, tmp_path):
     recipe, out = sp2
     resumed = tmp_path / "resumed"
-    proc = run_accord("train", recipe, "engine.processes=1", f"resume={out / 'checkpoints' / 'step-000006'}", f"output.dir={resumed}")
+    proc = run_accord(
+        "train", recipe, "engine.processes=1", f"resume={out / 'checkpoints' / 'step-000006'}", f"output.dir={resumed}"
+    )
     assert_ok(proc)
     assert "at step 6 " in proc.stderr
     assert max_param_diff(final_params(one_process_reference[1]), final_params(resumed)) <= TOLERANCE
@@ -133,21 +158,33 @@ def test_resume_from_sequence_parallel_2_on_one_process(sp2, one_process_referen
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_data_parallel_2_by_sequence_parallel_2_on_4_processes_equals_one_process(one_process_reference, tmp_path, strategy):
+def test_data_parallel_2_by_sequence_parallel_2_on_4_processes_equals_one_process(
+    one_process_reference, tmp_path, strategy
+):
     recipe, reference = one_process_reference
     out = tmp_path / strategy
     proc = run_accord(
-        "train", recipe, "engine.processes=4", "engine.sequence_parallel=2", f"engine.strategy={strategy}", "batch.micro_batch_size=4",
-        f"output.dir={out}", timeout=600,
+        "train",
+        recipe,
+        "engine.processes=4",
+        "engine.sequence_parallel=2",
+        f"engine.strategy={strategy}",
+        "batch.micro_batch_size=4",
+        f"output.dir={out}",
+        timeout=600,
     )
     assert_ok(proc)
-    assert "2 data-parallel groups of 2 processes (sequence parallel) × 4 sequences × 4 accumulation steps" in proc.stderr
+    assert (
+        "2 data-parallel groups of 2 processes (sequence parallel) × 4 sequences × 4 accumulation steps" in proc.stderr
+    )
     assert max_param_diff(final_params(reference), final_params(out)) <= TOLERANCE
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("packing", ["true", "false"], ids=["packed", "one-document-a-row"])  # false: sdpa without a mask
+@pytest.mark.parametrize(
+    "packing", ["true", "false"], ids=["packed", "one-document-a-row"]
+)  # false: sdpa without a mask
 def test_sequence_parallel_2_pretrains_as_one_process(tmp_path, packing):
     recipe = write_recipe(tmp_path / "pretrain.yaml", recipe_for("pretrain", tmp_path / "data"))
     outs = {}
@@ -166,7 +203,12 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
     from accord.planner.estimate import GIB, plan, recommend
 
     raw = copy.deepcopy(TINY_RECIPE)
-    raw["model"]["config"] |= {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "max_position_embeddings": 8192}
+    raw["model"]["config"] |= {
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "max_position_embeddings": 8192,
+    }
     raw["data"]["max_length"] = 8192
     raw["batch"] = {"global_batch_size": 8, "micro_batch_size": 1}
     raw["engine"] |= {"processes": 4}
@@ -184,7 +226,9 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
     assert per_degree[1] > per_degree[2] > per_degree[4]
     base = min(r.total - r.activations for r in rows)
     between = (base + (per_degree[2] + per_degree[1]) / 2) / GIB  # sp 2 fits, sp 1 does not
-    assert recommend(rows, recipe, world, between).startswith("recommended: engine.sequence_parallel=2 with engine.strategy=")
+    assert recommend(rows, recipe, world, between).startswith(
+        "recommended: engine.sequence_parallel=2 with engine.strategy="
+    )
     too_small = (base + per_degree[4] / 2) / GIB
     assert "engine.sequence_parallel" in recommend(rows, recipe, world, too_small).split("use more")[1]
     # Under sequence_parallel 2 the plan's micro-batch arithmetic counts data-parallel groups.
@@ -253,8 +297,11 @@ def test_a_packed_rows_loss_and_gradient_under_sequence_parallel_equal_its_docum
 
     script = tmp_path / "packed.py"
     script.write_text(PACKED_SCRIPT)
-    proc = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-                       timeout=300, env=accord_env())
+    proc = run_process(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        timeout=300,
+        env=accord_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

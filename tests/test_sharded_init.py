@@ -44,7 +44,9 @@ def test_initial_values_depend_on_the_seed_and_the_name_only():
 
     lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
     eager = apply_lora(build_model(_config(), tokenizer, seed=3), lora, "causal_lm", 3).state_dict()
-    meta = materialize(apply_lora(build_model(_config(), tokenizer, seed=3, meta=True), lora, "causal_lm", 3), "cpu").state_dict()
+    meta = materialize(
+        apply_lora(build_model(_config(), tokenizer, seed=3, meta=True), lora, "causal_lm", 3), "cpu"
+    ).state_dict()
     assert eager.keys() == meta.keys() and _equal(eager, meta)
     assert any(".lora_A." in k and eager[k].abs().sum() > 0 for k in eager)
     assert all(eager[k].abs().sum() == 0 for k in eager if ".lora_B." in k)
@@ -65,9 +67,14 @@ def test_a_model_folder_loads_as_from_pretrained_and_a_new_head_is_seeded(tmp_pa
     (tmp_path / "m" / "model.safetensors").unlink()
     torch.save(theirs.state_dict(), tmp_path / "m" / "pytorch_model.bin")
     assert _equal(build_model(folder, tokenizer, seed=0).state_dict(), theirs.state_dict())
-    heads = [build_model(folder, tokenizer, seed=0, kind="sequence_classification", extra={"num_labels": 3}) for _ in range(2)]
+    heads = [
+        build_model(folder, tokenizer, seed=0, kind="sequence_classification", extra={"num_labels": 3})
+        for _ in range(2)
+    ]
     assert _equal(heads[0].state_dict(), heads[1].state_dict())
-    assert _equal(heads[0].state_dict(), theirs.state_dict(), [k for k in theirs.state_dict() if k.startswith("model.")])
+    assert _equal(
+        heads[0].state_dict(), theirs.state_dict(), [k for k in theirs.state_dict() if k.startswith("model.")]
+    )
 
 
 def test_weights_of_another_config_stop_with_one_line_naming_file_and_shapes(tmp_path):
@@ -76,8 +83,12 @@ def test_weights_of_another_config_stop_with_one_line_naming_file_and_shapes(tmp
     tokenizer = build_tokenizer(_config())
     build_model(_config(), tokenizer, seed=1).save_pretrained(tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
-    with pytest.raises(UserInputError, match=r"model.safetensors holds .*mlp.* of shape \[\d+, \d+\], but .* wants \[\d+, \d+\]") as e:
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2})
+    )
+    with pytest.raises(
+        UserInputError, match=r"model.safetensors holds .*mlp.* of shape \[\d+, \d+\], but .* wants \[\d+, \d+\]"
+    ) as e:
         build_model(ModelConfig(path=str(tmp_path / "m"), tokenizer="byte"), tokenizer, seed=0)
     assert "\n" not in str(e.value)
 
@@ -88,8 +99,12 @@ def test_an_encoder_folder_with_a_new_classification_head_loads_as_from_pretrain
 
     path = Path(list(MINILM.submodule_search_locations)[0]) / "model"
     cfg = ModelConfig(path=str(path))
-    ours = build_model(cfg, build_tokenizer(cfg), seed=0, kind="sequence_classification", extra={"num_labels": 3}).state_dict()
-    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, num_labels=3).state_dict()
+    ours = build_model(
+        cfg, build_tokenizer(cfg), seed=0, kind="sequence_classification", extra={"num_labels": 3}
+    ).state_dict()
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32, num_labels=3
+    ).state_dict()
     assert ours.keys() == theirs.keys()
     assert _equal(ours, theirs, [k for k in ours if not k.startswith("classifier.")])
 
@@ -163,9 +178,21 @@ def _launch(folder: Path, world: int, jobs: dict[str, tuple[dict, int, bool]], t
     """Build (and step) each job's engine, in order, in one launch of `world` processes."""
     script = folder / "build_worker.py"
     script.write_text(WORKER)
-    spec = [{"recipe": r, "steps": steps, "gather": gather, "out": str(folder / f"{name}.pt")} for name, (r, steps, gather) in jobs.items()]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)] if world > 1 else [sys.executable]
-    proc = run_process([*launcher, str(script), json.dumps(spec)], timeout=timeout, cwd=REPO, env=accord_env() | {"DS_ACCELERATOR": "cpu"})
+    spec = [
+        {"recipe": r, "steps": steps, "gather": gather, "out": str(folder / f"{name}.pt")}
+        for name, (r, steps, gather) in jobs.items()
+    ]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+        if world > 1
+        else [sys.executable]
+    )
+    proc = run_process(
+        [*launcher, str(script), json.dumps(spec)],
+        timeout=timeout,
+        cwd=REPO,
+        env=accord_env() | {"DS_ACCELERATOR": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {name: torch.load(folder / f"{name}.pt") for name in jobs}
 
@@ -185,8 +212,15 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # A 76M-parameter Llama (302 MB in fp32): big enough for a whole copy to show in a peak RSS.
-BIG = {"architecture": "llama", "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 12,
-       "num_key_value_heads": 12, "max_position_embeddings": 64}
+BIG = {
+    "architecture": "llama",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "max_position_embeddings": 64,
+}
 STEPS = 3
 
 
@@ -211,13 +245,17 @@ def built(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("zero3", marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="no DeepSpeed"))])
+@pytest.mark.parametrize(
+    "strategy", ["fsdp", pytest.param("zero3", marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="no DeepSpeed"))]
+)
 def test_a_sharded_build_starts_from_the_one_process_weights(built, strategy):
     """Built on the meta device and materialised shard by shard on 2 processes, the initial
     weights (and buffers) equal the whole model built in one process, exactly."""
     recipe = validate_recipe(_recipe(strategy))
     whole = build_model(recipe.model, build_tokenizer(recipe.model), recipe.seed)
-    expected = {n: p.detach() for n, p in whole.named_parameters()} | {f"buffer:{n}": b for n, b in whole.named_buffers()}
+    expected = {n: p.detach() for n, p in whole.named_parameters()} | {
+        f"buffer:{n}": b for n, b in whole.named_buffers()
+    }
     assert _max_diff(built[strategy]["state"], expected) == 0.0
 
 

@@ -9,14 +9,14 @@ import threading
 import numpy as np
 import pytest
 
-from accord.launch import refusal_relay as refusals
-from accord.distributed.batch_plan import BatchPlan
 from accord.cli.main import main
 from accord.data import chunks
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, training_rows
 from accord.data.prepare import cache_folder, prepare_data
 from accord.data.shards import ShardWriter, TokenShards
+from accord.distributed.batch_plan import BatchPlan
+from accord.launch import refusal_relay as refusals
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
@@ -34,7 +34,12 @@ def _text(seed: int, words: int) -> str:
 def _recipe(tmp_path, task: str, train, **data):
     recipe = json.loads(json.dumps(TINY_RECIPE))
     recipe["task"] = task
-    recipe["data"] = {"train": train, "max_length": 64, "cache_dir": str(tmp_path / "cache"), "prepare_workers": 1} | data
+    recipe["data"] = {
+        "train": train,
+        "max_length": 64,
+        "cache_dir": str(tmp_path / "cache"),
+        "prepare_workers": 1,
+    } | data
     return validate_recipe(recipe)
 
 
@@ -50,8 +55,10 @@ def test_shards_store_ids_compactly_and_give_back_ids_and_labels(tmp_path):
     writer = ShardWriter(tmp_path / "s", np.dtype(np.uint16))
     for part in (examples[:7], examples[7:]):  # pieces whose mask bits do not end on a byte
         writer.add_examples(
-            np.concatenate([ids for ids, _ in part]), np.concatenate([m for _, m in part]),
-            np.array([len(ids) for ids, _ in part]), np.array([int(m[1:].sum()) for _, m in part]),
+            np.concatenate([ids for ids, _ in part]),
+            np.concatenate([m for _, m in part]),
+            np.array([len(ids) for ids, _ in part]),
+            np.array([int(m[1:].sum()) for _, m in part]),
         )
     meta = writer.close("tok")
     shards = TokenShards(tmp_path / "s", "tok")
@@ -77,7 +84,9 @@ def test_a_stream_written_in_pieces_is_cut_into_the_same_blocks_as_whole(tmp_pat
     assert shards["num_targets"].tolist() == [len(b) - 1 for b in blocks]
 
 
-def test_a_huge_document_prepares_in_pieces_like_whole_and_any_worker_count_gives_the_same_shards(tmp_path, monkeypatch):
+def test_a_huge_document_prepares_in_pieces_like_whole_and_any_worker_count_gives_the_same_shards(
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(chunks, "UNIT_CHARS", 2000)  # a 30 kB document becomes ~15 units
     docs = [_text(0, 6000), _text(1, 50), _text(2, 300)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -85,9 +94,15 @@ def test_a_huge_document_prepares_in_pieces_like_whole_and_any_worker_count_give
     parallel, _ = _prepare(_recipe(tmp_path / "2", "pretrain", str(tmp_path / "d.jsonl"), prepare_workers=2))
     tokenizer = build_byte_tokenizer()
     eos = tokenizer.eos_token_id
-    whole = [t for d in docs for t in text_prefix(tokenizer) + tokenizer(d, add_special_tokens=False)["input_ids"] + [eos]]
-    assert serial.train[list(range(len(serial.train)))]["input_ids"] == [whole[i : i + 64] for i in range(0, len(whole), 64)]
-    assert np.array_equal(parallel.train.tokens, serial.train.tokens) and np.array_equal(parallel.train.offsets, serial.train.offsets)
+    whole = [
+        t for d in docs for t in text_prefix(tokenizer) + tokenizer(d, add_special_tokens=False)["input_ids"] + [eos]
+    ]
+    assert serial.train[list(range(len(serial.train)))]["input_ids"] == [
+        whole[i : i + 64] for i in range(0, len(whole), 64)
+    ]
+    assert np.array_equal(parallel.train.tokens, serial.train.tokens) and np.array_equal(
+        parallel.train.offsets, serial.train.offsets
+    )
 
 
 def test_a_killed_preparation_keeps_its_finished_chunks_and_continues(tmp_path, monkeypatch):
@@ -123,7 +138,9 @@ def test_packed_shard_rows_give_every_world_size_the_same_global_batches(tmp_pat
     assert isinstance(data.train, TokenShards)
     rows = training_rows(data.train, 64)
     assert isinstance(rows.targets, np.memmap)  # packed by the preparation, mapped here
-    assert list(rows.members) == list(Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), 64).members)
+    assert list(rows.members) == list(
+        Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), 64).members
+    )
     order = GlobalOrder(len(rows), 8, seed=7)
 
     def seen(world: int, micro: int, steps: range) -> list[list[int]]:
@@ -132,7 +149,15 @@ def test_packed_shard_rows_give_every_world_size_the_same_global_batches(tmp_pat
         out = []
         for step in steps:
             batch = order.batch(step)
-            out.append([i for r in range(world) for m in range(plan.grad_accum) for row in batch[plan.micro_slice(r, m)] for i in rows.members[row]])
+            out.append(
+                [
+                    i
+                    for r in range(world)
+                    for m in range(plan.grad_accum)
+                    for row in batch[plan.micro_slice(r, m)]
+                    for i in rows.members[row]
+                ]
+            )
         return out
 
     total = range(order.steps_per_epoch + 3)  # into the second epoch
@@ -145,7 +170,12 @@ def test_packed_shard_rows_give_every_world_size_the_same_global_batches(tmp_pat
 def test_a_truncated_shard_or_another_tokenizers_shard_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "d.txt").write_text(_text(4, 3000))
     recipe = json.loads(json.dumps(TINY_RECIPE)) | {"task": "pretrain"}
-    recipe["data"] = {"train": str(tmp_path / "d.txt"), "max_length": 64, "cache_dir": str(tmp_path / "cache"), "prepare_workers": 1}
+    recipe["data"] = {
+        "train": str(tmp_path / "d.txt"),
+        "max_length": 64,
+        "cache_dir": str(tmp_path / "cache"),
+        "prepare_workers": 1,
+    }
     path = write_recipe(tmp_path / "r.yaml", recipe)
     assert main(["prepare", str(path)]) == 0
     assert main(["prepare", str(path)]) == 0
@@ -154,7 +184,9 @@ def test_a_truncated_shard_or_another_tokenizers_shard_is_one_line_and_exit_2(tm
     meta_path = tokens.with_name("shards.json")
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps(meta | {"tokenizer": "another"}))
-    monkeypatch.setattr(refusals, "_said", threading.Lock())  # a process prints one refusal: keep the real one unclaimed
+    monkeypatch.setattr(
+        refusals, "_said", threading.Lock()
+    )  # a process prints one refusal: keep the real one unclaimed
     assert main(["prepare", str(path)]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "reusing" not in line]
     assert len(err) == 1 and "another tokenizer" in err[0] and str(tokens.parent) in err[0]
@@ -175,14 +207,26 @@ def test_a_packed_weighted_mixture_resumed_from_2_processes_on_1_ends_as_the_uni
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[:100]))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_[100:]))
     recipe = json.loads(json.dumps(TINY_RECIPE))
-    recipe["data"] = {"train": [{"path": str(tmp_path / "a.jsonl"), "weight": 1.0}, {"path": str(tmp_path / "b.jsonl"), "weight": 3.0}],
-                      "max_length": 32, "cache_dir": str(tmp_path / "cache")}
+    recipe["data"] = {
+        "train": [
+            {"path": str(tmp_path / "a.jsonl"), "weight": 1.0},
+            {"path": str(tmp_path / "b.jsonl"), "weight": 3.0},
+        ],
+        "max_length": 32,
+        "cache_dir": str(tmp_path / "cache"),
+    }
     recipe["train"] = {"max_steps": 8, "log_every": 1}
     path = write_recipe(tmp_path / "mix.yaml", recipe)
     reference = tmp_path / "reference"
     assert_ok(run_accord("train", path, "engine.processes=2", "checkpoint.every_steps=4", f"output.dir={reference}"))
     resumed = tmp_path / "resumed"
-    proc = run_accord("train", path, "engine.processes=1", f"resume={reference / 'checkpoints' / 'step-000004'}", f"output.dir={resumed}")
+    proc = run_accord(
+        "train",
+        path,
+        "engine.processes=1",
+        f"resume={reference / 'checkpoints' / 'step-000004'}",
+        f"output.dir={resumed}",
+    )
     assert_ok(proc)
     assert "packing fills" in proc.stdout + proc.stderr
     assert max_param_diff(final_params(reference), final_params(resumed)) <= 1e-5
@@ -212,8 +256,14 @@ def test_token_ids_are_the_plain_calls_ids_with_merges_specials_a_backend_left_t
     texts = [_text(i, 40) + (" <|eos|> X" if i % 2 else "") for i in range(6)] + [""]
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|eos|>"], show_progress=False))
-    for tokenizer in (build_byte_tokenizer(), PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eos|>"), Lowering(tokenizer_object=bpe)):
+    bpe.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|eos|>"], show_progress=False)
+    )
+    for tokenizer in (
+        build_byte_tokenizer(),
+        PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eos|>"),
+        Lowering(tokenizer_object=bpe),
+    ):
         plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
         assert token_ids(tokenizer, texts) == plain
         tokenizer.backend_tokenizer.enable_truncation(8)  # as a tokenizer.json saved with truncation

@@ -18,9 +18,21 @@ from conftest import TINY_RECIPE, accord_env, final_params, max_param_diff, run_
 
 
 def test_script_runs_one_task_per_node_signals_and_requeues(tmp_path):
-    job = JobRequest(tmp_path / "r.yaml", ("output.dir=runs/a b", "optim.lr=1e-3"), nodes=4, gpus_per_node=8, partition="gpu", time="04:00:00", account="team x")
+    job = JobRequest(
+        tmp_path / "r.yaml",
+        ("output.dir=runs/a b", "optim.lr=1e-3"),
+        nodes=4,
+        gpus_per_node=8,
+        partition="gpu",
+        time="04:00:00",
+        account="team x",
+    )
     script = job_script(job, output_dir="/data/runs/a b", workdir=tmp_path)
-    assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --gpus-per-node=8" in script
+    assert (
+        "#SBATCH --nodes=4" in script
+        and "#SBATCH --ntasks-per-node=1" in script
+        and "#SBATCH --gpus-per-node=8" in script
+    )
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
     assert "#SBATCH --account='team x'" in script and "#SBATCH --output='/data/runs/a b/slurm-%j.out'" in script
     assert "resume=auto 'output.dir=runs/a b' optim.lr=1e-3" in script  # --resume would refuse the first start
@@ -39,7 +51,14 @@ def test_slurm_environment_gives_the_topology(monkeypatch):
     import accord.launch.cluster as cluster
 
     monkeypatch.setattr(cluster.shutil, "which", lambda name: None)  # expand the node list by hand
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
     topology = cluster.resolve_topology(env=env)
     assert (topology.nnodes, topology.node_rank, topology.master_addr, topology.source) == (2, 1, "gpu07", "slurm")
     assert topology.master_port == 20000 + 4242 and topology.run_id == "accord-slurm-4242"
@@ -118,7 +137,10 @@ def slurm_cluster(tmp_path_factory):
         subprocess.run([daemon, "-f", str(conf)], env=env, check=True)
         started.append(daemon)
     deadline = time.monotonic() + 60
-    while subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip() not in ("idle", "idle*"):
+    while subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip() not in (
+        "idle",
+        "idle*",
+    ):
         if time.monotonic() > deadline:
             pytest.skip("SLURM did not come up: " + (root / "log" / "slurmctld.log").read_text()[-500:])
         time.sleep(1)
@@ -135,10 +157,25 @@ def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path, tiny_refer
     recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
     out = tmp_path / "out"
     script = tmp_path / "job.sbatch"
-    proc = run_accord("slurm", recipe, f"output.dir={out}", "--nodes", "1", "--gpus-per-node", "0", "--time", "10", "--out", script, timeout=60)
+    proc = run_accord(
+        "slurm",
+        recipe,
+        f"output.dir={out}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--time",
+        "10",
+        "--out",
+        script,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     env = accord_env() | {"SLURM_CONF": slurm_cluster["SLURM_CONF"]}
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 300

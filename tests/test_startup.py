@@ -57,7 +57,9 @@ except UserInputError as e:
 
 
 def _launch(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"train": {"max_steps": 2}, "output": {"dir": str(tmp_path / "out")}})
+    recipe = write_recipe(
+        tmp_path / "r.yaml", TINY_RECIPE | {"train": {"max_steps": 2}, "output": {"dir": str(tmp_path / "out")}}
+    )
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     return run_process([sys.executable, str(script), str(recipe)], env=accord_env(), timeout=300)
@@ -79,15 +81,33 @@ def test_the_first_worker_checks_the_data_and_a_refusal_stops_the_run_quietly_wr
     other worker passes its gate and before anything is written."""
     recipe = write_recipe(tmp_path / "r.yaml", TINY_RECIPE | {"output": {"dir": str(tmp_path / "out")}})
     # -X importtime: the launcher's own imports only (the agent starts the workers without it).
-    command = [sys.executable, "-X", "importtime", "-m", "accord", "train", str(recipe), "data.generate.train_examples=8"]
+    command = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "accord",
+        "train",
+        str(recipe),
+        "data.generate.train_examples=8",
+    ]
     proc = run_process(command, env=accord_env(), timeout=300)
-    launcher_imports = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    launcher_imports = {
+        line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
+    }
     said = [line for line in proc.stderr.splitlines() if line.startswith("accord: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert said[-1] == "accord: error: only 3 training rows (8 examples packed into rows of 32 tokens) but batch.global_batch_size=32; lower the global batch or add data"
+    assert (
+        said[-1]
+        == "accord: error: only 3 training rows (8 examples packed into rows of 32 tokens) but batch.global_batch_size=32; lower the global batch or add data"
+    )
     assert said.index("accord: starting 2 workers…") < said.index("accord: preparing data…")  # checked in a worker
     assert "Traceback" not in proc.stderr and "accord: loading model…" not in said, proc.stderr[-3000:]
-    assert "torch" in launcher_imports and not launcher_imports & {"transformers", "datasets", "torch.distributed.checkpoint"}
+    assert "torch" in launcher_imports and not launcher_imports & {
+        "transformers",
+        "datasets",
+        "torch.distributed.checkpoint",
+    }
     assert not (tmp_path / "out").exists()
 
 
@@ -96,7 +116,11 @@ def test_a_worker_told_to_abort_leaves_at_once_without_a_word(tmp_path):
 
     gate = tmp_path / "gate"
     open_gate(gate, ABORT)
-    proc = run_process([sys.executable, "-m", "accord.launch.worker_start", str(gate), str(tmp_path / "recipe.json")], env=accord_env(), timeout=120)
+    proc = run_process(
+        [sys.executable, "-m", "accord.launch.worker_start", str(gate), str(tmp_path / "recipe.json")],
+        env=accord_env(),
+        timeout=120,
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
 
 
@@ -113,10 +137,14 @@ def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
     assert reads()  # generated addition data keeps 32 held-out examples with their raw columns
     assert not reads(data=no_held_out)  # token shards only
     assert not reads(task="classify") and not reads(task="dpo")  # held-out pairs and labels are token shards too
-    assert reads(data=no_held_out, task="grpo")  # grpo keeps its rows as a datasets.Dataset (its rewards read raw columns)
+    assert reads(
+        data=no_held_out, task="grpo"
+    )  # grpo keeps its rows as a datasets.Dataset (its rewards read raw columns)
 
 
-def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimizer_when_the_run_needs_neither(tmp_path):
+def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimizer_when_the_run_needs_neither(
+    tmp_path,
+):
     """What a worker imports before its gate opens is on the path to the first step: an sft
     run under ddp without held-out data reads only token shards, and ddp's AdamW is not
     ZeRO-1's ZeroRedundancyOptimizer (whose package compiles TorchScript at import)."""

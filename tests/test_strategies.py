@@ -92,7 +92,10 @@ def _strategy_params(names: list[str], slow: set[str] = frozenset()) -> list:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "name",
-    _strategy_params(["fsdp", "zero1", "zero2", "zero3", "zero1-torch", "zero2-offload", "zero3-offload"], slow={"zero2-offload", "zero3-offload"}),
+    _strategy_params(
+        ["fsdp", "zero1", "zero2", "zero3", "zero1-torch", "zero2-offload", "zero3-offload"],
+        slow={"zero2-offload", "zero3-offload"},
+    ),
 )
 def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
     reference, _ = run("ddp")
@@ -130,15 +133,30 @@ def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
         pytest.param("ddp", 2, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="ddp-2-to-zero3-2"),
         pytest.param("zero3", 1, "fsdp", marks=[needs_deepspeed, pytest.mark.slow], id="zero3-2-to-fsdp-1"),
         pytest.param("fsdp", 1, "zero3", marks=[needs_deepspeed, pytest.mark.slow], id="fsdp-2-to-zero3-1"),
-        pytest.param("zero3-offload", 1, "zero3-offload", marks=[needs_deepspeed, pytest.mark.slow], id="zero3offload-2-to-zero3offload-1"),
+        pytest.param(
+            "zero3-offload",
+            1,
+            "zero3-offload",
+            marks=[needs_deepspeed, pytest.mark.slow],
+            id="zero3offload-2-to-zero3offload-1",
+        ),
     ],
 )
-def test_checkpoint_resumes_under_another_strategy_and_world_size(run, recipe, tmp_path, written_by, processes, resumed_with):
+def test_checkpoint_resumes_under_another_strategy_and_world_size(
+    run, recipe, tmp_path, written_by, processes, resumed_with
+):
     reference, _ = run("ddp")
     source, _ = run(written_by)
     checkpoint = source / "checkpoints" / f"step-{MID:06d}"
     out = tmp_path / "resumed"
-    proc = run_accord("train", recipe, *RUNS[resumed_with], f"engine.processes={processes}", f"resume={checkpoint}", f"output.dir={out}")
+    proc = run_accord(
+        "train",
+        recipe,
+        *RUNS[resumed_with],
+        f"engine.processes={processes}",
+        f"resume={checkpoint}",
+        f"output.dir={out}",
+    )
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {MID} " in proc.stderr
     _compare_resumed(reference, out, f"{written_by}×2 -> {resumed_with}×{processes} vs uninterrupted ddp")
@@ -184,10 +202,37 @@ def test_resume_chain_fsdp4_zero3_2_ddp1_matches_the_uninterrupted_run(run, reci
     checkpoint, ends with the uninterrupted run's parameters and losses (fp32, ≤1e-5)."""
     reference, _ = run("ddp")
     first, second, third = tmp_path / "fsdp4", tmp_path / "zero3-2", tmp_path / "ddp1"
-    assert_ok(run_accord("train", recipe, "engine.strategy=fsdp", "engine.processes=4", "checkpoint.every_steps=3", "checkpoint.keep_last=4", f"output.dir={first}"))
-    assert_ok(run_accord("train", recipe, "engine.strategy=zero3", "engine.processes=2", "checkpoint.every_steps=3", "checkpoint.keep_last=4",
-                         f"resume={first / 'checkpoints' / 'step-000003'}", f"output.dir={second}"))
-    proc = run_accord("train", recipe, "engine.strategy=ddp", "engine.processes=1", f"resume={second / 'checkpoints' / 'step-000006'}", f"output.dir={third}")
+    assert_ok(
+        run_accord(
+            "train",
+            recipe,
+            "engine.strategy=fsdp",
+            "engine.processes=4",
+            "checkpoint.every_steps=3",
+            "checkpoint.keep_last=4",
+            f"output.dir={first}",
+        )
+    )
+    assert_ok(
+        run_accord(
+            "train",
+            recipe,
+            "engine.strategy=zero3",
+            "engine.processes=2",
+            "checkpoint.every_steps=3",
+            "checkpoint.keep_last=4",
+            f"resume={first / 'checkpoints' / 'step-000003'}",
+            f"output.dir={second}",
+        )
+    )
+    proc = run_accord(
+        "train",
+        recipe,
+        "engine.strategy=ddp",
+        "engine.processes=1",
+        f"resume={second / 'checkpoints' / 'step-000006'}",
+        f"output.dir={third}",
+    )
     assert_ok(proc)
     assert "at step 6 " in proc.stdout + proc.stderr
     ref_losses = step_losses(reference)
@@ -211,7 +256,16 @@ def test_a_zero3_lora_run_checkpoints_after_evaluating_and_resumes_on_one_proces
     whole, _ = run("zero3-lora")
     assert (whole / "checkpoints" / f"step-{STEPS:06d}").is_dir()
     out = tmp_path / "resumed"
-    assert_ok(run_accord("train", recipe, *RUNS["zero3-lora"], "engine.processes=1", f"resume={whole / 'checkpoints' / f'step-{MID:06d}'}", f"output.dir={out}"))
+    assert_ok(
+        run_accord(
+            "train",
+            recipe,
+            *RUNS["zero3-lora"],
+            "engine.processes=1",
+            f"resume={whole / 'checkpoints' / f'step-{MID:06d}'}",
+            f"output.dir={out}",
+        )
+    )
     _compare_resumed(whole, out, "zero3 LoRA×2 -> ×1 vs uninterrupted")
 
 
@@ -276,7 +330,9 @@ def test_activation_checkpointing_is_really_on():
     strategies = ["ddp", "fsdp"] + (["zero3"] if HAS_DEEPSPEED else [])
     proc = run_process(
         [sys.executable, "-c", SAVED_TENSORS, *strategies],
-        cwd=REPO / "tests", env=accord_env() | {"DS_ACCELERATOR": "cpu"}, timeout=300,
+        cwd=REPO / "tests",
+        env=accord_env() | {"DS_ACCELERATOR": "cpu"},
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -299,7 +355,10 @@ def _recipe(**engine) -> dict:
     [
         ({"strategy": "ddp", "offload": "optimizer"}, "engine.offload=optimizer needs a DeepSpeed strategy"),
         ({"strategy": "fsdp", "offload": "optimizer+params"}, "needs a DeepSpeed strategy"),
-        ({"strategy": "zero2", "offload": "optimizer+params"}, "engine.offload=optimizer+params needs engine.strategy=zero3"),
+        (
+            {"strategy": "zero2", "offload": "optimizer+params"},
+            "engine.offload=optimizer+params needs engine.strategy=zero3",
+        ),
         ({"strategy": "zero1", "zero1_implementation": "torch", "offload": "optimizer"}, "cannot offload"),
         ({"strategy": "zero4"}, "engine.strategy"),
     ],
@@ -316,16 +375,22 @@ def test_fp16_with_deepspeed_on_the_cpu_is_refused():
 
     [problem] = check_environment(validate_recipe(_recipe(strategy="zero2", precision="fp16", device="cpu")))
     assert "DeepSpeed has no fp16 on the CPU" in problem
-    assert check_environment(validate_recipe(_recipe(strategy="fsdp", precision="fp16", device="cpu"))) == []  # FSDP2 + GradScaler runs there
+    assert (
+        check_environment(validate_recipe(_recipe(strategy="fsdp", precision="fp16", device="cpu"))) == []
+    )  # FSDP2 + GradScaler runs there
 
 
 def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypatch):
     from accord.launch.preflight import check_environment
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
+    )
     for strategy in ("zero2", "zero3"):
-        [problem] = check_environment(validate_recipe(_recipe(strategy=strategy)))  # the recipe itself is valid anywhere
+        [problem] = check_environment(
+            validate_recipe(_recipe(strategy=strategy))
+        )  # the recipe itself is valid anywhere
         assert "needs DeepSpeed, which is not installed: pip install deepspeed" in problem
     assert check_environment(validate_recipe(_recipe(strategy="zero1"))) == []  # torch's ZeroRedundancyOptimizer then
     from accord.engine import deepspeed_available
@@ -337,10 +402,10 @@ def test_without_deepspeed_zero2_names_the_install_and_zero1_falls_back(monkeypa
 def test_deepspeed_config_is_derived_from_the_recipe(stage):
     """Every value DeepSpeed reads comes from the recipe (non-default ones here, so a
     hard-coded or "auto" value would show) and the batch plan."""
+    import torch
+
     from accord.engine.deepspeed.engine import deepspeed_config
     from accord.models.build import build_model, build_tokenizer
-
-    import torch
 
     offload = {1: "none", 2: "optimizer", 3: "optimizer+params"}[stage]
     optim = {"lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "max_grad_norm": 0.5}
@@ -348,7 +413,11 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
     plan = BatchPlan.derive(32, 4, 2)
     config = deepspeed_config(recipe, plan, torch.device("cpu"), model)
-    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert (
+        config["train_batch_size"],
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    ) == (32, 4, 4)
     assert config["gradient_clipping"] == 0.5
     # bf16 is accord's autocast over fp32 weights under every strategy, not DeepSpeed's bf16 mode.
     assert config["bf16"] == {"enabled": False} and config["fp16"]["enabled"] is False
@@ -369,13 +438,29 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
         # DeepSpeed's 1e9-element defaults would keep the whole gathered model on every rank:
         # reuse, prefetch and optimizer sub-groups are bounded by one decoder layer instead.
         layer = sum(p.numel() for p in model.model.layers[0].parameters())
-        assert (zero["stage3_max_reuse_distance"], zero["stage3_max_live_parameters"], zero["sub_group_size"]) == (layer, 2 * layer, layer)
-        assert deepspeed_config(recipe, plan, torch.device("cpu"), model, world=4)["zero_optimization"]["sub_group_size"] == layer // 4
+        assert (zero["stage3_max_reuse_distance"], zero["stage3_max_live_parameters"], zero["sub_group_size"]) == (
+            layer,
+            2 * layer,
+            layer,
+        )
+        assert (
+            deepspeed_config(recipe, plan, torch.device("cpu"), model, world=4)["zero_optimization"]["sub_group_size"]
+            == layer // 4
+        )
     else:
         assert "stage3_max_reuse_distance" not in zero and "sub_group_size" not in zero
-    fp32 = deepspeed_config(validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model)
-    assert fp32["bf16"] == {"enabled": False} and fp32["fp16"]["enabled"] is False and "communication_data_type" not in fp32
-    assert fp32["gradient_clipping"] == TINY_RECIPE["optim"]["max_grad_norm"] and fp32["optimizer"]["params"]["lr"] == TINY_RECIPE["optim"]["lr"]
+    fp32 = deepspeed_config(
+        validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model
+    )
+    assert (
+        fp32["bf16"] == {"enabled": False}
+        and fp32["fp16"]["enabled"] is False
+        and "communication_data_type" not in fp32
+    )
+    assert (
+        fp32["gradient_clipping"] == TINY_RECIPE["optim"]["max_grad_norm"]
+        and fp32["optimizer"]["params"]["lr"] == TINY_RECIPE["optim"]["lr"]
+    )
 
 
 # ---------------------------------------------------------------- accord plan vs the real tensors
@@ -394,7 +479,9 @@ def test_plan_model_state_equals_the_bytes_each_rank_holds(run, name):
     recipe = validate_recipe(TINY_RECIPE)
     planned = model_state(meta_model(recipe), name, world=2, precision="no", offload="none")
     for part in ("params", "optimizer", "master"):
-        assert planned[part] == held[f"{part}_bytes"], f"{name} {part}: planned {planned[part]}, held {held[f'{part}_bytes']}"
+        assert planned[part] == held[f"{part}_bytes"], (
+            f"{name} {part}: planned {planned[part]}, held {held[f'{part}_bytes']}"
+        )
 
 
 def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
@@ -408,7 +495,9 @@ def test_plan_of_a_saved_model_folder_equals_the_plan_of_its_config(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     saved = validate_recipe(TINY_RECIPE | {"model": {"path": str(tmp_path / "model")}})
     for name in ("ddp", "zero3"):
-        assert model_state(meta_model(saved), name, 2, "no", "none") == model_state(meta_model(recipe), name, 2, "no", "none")
+        assert model_state(meta_model(saved), name, 2, "no", "none") == model_state(
+            meta_model(recipe), name, 2, "no", "none"
+        )
 
 
 def test_plan_cli_recommends_and_refuses(tiny_recipe):

@@ -16,10 +16,12 @@ from conftest import TINY_RECIPE, write_jsonl
 from test_data_formats import prepared, recipe
 
 SFT_ROWS = [{"prompt": f"{i}+{i % 7}=", "completion": str(i + i % 7)} for i in range(23)]
-CHAT_ROWS = [{"conversations": [{"from": "human", "value": f"hi {i}"}, {"from": "gpt", "value": f"hello {i}"}]} for i in range(9)]
+CHAT_ROWS = [
+    {"conversations": [{"from": "human", "value": f"hi {i}"}, {"from": "gpt", "value": f"hello {i}"}]} for i in range(9)
+]
 TEXT_ROWS = [{"text": f"document {i} " + "words and more words " * (i % 5)} for i in range(17)]
 
-MODULE = '''
+MODULE = """
 import json
 import datasets
 
@@ -39,7 +41,7 @@ def broken():
 
 def not_rows():
     return 42
-'''
+"""
 
 
 @pytest.fixture
@@ -72,16 +74,29 @@ def assert_same(a, b):
 def test_a_streamed_source_gives_the_tokens_of_the_same_rows_from_a_file(tmp_path, data_module, task, rows):
     write_jsonl(data_module, rows)
     from_file = prepare(recipe(tmp_path / "a", task, train=str(data_module)))
-    for source in ({"path": str(data_module), "streaming": True}, {"function": "streamdata:iterable"}, {"function": "streamdata:generator"}):
+    for source in (
+        {"path": str(data_module), "streaming": True},
+        {"function": "streamdata:iterable"},
+        {"function": "streamdata:generator"},
+    ):
         assert_same(prepare(recipe(tmp_path / str(len(str(source))), task, train=[source])), from_file)
 
 
-def test_streamed_dpo_pairs_and_their_eval_give_the_shards_of_the_same_rows_from_a_file(tmp_path, data_module, monkeypatch):
+def test_streamed_dpo_pairs_and_their_eval_give_the_shards_of_the_same_rows_from_a_file(
+    tmp_path, data_module, monkeypatch
+):
     rows = [{"prompt": f"{i}+{i % 7}=", "chosen": str(i + i % 7), "rejected": str(i)} for i in range(23)]
     write_jsonl(data_module, rows)
     monkeypatch.setattr(chunks, "UNIT_ROWS", 8)  # 3 units
     from_file = prepare(recipe(tmp_path / "a", "dpo", train=str(data_module), eval=str(data_module)))
-    streamed = prepare(recipe(tmp_path / "b", "dpo", train=[{"function": "streamdata:iterable"}], eval=[{"path": str(data_module), "streaming": True}]))
+    streamed = prepare(
+        recipe(
+            tmp_path / "b",
+            "dpo",
+            train=[{"function": "streamdata:iterable"}],
+            eval=[{"path": str(data_module), "streaming": True}],
+        )
+    )
     for split in ("train", "eval"):
         a, b = getattr(from_file, split), getattr(streamed, split)
         assert len(a) == len(b) == len(rows) and a[list(range(len(a)))] == b[list(range(len(b)))]
@@ -98,7 +113,11 @@ def test_streamed_chat_rows_in_several_units_and_workers_match_the_file(tmp_path
 
 def test_a_streamed_eval_source_is_prepared_for_sft(tmp_path, data_module):
     write_jsonl(data_module, SFT_ROWS)
-    data = prepare(recipe(tmp_path, train=[{"function": "streamdata:iterable"}], eval=[{"path": str(data_module), "streaming": True}]))
+    data = prepare(
+        recipe(
+            tmp_path, train=[{"function": "streamdata:iterable"}], eval=[{"path": str(data_module), "streaming": True}]
+        )
+    )
     assert data.report["eval_examples"] == len(SFT_ROWS) == len(data.eval)
 
 
@@ -110,11 +129,26 @@ def test_a_source_needs_a_path_or_a_function_not_both():
 @pytest.mark.parametrize(
     "source, extra, task, message",
     [
-        ({"function": "streamdata:broken"}, {}, "sft", r"streamdata:broken: the data function raised ValueError: no such bucket"),
+        (
+            {"function": "streamdata:broken"},
+            {},
+            "sft",
+            r"streamdata:broken: the data function raised ValueError: no such bucket",
+        ),
         ({"function": "streamdata:not_rows"}, {}, "sft", r"returned int; return a datasets IterableDataset"),
         ({"function": "nosuchmodule:rows"}, {}, "sft", r"cannot import 'nosuchmodule'"),
-        ({"function": "streamdata:iterable"}, {"eval_fraction": 0.1}, "sft", r"eval_fraction=0.1: a streamed source has no random access"),
-        ({"function": "streamdata:iterable"}, {}, "classify", r"task classify: a streamed data source .* only sft, pretrain and dpo"),
+        (
+            {"function": "streamdata:iterable"},
+            {"eval_fraction": 0.1},
+            "sft",
+            r"eval_fraction=0.1: a streamed source has no random access",
+        ),
+        (
+            {"function": "streamdata:iterable"},
+            {},
+            "classify",
+            r"task classify: a streamed data source .* only sft, pretrain and dpo",
+        ),
     ],
 )
 def test_bad_streamed_sources_are_one_line(tmp_path, data_module, source, extra, task, message):
@@ -136,5 +170,7 @@ def test_a_stream_mixes_with_a_file_source(tmp_path, data_module):
     files = prepare(recipe(tmp_path / "a", train=[str(data_module), str(data_module)]))
     mixed = prepare(recipe(tmp_path / "b", train=[str(data_module), {"function": "streamdata:iterable"}]))
     assert_same(mixed, files)
-    weighted = prepare(recipe(tmp_path / "c", train=[str(data_module), {"function": "streamdata:iterable", "weight": 3}]))
+    weighted = prepare(
+        recipe(tmp_path / "c", train=[str(data_module), {"function": "streamdata:iterable", "weight": 3}])
+    )
     assert weighted.report["train_examples"] > 2 * len(SFT_ROWS)  # the smaller share repeats until both were seen

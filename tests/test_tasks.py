@@ -107,7 +107,15 @@ def test_dpo_reference_sharded_like_the_policy_matches_ddp(runs, tmp_path, strat
     if strategy == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed")
     out = tmp_path / strategy
-    assert_ok(run_accord("train", outs[2].parent / "recipe.yaml", f"engine.strategy={strategy}", "train.log_every=1", f"output.dir={out}"))
+    assert_ok(
+        run_accord(
+            "train",
+            outs[2].parent / "recipe.yaml",
+            f"engine.strategy={strategy}",
+            "train.log_every=1",
+            f"output.dir={out}",
+        )
+    )
     diff = max_param_diff(final_params(outs[2]), final_params(out))
     print(f"dpo: max |Δparam| {strategy} vs ddp = {diff:.2e}")
     assert diff <= TOLERANCE

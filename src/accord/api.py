@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from accord.errors import UserInputError
-from accord.recipe.schema import Recipe, apply_override, load_recipe, validate_recipe
 from accord.output.lock import OutputLocked, acquire, lock_problem, new_run_id
+from accord.recipe.schema import Recipe, apply_override, load_recipe, validate_recipe
 
 if TYPE_CHECKING:
     from accord.launch.cluster import Topology
@@ -59,7 +59,9 @@ class PlanResult:
     advice: str
     device: str = "GPU"  # what a rank runs on: "GPU", or "CPU process" (planned for this machine's RAM)
     nodes: int = 1
-    memory_source: str = ""  # where gpu_memory_gib came from, e.g. "--gpu-memory", "2 × NVIDIA H200", "31.3 GiB RAM / 2"
+    memory_source: str = (
+        ""  # where gpu_memory_gib came from, e.g. "--gpu-memory", "2 × NVIDIA H200", "31.3 GiB RAM / 2"
+    )
 
     @property
     def per_node(self) -> int:
@@ -127,11 +129,16 @@ def train(
     # Imported once the recipe is read: a mistake in it is named before torch loads (seconds).
     from accord.distributed import group as dist
     from accord.distributed.batch_plan import BatchPlan
-    from accord.launch.cluster import resolve_topology
     from accord.engine.device import wants_cuda
-    from accord.launch.forked import call_in_fork
-    from accord.launch.accelerate_config import accelerate_settings, accelerate_warnings, deepspeed_file_settings, reconcile
+    from accord.launch.accelerate_config import (
+        accelerate_settings,
+        accelerate_warnings,
+        deepspeed_file_settings,
+        reconcile,
+    )
     from accord.launch.agent import Interrupted, planned_world_size, run, starts_workers
+    from accord.launch.cluster import resolve_topology
+    from accord.launch.forked import call_in_fork
     from accord.launch.worker_start import WorkerChecks
 
     topology = resolve_topology(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
@@ -157,7 +164,12 @@ def train(
         checks, problems = None, []
         if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
             # The likeliest mistake, found in microseconds: refused before any worker starts.
-            BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
+            BatchPlan.derive(
+                recipe.batch.global_batch_size,
+                recipe.batch.micro_batch_size,
+                world_size,
+                recipe.engine.sequence_parallel,
+            )
             if not topology.multi_node:
                 # The first worker checks, once it has imported transformers and datasets
                 # for training anyway (seconds each; on a machine with few cores a second
@@ -168,11 +180,16 @@ def train(
                 # Not over several nodes: the other nodes' workers would be past their gate
                 # when this node's checks fail. In a child: the libraries the checks load do
                 # not stay resident in the launcher, which watches the workers for the whole job.
-                problems = call_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero, topology=topology) or hold.enter()
+                problems = (
+                    call_in_fork(_preflight, recipe, world_size, writer=topology.hosts_rank_zero, topology=topology)
+                    or hold.enter()
+                )
         else:
             # With GPUs here (a forked child must not touch a CUDA runtime its parent
             # initialised, and the workers see only their own devices), or as the worker.
-            problems = _preflight(recipe, world_size, writer=topology.hosts_rank_zero, topology=topology) or hold.enter()
+            problems = (
+                _preflight(recipe, world_size, writer=topology.hosts_rank_zero, topology=topology) or hold.enter()
+            )
         if problems:
             raise UserInputError("\n".join(problems))
         status = run(recipe, topology, checks)
@@ -193,8 +210,12 @@ def _check_something_to_resume(recipe: Recipe) -> None:
     out_dir = Path(recipe.output.dir)
     if recipe.resume != "auto" or latest_checkpoint(out_dir) is not None:
         return
-    where = f"{out_dir} does not exist" if not out_dir.exists() else f"no complete checkpoint in {out_dir}/{CHECKPOINTS}"
-    raise UserInputError(f"--resume: nothing to resume ({where}); check output.dir=..., or leave out --resume to start a fresh run")
+    where = (
+        f"{out_dir} does not exist" if not out_dir.exists() else f"no complete checkpoint in {out_dir}/{CHECKPOINTS}"
+    )
+    raise UserInputError(
+        f"--resume: nothing to resume ({where}); check output.dir=..., or leave out --resume to start a fresh run"
+    )
 
 
 class _OutputHold:
@@ -226,7 +247,9 @@ class _OutputHold:
         self.fresh = not earlier_run(self.out_dir)
         if self.recipe.output.overwrite and set_aside_earlier_run(self.out_dir):
             self.set_aside = True
-            announce(f"--overwrite: the earlier run is set aside in {self.out_dir}/.previous-run until this run completes a step")
+            announce(
+                f"--overwrite: the earlier run is set aside in {self.out_dir}/.previous-run until this run completes a step"
+            )
         return []
 
     def leave(self) -> None:
@@ -237,7 +260,9 @@ class _OutputHold:
             if self.refused and self.fresh:
                 remove_refused_run(self.out_dir)
             if self.set_aside and restore_earlier_run(self.out_dir):
-                announce(f"the run ended before its first good step: the earlier run in {self.out_dir} is back as it was")
+                announce(
+                    f"the run ended before its first good step: the earlier run in {self.out_dir} is back as it was"
+                )
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -280,7 +305,8 @@ def plan(
     gpu_memory: memory per GPU in GiB, or a size such as "80GB" or "24GiB" (default: the
     smallest visible GPU's, or RAM / processes on the CPU).
     """
-    from accord.planner.estimate import plan as plan_strategies, recommend
+    from accord.planner.estimate import plan as plan_strategies
+    from accord.planner.estimate import recommend
 
     recipe = load(recipe, overrides)
     device, source = "GPU", "--gpu-memory"
@@ -303,7 +329,11 @@ def plan(
         ram = _ram_gib()
         memory, source = ram / gpus, f"{ram:.1f} GiB RAM / {gpus} processes"
     rows, world = plan_strategies(recipe, gpus, nodes, cpu=device != "GPU")
-    advice = recommend(rows, recipe, world, memory, device) if memory else "give the memory per GPU (--gpu-memory) to see what fits"
+    advice = (
+        recommend(rows, recipe, world, memory, device)
+        if memory
+        else "give the memory per GPU (--gpu-memory) to see what fits"
+    )
     return PlanResult(rows, world, memory, advice, device, nodes, source)
 
 

@@ -51,7 +51,9 @@ def load_object(path: str, what: str) -> object:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserInputError(f"{what}: cannot import {module_name!r} ({e}); is it installed or on PYTHONPATH?") from None
+        raise UserInputError(
+            f"{what}: cannot import {module_name!r} ({e}); is it installed or on PYTHONPATH?"
+        ) from None
     obj: object = module
     for part in attribute.split("."):
         if not hasattr(obj, part):

@@ -17,7 +17,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # How a worker process ends; anything else is a crash (its traceback is on stderr).
 STOPPED_EXIT_CODE = 3  # the run cannot continue; the reason was printed on rank 0
 REFUSED_EXIT_CODE = 4  # bad input found by the workers before writing anything; the command exits 2
-EXIT_CODES = {"completed": 0, "preempted": PREEMPTED_EXIT_CODE, "stopped": STOPPED_EXIT_CODE, "refused": REFUSED_EXIT_CODE}
+EXIT_CODES = {
+    "completed": 0,
+    "preempted": PREEMPTED_EXIT_CODE,
+    "stopped": STOPPED_EXIT_CODE,
+    "refused": REFUSED_EXIT_CODE,
+}
 
 
 class TrainingStopped(RunStopped):

@@ -94,13 +94,17 @@ def apply_on_resume(run, folder: Path, step: int) -> None:
         if cfg.schedule == "constant":
             what = f"the {cfg.schedule} schedule is unchanged (lr {after:.3g})"
         elif cfg.extend == "restart_decay":
-            what = (f"optim.extend=restart_decay: a new {cfg.schedule} decay from step {step} to {total}"
-                    + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
-                    + f" (peak lr {cfg.lr:.3g}); the steps so far keep the schedule they ran")
+            what = (
+                f"optim.extend=restart_decay: a new {cfg.schedule} decay from step {step} to {total}"
+                + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+                + f" (peak lr {cfg.lr:.3g}); the steps so far keep the schedule they ran"
+            )
         else:
-            what = (f"optim.extend=continue: the {cfg.schedule} schedule is recomputed as if planned for {total} steps, "
-                    f"so the lr moves from {before:.3g} to {after:.3g} at step {step}; "
-                    f"optim.extend=restart_decay starts a new decay from the peak lr instead")
+            what = (
+                f"optim.extend=continue: the {cfg.schedule} schedule is recomputed as if planned for {total} steps, "
+                f"so the lr moves from {before:.3g} to {after:.3g} at step {step}; "
+                f"optim.extend=restart_decay starts a new decay from the peak lr instead"
+            )
         dist.print0(f"accord: resuming at step {step} with train.max_steps {old_end} → {total}: {what}")
         segments = new
     if len(segments) > 1:

@@ -47,7 +47,9 @@ def hash_file(path: Path, algorithm: str = HASH) -> str:
 
 def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dict[str, Any]]:
     """The manifest's entries for files in `folder` that `rank` wrote (paths relative to it)."""
-    return {name: {"bytes": (folder / name).stat().st_size, HASH: hash_file(folder / name), "rank": rank} for name in names}
+    return {
+        name: {"bytes": (folder / name).stat().st_size, HASH: hash_file(folder / name), "rank": rank} for name in names
+    }
 
 
 def unlisted_entries(folder: Path, listed: dict[str, Any], rank: int = 0) -> dict[str, dict[str, Any]]:

@@ -86,8 +86,18 @@ def detect(out_dir: Path, info: dist.DistInfo) -> Layout:
         out_dir.mkdir(parents=True, exist_ok=True)
         marker.touch()
     dist.barrier()
-    seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in out_dir.glob(MARKER.format(token=token, node="*"))) if node_leader else []
-    me = {"rank": info.rank, "node": info.node, "host": socket.gethostname(), "dir": str(out_dir.absolute()), "seen": seen}
+    seen = (
+        sorted(int(p.name.rsplit("-", 1)[1]) for p in out_dir.glob(MARKER.format(token=token, node="*")))
+        if node_leader
+        else []
+    )
+    me = {
+        "rank": info.rank,
+        "node": info.node,
+        "host": socket.gethostname(),
+        "dir": str(out_dir.absolute()),
+        "seen": seen,
+    }
     everyone = dist.all_gather_objects(me)
     dist.barrier()
     if node_leader:
@@ -97,7 +107,9 @@ def detect(out_dir: Path, info: dist.DistInfo) -> Layout:
     folders: dict[int, dict] = {}
     for p in everyone:
         first = folder_of_node[p["node"]]
-        entry = folders.setdefault(first, {"dir": p["dir"], "host": p["host"], "nodes": [], "ranks": [], "leader": p["rank"]})
+        entry = folders.setdefault(
+            first, {"dir": p["dir"], "host": p["host"], "nodes": [], "ranks": [], "leader": p["rank"]}
+        )
         entry["ranks"].append(p["rank"])
         if p["node"] not in entry["nodes"]:
             entry["nodes"].append(p["node"])
@@ -214,7 +226,11 @@ def _exchange(folder: Path, info: dist.DistInfo, layout: Layout) -> None:
             if rel not in OWN_FILES and rel not in holders:
                 holders[rel] = (rank, size)
     for rel, (src, size) in sorted(holders.items()):
-        wanted = [r for r, files in enumerate(listed) if files is not None and rel not in files and not _other_rng(rel, r, layout)]
+        wanted = [
+            r
+            for r, files in enumerate(listed)
+            if files is not None and rel not in files and not _other_rng(rel, r, layout)
+        ]
         if not wanted:
             continue
         receiving = info.rank in wanted
@@ -222,7 +238,10 @@ def _exchange(folder: Path, info: dist.DistInfo, layout: Layout) -> None:
         tmp = target.with_name(f".{target.name}.receiving")
         if receiving:
             target.parent.mkdir(parents=True, exist_ok=True)
-        with open(folder / rel, "rb") if info.rank == src else _null() as source, open(tmp, "wb") if receiving else _null() as sink:
+        with (
+            open(folder / rel, "rb") if info.rank == src else _null() as source,
+            open(tmp, "wb") if receiving else _null() as sink,
+        ):
             for _ in range(max(1, -(-size // CHUNK_BYTES))):
                 piece = dist.broadcast_object(source.read(CHUNK_BYTES) if info.rank == src else None, src=src)
                 if receiving:

@@ -6,8 +6,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from accord.checkpoint.store import (
+    CHECKPOINTS,
+    CheckpointError,
+    PendingCheckpoint,
+    TrainingState,
+    read_state,
+    restore_rng,
+    save_checkpoint,
+    step_name,
+)
 from accord.distributed import group as dist
-from accord.checkpoint.store import CHECKPOINTS, CheckpointError, PendingCheckpoint, TrainingState, read_state, restore_rng, save_checkpoint, step_name
 from accord.recipe.schema import CheckpointConfig
 from accord.stopping import TrainingStopped
 
@@ -34,9 +43,13 @@ class CheckpointSchedule:
         after the previous one is sealed; the folder it has (or will have, once sealed)."""
         self.finish()
         position = run.order.position(step)
-        state = TrainingState(step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size, run.order.version)
+        state = TrainingState(
+            step, position.epoch, position.index, run.info.world_size, run.plan.micro_batch_size, run.order.version
+        )
         try:
-            pending = save_checkpoint(run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_)
+            pending = save_checkpoint(
+                run.engine, run.recipe, state, run.out_dir, run.info, asynchronous=self.cfg.async_
+            )
         except CheckpointError as e:  # raised on every rank alike by save_checkpoint
             raise TrainingStopped(str(e)) from None
         self._pending = pending if self.cfg.async_ else None  # a synchronous one is sealed already
@@ -87,10 +100,13 @@ def restore_run(run, folder: Path) -> int:
     same_rng = restore_rng(folder, state, run.info, run.recipe.seed)
     now = (run.info.world_size, run.plan.micro_batch_size)
     layout = f"{state.world_size} × {state.micro_batch_size}" + (
-        "" if (state.world_size, state.micro_batch_size) == now else f" -> now {now[0]} × {now[1]} (same global batches)"
+        ""
+        if (state.world_size, state.micro_batch_size) == now
+        else f" -> now {now[0]} × {now[1]} (same global batches)"
     )
     dist.print0(
         f"accord: resumed from {folder} at step {state.step} (epoch {state.epoch}, example {state.index} of the "
-        f"global order; processes × micro batch {layout})" + ("" if same_rng else "; RNG re-seeded for the new world size")
+        f"global order; processes × micro batch {layout})"
+        + ("" if same_rng else "; RNG re-seeded for the new world size")
     )
     return state.step

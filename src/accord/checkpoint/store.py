@@ -28,9 +28,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, faults
-from accord.distributed import group as dist
 from accord.checkpoint import node_folders as nodefolders
 from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
+from accord.distributed import group as dist
 from accord.errors import RunStopped
 from accord.recipe.schema import Recipe, recipe_to_yaml
 from accord.stopping import StartRefused
@@ -69,7 +69,9 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def save_checkpoint(engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo, asynchronous: bool = False) -> PendingCheckpoint:
+def save_checkpoint(
+    engine, recipe: Recipe, state: TrainingState, out_dir: Path, info: dist.DistInfo, asynchronous: bool = False
+) -> PendingCheckpoint:
     """Collective: every rank writes its share into a temporary folder, rank 0 seals it once
     every rank's files are written. Synchronous: sealed when this returns. Asynchronous: the
     tensors are copied to host memory here and written in the background while training
@@ -104,7 +106,17 @@ class PendingCheckpoint:
     in a background thread when the write is asynchronous. Until then it is a .tmp- folder
     that resuming ignores: a crash leaves the previous checkpoint whole."""
 
-    def __init__(self, state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, info: dist.DistInfo, write, asynchronous: bool):
+    def __init__(
+        self,
+        state: TrainingState,
+        recipe: Recipe,
+        root: Path,
+        final: Path,
+        tmp: Path,
+        info: dist.DistInfo,
+        write,
+        asynchronous: bool,
+    ):
         self.state, self.recipe, self.root, self.final, self.tmp, self.info = state, recipe, root, final, tmp, info
         self._write = write
         self._error: BaseException | None = None
@@ -157,7 +169,9 @@ class PendingCheckpoint:
         return self.final
 
 
-def _seal(state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any], leader: int = 0) -> None:
+def _seal(
+    state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any], leader: int = 0
+) -> None:
     """The folder's leader (rank 0 where one folder is shared), once every rank's files are in
     `tmp` and `manifest` holds their entries: record them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
     older checkpoints."""
@@ -363,10 +377,16 @@ def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool 
     for folder in candidates:
         # resume=auto: each rank checks the copy in its own output.dir (a node may have its own folder).
         mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if restarted or recipe.resume == "auto" else folder
-        problems = _unique(p for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size)) for p in rank_problems)
+        problems = _unique(
+            p
+            for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size))
+            for p in rank_problems
+        )
         if not problems:
             for bad, reasons in skipped:
-                dist.print0(f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}")
+                dist.print0(
+                    f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}"
+                )
             return mine
         skipped.append((folder, problems))
     if skipped:
@@ -379,7 +399,9 @@ def _unique(items) -> list[str]:
 
 
 def _summary(reasons: list[str]) -> str:
-    return reasons[0] + (f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else "")
+    return reasons[0] + (
+        f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else ""
+    )
 
 
 def _refusal(skipped: list[tuple[Path, list[str]]], explicit: bool) -> str:
@@ -467,7 +489,9 @@ def check_resume(recipe: Recipe) -> list[str]:
             from accord.output.folder import earlier_run
 
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
-                return [f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"]
+                return [
+                    f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"
+                ]
         return []
     skipped = []
     for folder in candidates:

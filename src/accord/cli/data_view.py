@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from accord.run.assemble import eval_tokens
 from accord.data.packing import training_rows
 from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
 from accord.models.build import build_tokenizer
 from accord.recipe.schema import Recipe
+from accord.run.assemble import eval_tokens
 from accord.tasks import build_task
 from accord.tasks.base import IGNORE
 
@@ -31,8 +31,10 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     data = prepare_data(recipe, tokenizer, task, preparer=True)
     train, report = data.train, data.report
     start, end = MARKS[color]
-    lines = [f"{min(show, len(train))} of {len(train)} training examples as prepared (before packing and shuffling); "
-             f"loss is computed on {start}these tokens{end}"]
+    lines = [
+        f"{min(show, len(train))} of {len(train)} training examples as prepared (before packing and shuffling); "
+        f"loss is computed on {start}these tokens{end}"
+    ]
     for i in range(min(show, len(train))):
         lines.append(f"--- example {i + 1}")
         lines += render_example(train[i], task, tokenizer, color)
@@ -40,7 +42,11 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     lines.append("--- counts")
     lines.append(f"examples: {len(train)} training, {report.get('eval_examples', 0)} held out")
     # Targets are tokens for the causal tasks, examples (classify) or pairs (dpo) otherwise.
-    share = f"{targets} target tokens, {100 * targets / max(tokens, 1):.1f}%" if "labels" in train.column_names else f"{targets} targets, one per example"
+    share = (
+        f"{targets} target tokens, {100 * targets / max(tokens, 1):.1f}%"
+        if "labels" in train.column_names
+        else f"{targets} targets, one per example"
+    )
     lines.append(f"tokens: {tokens} training ({share}), {eval_tokens(data.eval)} held out")
     lines.append(
         f"truncations: {report.get('train_over_length', 0)} longer than data.max_length={recipe.data.max_length} "
@@ -49,7 +55,9 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     if task.packing:
         rows = training_rows(train, task.row_capacity)
         fill = rows.lengths.sum() / (len(rows) * recipe.data.max_length)
-        lines.append(f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, {100 * fill:.1f}% filled")
+        lines.append(
+            f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, {100 * fill:.1f}% filled"
+        )
     else:
         lines.append("packing: off (one example per row)")
     warning = held_out_warning(recipe.data.eval_fraction, tokens, eval_tokens(data.eval))
@@ -61,7 +69,10 @@ def render_example(example: dict[str, Any], task, tokenizer, color: bool) -> lis
     with its label, a preference pair as its two sides."""
     start, end = MARKS[color]
     if "label_id" in example:
-        return [tokenizer.decode(example["input_ids"]), f"label: {start}{task.labels[example['label_id']]}{end} (id {example['label_id']})"]
+        return [
+            tokenizer.decode(example["input_ids"]),
+            f"label: {start}{task.labels[example['label_id']]}{end} (id {example['label_id']})",
+        ]
     lines = []
     for side in ("", "chosen_", "rejected_"):
         if f"{side}labels" in example:

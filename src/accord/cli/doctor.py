@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accord.distributed import group as dist
-from accord.launch.cluster import Topology, interface_towards, is_loopback
 from accord.errors import AccordError
+from accord.launch.cluster import Topology, interface_towards, is_loopback
 from accord.recipe.schema import Recipe
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -71,11 +71,18 @@ def node_view(recipe: Recipe, topology: Topology, world_size: int) -> dict:
     return {
         "versions": versions(),
         "problems": problems,
-        "cuda": {"wanted": wants_cuda(recipe.engine), "count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        "cuda": {
+            "wanted": wants_cuda(recipe.engine),
+            "count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
         "disk": {"free": free, "needed": needed, "dir": str(Path(recipe.output.dir).absolute())},
-        "network": {"master": master, "interface": interface, "address": address,
-                    "loopback": bool(master) and topology.multi_node and is_loopback(master)},
+        "network": {
+            "master": master,
+            "interface": interface,
+            "address": address,
+            "loopback": bool(master) and topology.multi_node and is_loopback(master),
+        },
     }
 
 
@@ -112,13 +119,19 @@ def probe(view_path: str, result_path: str) -> int:
     device = select_device(engine, info.local_rank)
     dist.init(device)
     try:
-        views = dist.all_gather_objects(view | {"node": info.node, "host": os.uname().nodename} if info.local_rank == 0 else None)
+        views = dist.all_gather_objects(
+            view | {"node": info.node, "host": os.uname().nodename} if info.local_rank == 0 else None
+        )
         nodes = info.world_size // info.local_world_size
         # each pair of nodes' local ranks 0; on one node all its processes (none for one process)
         pairs = [(a, b) for a in range(nodes) for b in range(a + 1, nodes)] or ([(0, 0)] if info.world_size > 1 else [])
         figures = {}
         for a, b in pairs:
-            ranks = sorted({a * info.local_world_size, b * info.local_world_size}) if nodes > 1 else list(range(info.world_size))
+            ranks = (
+                sorted({a * info.local_world_size, b * info.local_world_size})
+                if nodes > 1
+                else list(range(info.world_size))
+            )
             group = torch.distributed.new_group(ranks) if info.world_size > 1 else None
             if info.rank in ranks:
                 figures[f"{a}-{b}"] = _all_reduce_gbps(device, group)
@@ -127,8 +140,16 @@ def probe(view_path: str, result_path: str) -> int:
         for entry in measured:
             merged |= {k: v for k, v in (entry or {}).items() if k not in merged}
         if info.local_rank == 0:
-            Path(result_path).write_text(json.dumps({"views": [v for v in views if v], "bandwidth": merged,
-                                                     "world": info.world_size, "local_world": info.local_world_size}))
+            Path(result_path).write_text(
+                json.dumps(
+                    {
+                        "views": [v for v in views if v],
+                        "bandwidth": merged,
+                        "world": info.world_size,
+                        "local_world": info.local_world_size,
+                    }
+                )
+            )
     finally:
         dist.shutdown()
     return 0
@@ -160,12 +181,31 @@ def lines_from(picture: dict, recipe: Recipe) -> list[Line]:
     views = sorted(picture["views"], key=lambda v: v["node"])
     out: list[Line] = []
     first = views[0]["versions"]
-    differing = [f"node {v['node']}: {k} {v['versions'][k]} (node 0: {first[k]})" for v in views[1:] for k in first if v["versions"][k] != first[k]]
+    differing = [
+        f"node {v['node']}: {k} {v['versions'][k]} (node 0: {first[k]})"
+        for v in views[1:]
+        for k in first
+        if v["versions"][k] != first[k]
+    ]
     summary = ", ".join(f"{k} {first[k]}" for k in ("accord", "torch", "transformers", "deepspeed"))
-    out.append(Line("versions", "all nodes" if len(views) > 1 else "this node", "; ".join(differing) or summary, FAIL if differing else OK))
+    out.append(
+        Line(
+            "versions",
+            "all nodes" if len(views) > 1 else "this node",
+            "; ".join(differing) or summary,
+            FAIL if differing else OK,
+        )
+    )
     for v in views:
         where = f"node {v['node']} ({v['host']})"
-        out.append(Line("recipe, model and data", where, "; ".join(v["problems"]) or "found and readable", FAIL if v["problems"] else OK))
+        out.append(
+            Line(
+                "recipe, model and data",
+                where,
+                "; ".join(v["problems"]) or "found and readable",
+                FAIL if v["problems"] else OK,
+            )
+        )
         cuda = v["cuda"]
         visible = f", CUDA_VISIBLE_DEVICES={cuda['visible']}" if cuda["visible"] is not None else ""
         if cuda["wanted"]:
@@ -174,20 +214,48 @@ def lines_from(picture: dict, recipe: Recipe) -> list[Line]:
             out.append(Line("GPUs", where, f"{cuda['count']} visible{visible}; this recipe runs on the CPU", OK))
         disk = v["disk"]
         enough = disk["free"] >= disk["needed"]
-        out.append(Line("disk for checkpoints", where, f"{disk['free'] / 2**30:.1f} GiB free under {disk['dir']}, "
-                        f"{recipe.checkpoint.keep_last + 1} checkpoints need ~{disk['needed'] / 2**30:.2f} GiB", OK if enough else WARN))
+        out.append(
+            Line(
+                "disk for checkpoints",
+                where,
+                f"{disk['free'] / 2**30:.1f} GiB free under {disk['dir']}, "
+                f"{recipe.checkpoint.keep_last + 1} checkpoints need ~{disk['needed'] / 2**30:.2f} GiB",
+                OK if enough else WARN,
+            )
+        )
         net = v["network"]
         if net["master"] is None:
             out.append(Line("network", where, "one node: processes meet on 127.0.0.1", OK))
         elif net["loopback"] or net["interface"] is None:
-            out.append(Line("network", where, f"no interface reaches the master {net['master']} from here (it is a loopback "
-                            "address or unroutable); give node 0's network address", FAIL))
+            out.append(
+                Line(
+                    "network",
+                    where,
+                    f"no interface reaches the master {net['master']} from here (it is a loopback "
+                    "address or unroutable); give node 0's network address",
+                    FAIL,
+                )
+            )
         else:
-            out.append(Line("network", where, f"{net['interface']} ({net['address']}) towards the master {net['master']}; the nodes met", OK))
+            out.append(
+                Line(
+                    "network",
+                    where,
+                    f"{net['interface']} ({net['address']}) towards the master {net['master']}; the nodes met",
+                    OK,
+                )
+            )
     for pair, gbps in sorted(picture["bandwidth"].items()):
         a, b = pair.split("-")
         where = f"nodes {a} and {b}" if a != b else f"{picture['world']} local processes"
-        out.append(Line("all-reduce bandwidth", where, f"{gbps:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB, best of {BANDWIDTH_REPEATS})", OK))
+        out.append(
+            Line(
+                "all-reduce bandwidth",
+                where,
+                f"{gbps:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB, best of {BANDWIDTH_REPEATS})",
+                OK,
+            )
+        )
     return out
 
 
@@ -197,8 +265,17 @@ def self_test(recipe: Recipe, topology: Topology, folder: Path) -> Line | None:
     from accord import api
 
     steps = [f"train.max_steps={SELF_TEST_STEPS}", "resume=never", "output.overwrite=false"]
-    flags = dict(nnodes=topology.nnodes, node_rank=topology.node_rank, master_addr=topology.master_addr,
-                 master_port=topology.master_port, rdzv_endpoint=topology.rdzv_endpoint) if topology.multi_node else dict(nnodes=1)
+    flags = (
+        dict(
+            nnodes=topology.nnodes,
+            node_rank=topology.node_rank,
+            master_addr=topology.master_addr,
+            master_port=topology.master_port,
+            rdzv_endpoint=topology.rdzv_endpoint,
+        )
+        if topology.multi_node
+        else dict(nnodes=1)
+    )
     everyone = api.train(recipe, steps + [f"output.dir={folder / 'all'}"], **flags)
     if not topology.hosts_rank_zero:
         return None
@@ -209,7 +286,12 @@ def self_test(recipe: Recipe, topology: Topology, folder: Path) -> Line | None:
     diff = max_difference(everyone.final, one.final)
     world = everyone_world(topology, recipe)
     where = f"{world} processes{f' on {topology.nnodes} nodes' if topology.multi_node else ''} vs 1 process"
-    return Line(f"{SELF_TEST_STEPS}-step equivalence", where, f"max |Δparam| = {diff:.1e} (≤ {TOLERANCE:g})", OK if diff <= TOLERANCE else FAIL)
+    return Line(
+        f"{SELF_TEST_STEPS}-step equivalence",
+        where,
+        f"max |Δparam| = {diff:.1e} (≤ {TOLERANCE:g})",
+        OK if diff <= TOLERANCE else FAIL,
+    )
 
 
 def everyone_world(topology: Topology, recipe: Recipe) -> int:
@@ -257,9 +339,13 @@ def run(recipe: Recipe, topology: Topology, with_self_test: bool = True) -> int:
         try:
             if topology.multi_node and (net["loopback"] or net["interface"] is None):
                 # the nodes could not meet: say so now instead of waiting for the rendezvous to time out
-                raise AccordError(f"no interface reaches the master {net['master']} from here (a loopback address or "
-                                  f"unroutable); give node 0's network address")
-            run_module("accord.cli.doctor", [str(folder / "view.json"), str(folder / "picture.json")], recipe.engine, topology)
+                raise AccordError(
+                    f"no interface reaches the master {net['master']} from here (a loopback address or "
+                    f"unroutable); give node 0's network address"
+                )
+            run_module(
+                "accord.cli.doctor", [str(folder / "view.json"), str(folder / "picture.json")], recipe.engine, topology
+            )
             lines = lines_from(json.loads((folder / "picture.json").read_text()), recipe)
         except AccordError as e:
             lines = [Line("meeting the other processes", "this node", str(e).splitlines()[0], FAIL)]

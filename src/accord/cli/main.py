@@ -48,15 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _recipe_arguments(train, "recipe overrides, e.g. optim.lr=1e-3")
     train.add_argument("--overwrite", action="store_true", help="replace an earlier run in output.dir")
-    train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output.dir (same as resume=auto)")
-    train.add_argument("--devices", type=_gpu_indices, metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in output.dir (same as resume=auto)",
+    )
+    train.add_argument(
+        "--devices", type=_gpu_indices, metavar="0,1", help="GPU indices to use (same as engine.devices=[0,1])"
+    )
     train.add_argument("--processes", type=int, metavar="N", help="CPU worker processes (same as engine.processes=N)")
-    nodes = train.add_argument_group("several nodes (run the same command on each; SLURM's environment is read by itself)")
+    nodes = train.add_argument_group(
+        "several nodes (run the same command on each; SLURM's environment is read by itself)"
+    )
     nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (env NNODES)")
     nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1 (env NODE_RANK)")
     nodes.add_argument("--master-addr", metavar="HOST", help="address of node 0 (env MASTER_ADDR)")
-    nodes.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (default 29500; env MASTER_PORT)")
-    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="meet through a c10d rendezvous instead of a fixed node 0")
+    nodes.add_argument(
+        "--master-port", type=int, metavar="PORT", help="port on node 0 (default 29500; env MASTER_PORT)"
+    )
+    nodes.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="meet through a c10d rendezvous instead of a fixed node 0"
+    )
     train.set_defaults(func=_train)
 
     slurm = commands.add_parser(
@@ -67,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _recipe_arguments(slurm, "recipe overrides, passed on to accord train")
     slurm.add_argument("--nodes", type=int, required=True, metavar="N")
-    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)")
+    slurm.add_argument(
+        "--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)"
+    )
     slurm.add_argument("--partition", metavar="P")
     slurm.add_argument("--time", metavar="T", help="time limit, e.g. 04:00:00")
     slurm.add_argument("--account", metavar="A")
@@ -83,11 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         "master weights and activations, and recommend the cheapest strategy and largest micro batch that fit.",
     )
     _recipe_arguments(plan)
-    plan.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default: this machine's GPUs; without any, "
-                      "engine.processes CPU processes sharing the RAM)")
+    plan.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="GPUs per node (default: this machine's GPUs; without any, "
+        "engine.processes CPU processes sharing the RAM)",
+    )
     plan.add_argument("--nodes", type=int, default=1, metavar="M")
-    plan.add_argument("--gpu-memory", metavar="80GB", help="memory per GPU (e.g. 80GB, 24GiB); default: the smallest visible GPU's "
-                      "(on the CPU: RAM / processes)")
+    plan.add_argument(
+        "--gpu-memory",
+        metavar="80GB",
+        help="memory per GPU (e.g. 80GB, 24GiB); default: the smallest visible GPU's (on the CPU: RAM / processes)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
 
@@ -117,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "preparation continues where it stopped. Prints the cache folder and its counts.",
     )
     _recipe_arguments(prepare)
-    prepare.add_argument("--nnodes", type=int, metavar="N", help="nodes preparing this cache together, each with its own share (env NNODES)")
+    prepare.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="N",
+        help="nodes preparing this cache together, each with its own share (env NNODES)",
+    )
     prepare.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1 (env NODE_RANK)")
     prepare.set_defaults(func=_prepare)
 
@@ -129,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         "examples, tokens, targets, truncations and packing fill.",
     )
     _recipe_arguments(data)
-    data.add_argument("--show", type=int, default=3, metavar="N", help="examples to print (default 3; 0 for the counts only)")
+    data.add_argument(
+        "--show", type=int, default=3, metavar="N", help="examples to print (default 3; 0 for the counts only)"
+    )
     data.set_defaults(func=_data)
 
     report = commands.add_parser("report", help="render a run's metrics as PNG plots and an HTML page")
@@ -144,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _recipe_arguments(config)
     config.add_argument("--out", required=True, metavar="FILE", help="accelerate config YAML to write")
-    config.add_argument("--processes", type=int, metavar="N", help="processes in all (default: what accord would start here, times --nodes)")
+    config.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="processes in all (default: what accord would start here, times --nodes)",
+    )
     config.add_argument("--nodes", type=int, default=1, metavar="N")
     config.add_argument("--node-rank", type=int, default=0, metavar="R")
     config.add_argument("--master-addr", metavar="HOST")
@@ -191,7 +225,9 @@ def entry() -> None:
     # Only a process that imported accord.distributed.group can have joined a group; importing it up front
     # would cost torch's import (~2 s) before the command's first line of output.
     dist = sys.modules.get("accord.distributed.group")
-    if dist is not None and dist.left_a_group():  # a worker ran in this process (under torchrun, accelerate launch, srun ...)
+    if (
+        dist is not None and dist.left_a_group()
+    ):  # a worker ran in this process (under torchrun, accelerate launch, srun ...)
         dist.exit_after_shutdown(code)
     launch = sys.modules.get("accord.launch.agent")
     if launch is not None and (launch.ran_workers() or launch.trained_here()):
@@ -234,9 +270,16 @@ def _train(args: argparse.Namespace) -> int:
     from accord.stopping import PREEMPTED_EXIT_CODE
 
     result = api.train(
-        args.recipe, args.overrides,
-        overwrite=args.overwrite, resume=args.resume, processes=args.processes, devices=args.devices,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        args.recipe,
+        args.overrides,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        processes=args.processes,
+        devices=args.devices,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         rdzv_endpoint=args.rdzv_endpoint,
     )
     if result.status == "preempted":
@@ -250,22 +293,36 @@ def _slurm(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from accord.distributed.batch_plan import BatchPlan
-    from accord.recipe.schema import load_recipe
     from accord.launch.slurm_script import JobRequest, job_script
+    from accord.recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, args.nodes * per_node, recipe.engine.sequence_parallel)
+    BatchPlan.derive(
+        recipe.batch.global_batch_size,
+        recipe.batch.micro_batch_size,
+        args.nodes * per_node,
+        recipe.engine.sequence_parallel,
+    )
     job = JobRequest(
-        Path(args.recipe), tuple(args.overrides), args.nodes, args.gpus_per_node,
-        args.partition, args.time, args.account, args.cpus_per_task, args.job_name,
+        Path(args.recipe),
+        tuple(args.overrides),
+        args.nodes,
+        args.gpus_per_node,
+        args.partition,
+        args.time,
+        args.account,
+        args.cpus_per_task,
+        args.job_name,
     )
     script = job_script(job, output_dir=str(Path(recipe.output.dir).resolve()), workdir=Path.cwd())
     out = Path(args.out or f"{Path(args.recipe).stem}.sbatch")
     out.write_text(script)
     Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
     out.chmod(0o755)
-    print(f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}")
+    print(
+        f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}"
+    )
     return 0
 
 
@@ -284,14 +341,18 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     memory = f" with {result.gpu_memory_gib:.1f} GiB each" if result.gpu_memory_gib else ""
     source = f" ({result.memory_source})" if result.memory_source else ""
-    devices = f"{result.per_node} {result.device}" + ("" if result.per_node == 1 else "es" if result.device.endswith("s") else "s")
+    devices = f"{result.per_node} {result.device}" + (
+        "" if result.per_node == 1 else "es" if result.device.endswith("s") else "s"
+    )
     print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {devices}{memory}{source}, per {result.device} (GiB):")
     print(format_table(result.rows, result.gpu_memory_gib))
     print(f"peak per {result.device} in each phase of a run (GiB above an empty process's):")
     print(format_phases(result.rows))
     if result.device != "GPU":
-        print("accord: on the CPU these are live bytes; a process's RSS can exceed them by what glibc's heap keeps "
-              "(measured up to ~1.7x per process under fsdp/zero3) unless engine.release_host_memory=true (README: Memory on the CPU)")
+        print(
+            "accord: on the CPU these are live bytes; a process's RSS can exceed them by what glibc's heap keeps "
+            "(measured up to ~1.7x per process under fsdp/zero3) unless engine.release_host_memory=true (README: Memory on the CPU)"
+        )
     print(f"accord: {result.advice}")  # last: the answer
     return 0
 
@@ -329,8 +390,10 @@ def _prepare(args: argparse.Namespace) -> int:
     report = data.report
     tokens = f", {report['train_tokens']} tokens" if "train_tokens" in report else ""
     size = sum(f.stat().st_size for f in cache_folder(recipe, tokenizer, task).rglob("*") if f.is_file())
-    print(f"accord: {report['train_examples']} training examples{tokens}, {report['eval_examples']} held out; "
-          f"{size / 1e6:.1f} MB in {cache_folder(recipe, tokenizer, task)} ({time.perf_counter() - start:.1f} s)")
+    print(
+        f"accord: {report['train_examples']} training examples{tokens}, {report['eval_examples']} held out; "
+        f"{size / 1e6:.1f} MB in {cache_folder(recipe, tokenizer, task)} ({time.perf_counter() - start:.1f} s)"
+    )
     return 0
 
 
@@ -374,8 +437,10 @@ def _config(args: argparse.Namespace) -> int:
         raise UserInputError("--nodes > 1 needs --master-addr (the address of node 0)")
     config = accelerate_config(recipe, processes, args.nodes, args.node_rank, args.master_addr, args.master_port)
     write_accelerate_config(config, Path(args.out))
-    print(f"accord: wrote {args.out} ({config['distributed_type']}, {processes} processes); "
-          f"launch with: accelerate launch --config_file {args.out} -m accord train {args.recipe}")
+    print(
+        f"accord: wrote {args.out} ({config['distributed_type']}, {processes} processes); "
+        f"launch with: accelerate launch --config_file {args.out} -m accord train {args.recipe}"
+    )
     return 0
 
 

@@ -15,8 +15,12 @@ from accord.data.sources import ROW, SOURCE, DataError
 
 # ShareGPT speakers -> chat-template roles.
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
     "system": "system",
     "tool": "tool",
 }
@@ -34,6 +38,7 @@ def normalise_chat(ds):
 
 def _has_part_lists(feature) -> bool:
     """Whether some message's `content` is stored as a list (datasets' List of parts)."""
+
     def item(f):  # a list's item feature: datasets' List / Sequence, or an older [feature]
         return f[0] if isinstance(f, list) and f else getattr(f, "feature", None)
 
@@ -68,7 +73,9 @@ def _flatten_parts(batch: dict[str, list]) -> dict[str, list]:
     out = []
     for messages, source, row in zip(batch["messages"], batch[SOURCE], batch[ROW]):
         where = f"{source}: row {row}"
-        out.append([m if not isinstance(m, dict) else m | {"content": _text(m.get("content"), where)} for m in messages or []])
+        out.append(
+            [m if not isinstance(m, dict) else m | {"content": _text(m.get("content"), where)} for m in messages or []]
+        )
     return {"messages": out}
 
 
@@ -81,6 +88,8 @@ def _text(content: Any, where: str) -> Any:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise DataError(f"{where}: a message content part of type {kind!r}: only text parts ({{type: text, text: ...}}) can be trained on")
+            raise DataError(
+                f"{where}: a message content part of type {kind!r}: only text parts ({{type: text, text: ...}}) can be trained on"
+            )
         texts.append(part["text"])
     return "\n".join(texts)

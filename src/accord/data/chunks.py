@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,17 +47,25 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def write_shards(ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int, quiet: bool = False) -> dict[str, int]:
+def write_shards(
+    ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int, quiet: bool = False
+) -> dict[str, int]:
     """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then); returns counts."""
     work.mkdir(parents=True, exist_ok=True)
     streams = getattr(task, "streams_text", False)
     units = released_as_read(_text_units(ds) if streams else _row_units(ds), ds)
     total = _text_bytes(ds)
-    _tokenise_missing(units, task, work, _workers(ds, streams, total, workers), total=total, desc=f"tokenize {split}", quiet=quiet)
+    _tokenise_missing(
+        units, task, work, _workers(ds, streams, total, workers), total=total, desc=f"tokenize {split}", quiet=quiet
+    )
     writer = _writer(task, out, streams)
-    counts = _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
+    counts = (
+        _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
+    )
     if writer.examples == 0:
-        raise DataError(f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})")
+        raise DataError(
+            f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})"
+        )
     writer.close(tokenizer_id, {"split": split})
     return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
 
@@ -71,7 +78,9 @@ def _writer(task, out: Path, streams: bool) -> ShardWriter | ColumnWriter:
     return ShardWriter(out, dtype, block_length=task.max_length if streams and task.join else None)
 
 
-def tokenise_share(ds, task, split: str, work: Path, workers: int, share: NodeShare, sealed: Callable[[], bool], rest: bool = True) -> None:
+def tokenise_share(
+    ds, task, split: str, work: Path, workers: int, share: NodeShare, sealed: Callable[[], bool], rest: bool = True
+) -> None:
     """Several nodes (nodeshare.py): this node's units first, then (`rest`) every unit still
     missing, until `sealed()` says another node finished the cache (its work folder may then
     vanish)."""
@@ -85,7 +94,15 @@ def tokenise_share(ds, task, split: str, work: Path, workers: int, share: NodeSh
         for owned in (True, False) if rest else (True,):
             units = released_as_read(_text_units(ds) if streams else _row_units(ds), ds)
             mine = (unit for unit in units if not sealed() and (share.owns(unit.index) or not owned))
-            _tokenise_missing(mine, task, work, workers, total=None, desc=f"tokenize {split} (node {share.node} of {share.nodes})", quiet=True)
+            _tokenise_missing(
+                mine,
+                task,
+                work,
+                workers,
+                total=None,
+                desc=f"tokenize {split} (node {share.node} of {share.nodes})",
+                quiet=True,
+            )
     except OSError:
         if not sealed():
             raise
@@ -174,7 +191,9 @@ def _chunk_path(work: Path, index: int) -> Path:
     return work / f"chunk-{index:07d}.npz"
 
 
-def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, total: int | None, desc: str, quiet: bool = False) -> None:
+def _tokenise_missing(
+    units: Iterator[Unit], task, work: Path, workers: int, total: int | None, desc: str, quiet: bool = False
+) -> None:
     """Every unit without a chunk file gets one, `workers` at a time, at most 2 per worker
     in flight (units are read as they are needed, never all at once)."""
     global _TASK
@@ -207,7 +226,11 @@ def _tokenise_missing(units: Iterator[Unit], task, work: Path, workers: int, tot
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
     if kept and not quiet:
-        print(f"accord: {desc}: {kept} chunk(s) kept from an interrupted preparation in {work}", file=sys.stderr, flush=True)
+        print(
+            f"accord: {desc}: {kept} chunk(s) kept from an interrupted preparation in {work}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _pool(workers: int):
@@ -256,7 +279,11 @@ def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.nda
         parts += [prefix] * starts + [ids] + [eos] * ends
         lengths.append(len(prefix) * starts + len(ids) + ends)
     flags = np.array([[s, e] for _, s, e in pieces], dtype=bool).reshape(-1, 2)
-    return {"tokens": np.concatenate(parts) if parts else np.zeros(0, dtype=dtype), "lengths": np.asarray(lengths, dtype=np.int64), "flags": flags}
+    return {
+        "tokens": np.concatenate(parts) if parts else np.zeros(0, dtype=dtype),
+        "lengths": np.asarray(lengths, dtype=np.int64),
+        "flags": flags,
+    }
 
 
 def _encode_rows(task, batch: dict[str, list]) -> dict[str, np.ndarray]:
@@ -314,7 +341,9 @@ def _join_documents(work: Path, writer: ShardWriter, task, split: str) -> dict[s
                 over += len(ids) > task.max_length
                 ids = ids[: task.max_length]
                 if len(ids) > 1:
-                    writer.add_examples(ids, np.ones(len(ids), dtype=bool), np.array([len(ids)]), np.array([len(ids) - 1]))
+                    writer.add_examples(
+                        ids, np.ones(len(ids), dtype=bool), np.array([len(ids)]), np.array([len(ids) - 1])
+                    )
     return {f"{split}_over_length": over, f"{split}_dropped": 0} if over else {}
 
 
@@ -330,7 +359,9 @@ def _join_examples(work: Path, writer: ShardWriter | ColumnWriter, task, recipe,
         keep = np.ones(len(lengths), dtype=bool)
         for k in np.flatnonzero(targets == 0):
             if not over[k]:
-                raise DataError(f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); fix or remove it")
+                raise DataError(
+                    f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); fix or remove it"
+                )
             keep[k] = False
         if over.any() and first_over is None:
             first_over = row + int(np.flatnonzero(over)[0])

@@ -54,7 +54,9 @@ def encode_columns(schema: Schema, out: dict[str, list], dtype: np.dtype) -> dic
         labels = _flat(out[name], np.dtype(np.int64))
         mask = labels != IGNORE
         if len(labels) != len(arrays[sequence]) or not np.array_equal(labels[mask], arrays[sequence][mask]):
-            raise ValueError(f"column {name} must be {sequence}'s ids where it is not {IGNORE} (token shards store it as a mask)")
+            raise ValueError(
+                f"column {name} must be {sequence}'s ids where it is not {IGNORE} (token shards store it as a mask)"
+            )
         arrays[name] = mask
     for name, kind in schema.values.items():
         arrays[name] = np.asarray(out[name], dtype=kind)
@@ -84,13 +86,17 @@ class ColumnWriter:
         self.tokens = 0
 
     def _plain_files(self) -> list[str]:
-        return [f"{n}.{part}.bin" for n in self.schema.sequences for part in ("ids", "offsets")] + [f"{n}.bin" for n in {**self.schema.values, **_INDEX}]
+        return [f"{n}.{part}.bin" for n in self.schema.sequences for part in ("ids", "offsets")] + [
+            f"{n}.bin" for n in {**self.schema.values, **_INDEX}
+        ]
 
     def add_chunk(self, chunk: dict[str, np.ndarray], keep: np.ndarray) -> None:
         for name in self.schema.sequences:
             lengths = chunk[f"{name}.lengths"]
             token_keep = np.repeat(keep, lengths)
-            self._files[f"{name}.ids.bin"].write(np.ascontiguousarray(chunk[name][token_keep], dtype=self.dtype).tobytes())
+            self._files[f"{name}.ids.bin"].write(
+                np.ascontiguousarray(chunk[name][token_keep], dtype=self.dtype).tobytes()
+            )
             for label in (m for m, seq in self.schema.labels.items() if seq == name):
                 self._bits[label].write(chunk[label][token_keep])
             ends = self._ends[name] + np.cumsum(lengths[keep], dtype=np.int64)
@@ -107,8 +113,15 @@ class ColumnWriter:
     def close(self, tokenizer_id: str, extra: dict | None = None) -> dict:
         for f in [*self._files.values(), *self._bits.values()]:
             f.close()
-        meta = {"dtype": self.dtype.name, "examples": self.examples, "tokens": self.tokens, "schema": self.schema.as_json()} | (extra or {})
-        return write_meta(self.folder / COLUMNS_META, meta, tokenizer_id, [*self._files, *(f"{n}.bits.bin" for n in self._bits)])
+        meta = {
+            "dtype": self.dtype.name,
+            "examples": self.examples,
+            "tokens": self.tokens,
+            "schema": self.schema.as_json(),
+        } | (extra or {})
+        return write_meta(
+            self.folder / COLUMNS_META, meta, tokenizer_id, [*self._files, *(f"{n}.bits.bin" for n in self._bits)]
+        )
 
 
 class ColumnShards:
@@ -121,8 +134,13 @@ class ColumnShards:
         self.meta = meta = read_meta(folder / COLUMNS_META, tokenizer_id)
         schema = meta["schema"]
         dtype = np.dtype(meta["dtype"])
-        self.sequences = {n: (map_file(folder / f"{n}.ids.bin", dtype), map_file(folder / f"{n}.offsets.bin", np.dtype(np.int64))) for n in schema["sequences"]}
-        self.labels = {m: (seq, map_file(folder / f"{m}.bits.bin", np.dtype(np.uint8))) for m, seq in schema["labels"].items()}
+        self.sequences = {
+            n: (map_file(folder / f"{n}.ids.bin", dtype), map_file(folder / f"{n}.offsets.bin", np.dtype(np.int64)))
+            for n in schema["sequences"]
+        }
+        self.labels = {
+            m: (seq, map_file(folder / f"{m}.bits.bin", np.dtype(np.uint8))) for m, seq in schema["labels"].items()
+        }
         kinds = {**schema["values"], **_INDEX}
         self.values = {n: map_file(folder / f"{n}.bin", np.dtype(kind)) for n, kind in kinds.items()}
         self._count = meta["examples"]
@@ -167,7 +185,9 @@ class ColumnShards:
         for name, (sequence, bits) in self.labels.items():
             offsets = self.sequences[sequence][1]
             out[name] = np.where(read_bits(bits, int(offsets[i]), int(offsets[i + 1])), out[sequence], IGNORE)
-        return {name: value.tolist() for name, value in out.items()} | {name: values[i].tolist() for name, values in self.values.items()}
+        return {name: value.tolist() for name, value in out.items()} | {
+            name: values[i].tolist() for name, values in self.values.items()
+        }
 
     def __getitem__(self, key):
         if isinstance(key, str):

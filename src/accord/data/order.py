@@ -18,7 +18,6 @@ import numpy as np
 
 from accord.errors import UserInputError
 
-
 # What checkpoints record of the order they were taken in: a run resumed under another
 # order would see other examples at the same steps. "" is a checkpoint from before this was
 # recorded (a stored numpy permutation); the unshuffled order ("file") never changed.
@@ -38,7 +37,12 @@ class Position:
 
 class GlobalOrder:
     def __init__(
-        self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True, group_lengths: np.ndarray | None = None
+        self,
+        num_examples: int,
+        global_batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        group_lengths: np.ndarray | None = None,
     ):
         if num_examples < global_batch_size:
             raise UserInputError(
@@ -83,7 +87,9 @@ class GlobalOrder:
         past the epoch's whole batches (its tail) keep their grouped place."""
         g = self.global_batch_size
         batch, within = np.divmod(positions, g)
-        permuted = Bijection(self.steps_per_epoch, self.seed, epoch, salt=1)(np.minimum(batch, self.steps_per_epoch - 1))
+        permuted = Bijection(self.steps_per_epoch, self.seed, epoch, salt=1)(
+            np.minimum(batch, self.steps_per_epoch - 1)
+        )
         grouped = np.where(batch < self.steps_per_epoch, permuted * g + within, positions)
         window = GROUP_WINDOW * g
         out = np.empty_like(grouped)

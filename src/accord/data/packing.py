@@ -77,8 +77,14 @@ class Rows:
     def load(cls, folder: Path) -> Rows:
         """Rows written by write_rows, memory-mapped."""
         meta = read_meta(folder / _ROWS_META, None)
-        starts, ids = map_file(folder / "starts.bin", np.dtype(np.int64)), map_file(folder / "members.bin", np.dtype(np.int64))
-        targets, lengths = map_file(folder / "targets.bin", np.dtype(np.int64)), map_file(folder / "lengths.bin", np.dtype(np.int64))
+        starts, ids = (
+            map_file(folder / "starts.bin", np.dtype(np.int64)),
+            map_file(folder / "members.bin", np.dtype(np.int64)),
+        )
+        targets, lengths = (
+            map_file(folder / "targets.bin", np.dtype(np.int64)),
+            map_file(folder / "lengths.bin", np.dtype(np.int64)),
+        )
         return cls(Members(starts, ids, meta["rows"]), targets, lengths)
 
 
@@ -106,8 +112,12 @@ def write_rows(train, capacity: int, folder: Path) -> None:
             files["members.bin"].write(ids.tobytes())
             files["starts.bin"].write((members + np.cumsum(sizes)).astype(np.int64).tobytes())
             window_targets, window_lengths = np.asarray(targets[ids]), np.asarray(lengths[ids])
-            files["targets.bin"].write(np.bincount(row_of, weights=window_targets, minlength=len(sizes)).astype(np.int64).tobytes())
-            files["lengths.bin"].write(np.bincount(row_of, weights=window_lengths, minlength=len(sizes)).astype(np.int64).tobytes())
+            files["targets.bin"].write(
+                np.bincount(row_of, weights=window_targets, minlength=len(sizes)).astype(np.int64).tobytes()
+            )
+            files["lengths.bin"].write(
+                np.bincount(row_of, weights=window_lengths, minlength=len(sizes)).astype(np.int64).tobytes()
+            )
             rows, members = rows + len(sizes), members + len(ids)
     write_meta(folder / _ROWS_META, {"rows": rows, "capacity": capacity}, "", list(names))
 

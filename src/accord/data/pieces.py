@@ -28,7 +28,9 @@ def file_documents(files: list[str], encoding: str):
     stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     features = datasets.Features({"text": datasets.Value("string"), PIECE: datasets.Value("int32")})
     return datasets.Dataset.from_generator(
-        _rows, features=features, writer_batch_size=4,  # rows are written 4 pieces at a time
+        _rows,
+        features=features,
+        writer_batch_size=4,  # rows are written 4 pieces at a time
         gen_kwargs={"files": files, "encoding": encoding, "stamps": stamps, "size": PIECE_CHARS},
     )
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.chunks import default_workers, tokenise_share, write_shards
+from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
 from accord.data.packing import rows_folder, write_rows
 from accord.data.shards import META, TokenShards
@@ -75,10 +75,23 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
     """Changes whenever the encoded data could: source files (path, size, mtime), data
     settings, seed (splits and mixing), tokenizer (vocabulary, specials, chat template)
     and the task's own settings."""
-    data = recipe.data.model_dump(mode="json", exclude={"cache_dir", "prepare_timeout_s", "prepare_workers", "shuffle", "group_by_length"})
+    data = recipe.data.model_dump(
+        mode="json", exclude={"cache_dir", "prepare_timeout_s", "prepare_workers", "shuffle", "group_by_length"}
+    )
     data.pop("packing")  # applied after the cache; a task whose encoding depends on it says so in settings()
     h = hashlib.sha256()
-    h.update(json.dumps({"v": FORMAT_VERSION, "task": f"{type(task).__module__}:{type(task).__qualname__}", "settings": task.settings(), "data": data, "seed": recipe.seed}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "v": FORMAT_VERSION,
+                "task": f"{type(task).__module__}:{type(task).__qualname__}",
+                "settings": task.settings(),
+                "data": data,
+                "seed": recipe.seed,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     h.update(_tokenizer_identity(tokenizer).encode())
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
         if source.function is not None:
@@ -99,7 +112,11 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
 def _tokenizer_identity(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = _backend_json(backend) if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    extra = {"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map, "chat": tokenizer.chat_template}
+    extra = {
+        "class": type(tokenizer).__name__,
+        "special": tokenizer.special_tokens_map,
+        "chat": tokenizer.chat_template,
+    }
     return hashlib.sha256((body + json.dumps(extra, sort_keys=True, default=str)).encode()).hexdigest()
 
 
@@ -139,14 +156,34 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
             return
         tmp.mkdir()
         if task.token_shards:
-            train_report = write_shards(train, task, recipe, "train", tmp / "train", work / "train", _tokenizer_identity(tokenizer), workers, quiet=shared)
+            train_report = write_shards(
+                train,
+                task,
+                recipe,
+                "train",
+                tmp / "train",
+                work / "train",
+                _tokenizer_identity(tokenizer),
+                workers,
+                quiet=shared,
+            )
             if task.row_capacity:  # packed once here, mapped by every rank (packing.py)
                 write_rows(TokenShards(tmp / "train"), task.row_capacity, rows_folder(tmp / "train", task.row_capacity))
         else:
             train, train_report = _encode(train, task, recipe, "train")
             train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None and task.eval_shards:  # no raw columns needed: shards too
-            eval_report = write_shards(eval_ds, task, recipe, "eval", tmp / "eval", work / "eval", _tokenizer_identity(tokenizer), workers, quiet=shared)
+            eval_report = write_shards(
+                eval_ds,
+                task,
+                recipe,
+                "eval",
+                tmp / "eval",
+                work / "eval",
+                _tokenizer_identity(tokenizer),
+                workers,
+                quiet=shared,
+            )
             eval_count = eval_report["eval_examples"]
         elif eval_ds is not None:
             if is_stream(eval_ds):  # sft's generation metrics read raw eval rows
@@ -198,7 +235,9 @@ def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
             return out
 
         # The fingerprint is given: datasets would otherwise try to hash the bar with the function.
-        token = hashlib.sha256(f"{ds._fingerprint}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()).hexdigest()[:16]
+        token = hashlib.sha256(
+            f"{ds._fingerprint}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()
+        ).hexdigest()[:16]
         encoded = ds.map(encode, batched=True, desc=f"tokenize {split}", new_fingerprint=token)
     policy = recipe.data.truncation
     over = [i for i, flag in enumerate(encoded["over_length"]) if flag] if "over_length" in encoded.column_names else []
@@ -216,14 +255,18 @@ def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
         if i in over_set:
             drop.add(i)  # truncation cut every target token away: nothing to learn from it
             continue
-        raise DataError(f"{row_origin(ds[i])}: this example has no target tokens (nothing to train on); fix or remove it")
+        raise DataError(
+            f"{row_origin(ds[i])}: this example has no target tokens (nothing to train on); fix or remove it"
+        )
     if drop:
         encoded = encoded.select([i for i in range(len(encoded)) if i not in drop])
     if not keep_raw:
         encoded = encoded.remove_columns([c for c in raw_columns if c in encoded.column_names])
     encoded = task.regroup(encoded)
     if len(encoded) == 0:
-        raise DataError(f"no {split} examples left after data.truncation={policy} (data.max_length={recipe.data.max_length})")
+        raise DataError(
+            f"no {split} examples left after data.truncation={policy} (data.max_length={recipe.data.max_length})"
+        )
     counts = {f"{split}_examples": len(encoded), f"{split}_over_length": len(over), f"{split}_dropped": len(drop)}
     return encoded, counts
 
@@ -269,5 +312,9 @@ def reads_datasets(recipe: Recipe, task_class) -> bool:
     """Whether loading the prepared data imports datasets: a task that keeps its rows as
     datasets, or held-out data (kept with its raw columns unless the task streams text)."""
     data = recipe.data
-    held_out = data.eval is not None or data.eval_fraction > 0 or (data.generate is not None and data.generate.eval_examples > 0)
+    held_out = (
+        data.eval is not None
+        or data.eval_fraction > 0
+        or (data.generate is not None and data.generate.eval_examples > 0)
+    )
     return not task_class.token_shards or (held_out and not task_class.eval_shards)

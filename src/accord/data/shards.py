@@ -59,7 +59,9 @@ class ShardWriter:
         """The kept examples of a tokenised chunk (data/chunks.py)."""
         lengths = chunk["lengths"]
         token_keep = np.repeat(keep, lengths)
-        self.add_examples(chunk["tokens"][token_keep], chunk["mask"][token_keep], lengths[keep], chunk["num_targets"][keep])
+        self.add_examples(
+            chunk["tokens"][token_keep], chunk["mask"][token_keep], lengths[keep], chunk["num_targets"][keep]
+        )
 
     def add_stream(self, tokens: np.ndarray) -> None:
         """Tokens that continue the stream; a block ends at every multiple of block_length
@@ -136,7 +138,9 @@ def read_meta(path: Path, tokenizer_id: str | None) -> dict:
     except (OSError, ValueError):
         raise DataError(f"{path}: missing or unreadable; delete {folder.parent} to prepare the data again") from None
     if tokenizer_id is not None and meta.get("tokenizer") != tokenizer_id:
-        raise DataError(f"{folder}: these token shards were prepared with another tokenizer; delete {folder.parent} to prepare the data again")
+        raise DataError(
+            f"{folder}: these token shards were prepared with another tokenizer; delete {folder.parent} to prepare the data again"
+        )
     for name, size in meta["bytes"].items():
         actual = (folder / name).stat().st_size if (folder / name).exists() else -1
         if actual != size:

@@ -19,7 +19,16 @@ from accord.recipe.schema import DataConfig, SourceConfig
 
 SOURCE = "__source"
 ROW = "__row"
-_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text", ".yml": "chatterbot", ".yaml": "chatterbot"}
+_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".yml": "chatterbot",
+    ".yaml": "chatterbot",
+}
 
 
 class DataError(UserInputError):
@@ -44,7 +53,9 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
 
     path, fmt, files = locate_files(source)
     if source.document != "file" and fmt != "text":
-        raise DataError(f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)")
+        raise DataError(
+            f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)"
+        )
     _check_text_encoding(files, fmt, source.encoding)
     datasets.disable_progress_bars()
     if fmt == "arrow":
@@ -90,7 +101,11 @@ def locate_files(source: SourceConfig) -> tuple[Path, str, list[str]]:
 def _not_found(source: SourceConfig) -> str:
     """Where a missing source was looked for; the hub is named only for what looks like a hub name."""
     folders = source._looked_in or (str(Path.cwd()),)
-    where = f"looked in {' and '.join(folders)}" + ("; a relative path is read from the current folder, else from the recipe file's folder" if len(folders) > 1 else "")
+    where = f"looked in {' and '.join(folders)}" + (
+        "; a relative path is read from the current folder, else from the recipe file's folder"
+        if len(folders) > 1
+        else ""
+    )
     if re.fullmatch(r"[\w.-]+/[\w.-]+", source.path) and not Path(source.path).suffix:
         where += "; accord reads local files only (no hub downloads): save a hub dataset once with datasets' save_to_disk and point to that folder"
     return f"data source {source.path!r} not found ({where})"
@@ -100,11 +115,15 @@ def _candidates(path: Path, glob: str | None) -> list[Path]:
     """The files of a folder source: those its glob matches, or every file in it (and below)."""
     if path.is_file():
         if glob is not None:
-            raise DataError(f"{path}: glob: {glob!r} selects files in a folder, and this source is a file; drop glob or give the folder")
+            raise DataError(
+                f"{path}: glob: {glob!r} selects files in a folder, and this source is a file; drop glob or give the folder"
+            )
         return [path]
     files = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
     if glob is not None and not files:
-        raise DataError(f"{path}: glob: {glob!r} matches no files in this folder; check the pattern (e.g. \"**/*.md\" for every .md file below it)")
+        raise DataError(
+            f'{path}: glob: {glob!r} matches no files in this folder; check the pattern (e.g. "**/*.md" for every .md file below it)'
+        )
     return files
 
 
@@ -112,7 +131,11 @@ def detect_format(path: Path, declared: str, candidates: list[Path] | None = Non
     if declared != "auto":
         return declared
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        if (
+            (path / "dataset_info.json").exists()
+            or (path / "dataset_dict.json").exists()
+            or (path / "state.json").exists()
+        ):
             return "arrow"
         files = candidates if candidates is not None else _candidates(path, None)
         # Files a glob chose on purpose are plain text when their suffix says nothing (.md, .rst).
@@ -120,10 +143,14 @@ def detect_format(path: Path, declared: str, candidates: list[Path] | None = Non
         if len(formats) == 1:
             return formats.pop()
         found = sorted({p.suffix for p in files if p.suffix in _SUFFIXES or globbed})
-        raise DataError(f"{path}: cannot tell the format of this folder (found {found or 'no data files'}); set format: ...")
+        raise DataError(
+            f"{path}: cannot tell the format of this folder (found {found or 'no data files'}); set format: ..."
+        )
     fmt = _SUFFIXES.get(path.suffix)
     if fmt is None:
-        raise DataError(f"{path}: unknown file type {path.suffix!r}; set format: jsonl | json | csv | tsv | parquet | text")
+        raise DataError(
+            f"{path}: unknown file type {path.suffix!r}; set format: jsonl | json | csv | tsv | parquet | text"
+        )
     return fmt
 
 
@@ -140,7 +167,15 @@ def _files(path: Path, fmt: str, candidates: list[Path], globbed: bool) -> list[
 
 
 # Formats read as text, and whether source.encoding applies to them (JSON is UTF-8 by definition).
-_TEXT_FORMATS = {"jsonl": False, "json": False, "contrastive": False, "chatterbot": False, "csv": True, "tsv": True, "text": True}
+_TEXT_FORMATS = {
+    "jsonl": False,
+    "json": False,
+    "contrastive": False,
+    "chatterbot": False,
+    "csv": True,
+    "tsv": True,
+    "text": True,
+}
 
 
 def _check_text_encoding(files: list[str], fmt: str, encoding: str) -> None:
@@ -159,14 +194,20 @@ def _check_text_encoding(files: list[str], fmt: str, encoding: str) -> None:
                 except UnicodeDecodeError as e:
                     bad = e.object[e.start]
                     line = lines + chunk[: e.start].count(b"\n")
-                    fix = "save it as UTF-8" + (", or set encoding: (e.g. latin-1) on this source" if _TEXT_FORMATS[fmt] else "")
-                    raise DataError(f"{file}:{line}: not UTF-8 text (byte 0x{bad:02x} at offset {offset + e.start}); {fix}") from None
+                    fix = "save it as UTF-8" + (
+                        ", or set encoding: (e.g. latin-1) on this source" if _TEXT_FORMATS[fmt] else ""
+                    )
+                    raise DataError(
+                        f"{file}:{line}: not UTF-8 text (byte 0x{bad:02x} at offset {offset + e.start}); {fix}"
+                    ) from None
                 lines += chunk.count(b"\n")
                 offset += len(chunk)
             try:
                 decoder.decode(b"", final=True)
             except UnicodeDecodeError:
-                raise DataError(f"{file}:{lines}: not UTF-8 text (the file ends inside a character); save it as UTF-8") from None
+                raise DataError(
+                    f"{file}:{lines}: not UTF-8 text (the file ends inside a character); save it as UTF-8"
+                ) from None
 
 
 def _load_files(files: list[str], fmt: str, source: SourceConfig):
@@ -217,7 +258,9 @@ def _raise_on_bad_line(path: Path, lines) -> None:
 def _rename(ds, source: SourceConfig, path: Path):
     missing = [column for column in source.fields.values() if column not in ds.column_names]
     if missing:
-        raise DataError(f"{path}: fields maps to column(s) {missing} that the data does not have (columns: {ds.column_names})")
+        raise DataError(
+            f"{path}: fields maps to column(s) {missing} that the data does not have (columns: {ds.column_names})"
+        )
     return ds.rename_columns({column: name for name, column in source.fields.items() if column != name})
 
 
@@ -238,7 +281,12 @@ def check_columns(ds, required: tuple[str, ...], where: str):
         )
     for field in required:
         dtype = getattr(ds.features[field], "dtype", None)
-        if dtype is not None and dtype not in ("string", "large_string") and dtype != "null" and ("int" in dtype or "float" in dtype or dtype == "bool"):
+        if (
+            dtype is not None
+            and dtype not in ("string", "large_string")
+            and dtype != "null"
+            and ("int" in dtype or "float" in dtype or dtype == "bool")
+        ):
             ds = ds.cast_column(field, datasets.Value("string"))
             dtype = "string"
         if dtype in ("string", "large_string"):
@@ -251,7 +299,9 @@ def check_columns(ds, required: tuple[str, ...], where: str):
             continue
         for i, value in _values(ds, field):
             if not isinstance(value, str):
-                raise DataError(f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})")
+                raise DataError(
+                    f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})"
+                )
     return ds
 
 
@@ -272,7 +322,7 @@ def _where(ds, index: int, default: str) -> str:
 
 
 def row_origin(row: dict[str, Any]) -> str:
-    """"file: row N" for a row that went through load_source."""
+    """ "file: row N" for a row that went through load_source."""
     return f"{row.get(SOURCE, '?')}: row {row.get(ROW, '?')}"
 
 
@@ -298,7 +348,9 @@ def _split_common_prefix(ds, path: Path):
     the last line break or space becomes `prompt`, the rest `chosen` and `rejected`."""
     for field in ("positive", "negative"):
         if field not in ds.column_names:
-            raise DataError(f"{path}: format contrastive needs fields positive and negative (columns: {ds.column_names})")
+            raise DataError(
+                f"{path}: format contrastive needs fields positive and negative (columns: {ds.column_names})"
+            )
 
     def split(row: dict[str, str]) -> dict[str, str]:
         good, bad = row["positive"], row["negative"]
@@ -335,7 +387,9 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
         return load_stream_split(cfg, seed, required)
     train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
-        return train, mix([load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed)
+        return train, mix(
+            [load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed
+        )
     if cfg.eval_fraction:
         from accord.data.split import hold_out
 
@@ -364,7 +418,9 @@ def mix(parts: list, weights: list[float], seed: int):
     total = sum(weights)
     probabilities = [w / total for w in weights]
     if not any(has_pieces(p) for p in parts):
-        return datasets.interleave_datasets(parts, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted")
+        return datasets.interleave_datasets(
+            parts, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted"
+        )
     return _interleave_documents(parts, probabilities, seed)
 
 
@@ -385,7 +441,9 @@ def _interleave_documents(parts: list, probabilities: list[float], seed: int):
         bounds.append(np.stack([starts, np.append(starts[1:], offset + len(p))], axis=1))
     picks = datasets.interleave_datasets(
         [datasets.Dataset.from_dict({"doc": b.tolist()}) for b in bounds],
-        probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted",
+        probabilities=probabilities,
+        seed=seed,
+        stopping_strategy="all_exhausted",
     )
     first, end = np.asarray(picks["doc"], dtype=np.int64).reshape(-1, 2).T
     sizes = end - first

@@ -25,7 +25,14 @@ from accord.data.sources import ROW, SOURCE, DataError, load_source, locate_file
 from accord.errors import UserInputError
 from accord.recipe.schema import DataConfig, SourceConfig
 
-_STREAM_FORMATS = {"jsonl": ("json", {}), "json": ("json", {}), "csv": ("csv", {}), "tsv": ("csv", {"delimiter": "\t"}), "parquet": ("parquet", {}), "text": ("text", {"sample_by": "document"})}
+_STREAM_FORMATS = {
+    "jsonl": ("json", {}),
+    "json": ("json", {}),
+    "csv": ("csv", {}),
+    "tsv": ("csv", {"delimiter": "\t"}),
+    "parquet": ("parquet", {}),
+    "text": ("text", {"sample_by": "document"}),
+}
 BATCH = 256  # rows per checked batch as the stream is read
 
 
@@ -103,7 +110,9 @@ def _from_function(target: str, role: str):
     if isinstance(result, datasets.Dataset):
         return result.to_iterable_dataset()
     if not hasattr(result, "__iter__") or isinstance(result, (str, bytes, dict)):
-        raise DataError(f"{role}.function: {target} returned {type(result).__name__}; return a datasets IterableDataset or an iterable of row dicts")
+        raise DataError(
+            f"{role}.function: {target} returned {type(result).__name__}; return a datasets IterableDataset or an iterable of row dicts"
+        )
     # A plain iterable may be one-shot (a generator): each walk calls the function again.
     return datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"target": target})
 
@@ -114,7 +123,9 @@ def _call(fn: Callable, target: str) -> Any:
     except UserInputError:
         raise
     except Exception as e:
-        raise DataError(f"{target}: the data function raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        raise DataError(
+            f"{target}: the data function raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        ) from None
 
 
 def _rows_of(target: str) -> Iterator[dict]:
@@ -131,9 +142,13 @@ def _from_files(source: SourceConfig):
 
     path, fmt, files = locate_files(source)
     if fmt not in _STREAM_FORMATS:
-        raise DataError(f"{path}: streaming: true reads {', '.join(_STREAM_FORMATS)} files; this source is {fmt} (drop streaming)")
+        raise DataError(
+            f"{path}: streaming: true reads {', '.join(_STREAM_FORMATS)} files; this source is {fmt} (drop streaming)"
+        )
     if source.document != "file":
-        raise DataError(f"{path}: document: splits text files that are read whole; drop streaming (or document) on this source")
+        raise DataError(
+            f"{path}: document: splits text files that are read whole; drop streaming (or document) on this source"
+        )
     builder, kwargs = _STREAM_FORMATS[fmt]
     if fmt in ("csv", "tsv", "text"):
         kwargs = kwargs | {"encoding": source.encoding}
@@ -173,11 +188,17 @@ def checked(ds, fields: tuple[str, ...], where: str, check: Callable[[BatchRows]
         for field in fields:
             if field not in batch:
                 present = [c for c in batch if not c.startswith("__")]
-                raise DataError(f"{where}: missing field {field!r} (fields present: {', '.join(present)}); rename with fields: {{{field}: <column>}}")
+                raise DataError(
+                    f"{where}: missing field {field!r} (fields present: {', '.join(present)}); rename with fields: {{{field}: <column>}}"
+                )
             values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in batch[field]]
             for i, value in enumerate(values):
                 if not isinstance(value, str):
-                    problem = "is missing or null" if value is None else f"must be a string (got {type(value).__name__} {value!r:.40})"
+                    problem = (
+                        "is missing or null"
+                        if value is None
+                        else f"must be a string (got {type(value).__name__} {value!r:.40})"
+                    )
                     raise DataError(f"{batch[SOURCE][i]}: row {batch[ROW][i]}: field {field!r} {problem}")
             out[field] = values
         if check is not None:
@@ -224,7 +245,9 @@ def _mix(parts: list, weights: list[float], seed: int):
     if len(set(weights)) == 1:
         return datasets.concatenate_datasets(parts)
     total = sum(weights)
-    return datasets.interleave_datasets(parts, probabilities=[w / total for w in weights], seed=seed, stopping_strategy="all_exhausted")
+    return datasets.interleave_datasets(
+        parts, probabilities=[w / total for w in weights], seed=seed, stopping_strategy="all_exhausted"
+    )
 
 
 def function_identity(target: str) -> str:

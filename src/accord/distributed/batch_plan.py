@@ -22,7 +22,9 @@ class BatchPlan:
     sequence_parallel: int = 1
 
     @classmethod
-    def derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, sequence_parallel: int = 1) -> BatchPlan:
+    def derive(
+        cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, sequence_parallel: int = 1
+    ) -> BatchPlan:
         """The plan for `world_size` processes, `sequence_parallel` of them to a row (engine.sequence_parallel);
         `micro_batch_size=None` means no accumulation."""
         if world_size < 1:
@@ -32,7 +34,11 @@ class BatchPlan:
                 f"engine.sequence_parallel={sequence_parallel} does not divide the {world_size} processes; "
                 f"use one of {', '.join(map(str, divisors(world_size)))} (or run on a multiple of {sequence_parallel} processes)"
             )
-        unit = "processes" if sequence_parallel == 1 else f"data-parallel groups (processes / engine.sequence_parallel={sequence_parallel})"
+        unit = (
+            "processes"
+            if sequence_parallel == 1
+            else f"data-parallel groups (processes / engine.sequence_parallel={sequence_parallel})"
+        )
         plan = cls._derive(global_batch_size, micro_batch_size, world_size // sequence_parallel, unit)
         return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NoReturn
 from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -177,7 +177,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-
 def launcher_run_id() -> str | None:
     """An id shared by every process of one job that an outer launcher started (the same
     on every node, different for two jobs running at once: they cannot share a master
@@ -186,5 +185,7 @@ def launcher_run_id() -> str | None:
         return None
     import hashlib
 
-    parts = "|".join(os.environ.get(k, "") for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    parts = "|".join(
+        os.environ.get(k, "") for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    )
     return f"launcher-{hashlib.sha256(parts.encode()).hexdigest()[:12]}"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from accord.registry import STRATEGIES, load_object
 
@@ -41,7 +42,9 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
+def build_engine(
+    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+) -> Engine:
     """The recipe's strategy around `model` (with Ulysses attention under
     engine.sequence_parallel), compiled when engine.compile asks."""
     if device.type == "cpu":
@@ -52,7 +55,9 @@ def build_engine(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch
         from accord.engine.sequence_parallel.ulysses import install_ulysses
 
         install_ulysses(recipe, model, info, plan.micro_batch_size)
-    factory: EngineFactory = load_object(STRATEGIES[recipe.engine.strategy], f"engine.strategy={recipe.engine.strategy}")
+    factory: EngineFactory = load_object(
+        STRATEGIES[recipe.engine.strategy], f"engine.strategy={recipe.engine.strategy}"
+    )
     engine = factory(recipe, model, info, device, plan, total_steps)
     if recipe.engine.compile:
         engine.compile()

@@ -11,13 +11,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
-from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.long_rows import apply_memory_levers
-from accord.recipe.schema import Recipe
+from accord.engine.torch_update import TorchUpdateEngine
 from accord.models.weights import materialize
+from accord.recipe.schema import Recipe
 
 
-def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DDPEngine:
+def build(
+    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+) -> DDPEngine:
     return DDPEngine(model, recipe, info, device, total_steps)
 
 

@@ -16,15 +16,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
+from accord.engine.long_rows import apply_memory_levers
 from accord.engine.precision import DTYPES
 from accord.engine.torch_update import TorchUpdateEngine
-from accord.engine.long_rows import apply_memory_levers
 from accord.engine.wrapping import ensure_process_group, layer_modules
-from accord.recipe.schema import Recipe
 from accord.models.weights import is_meta, materialize
+from accord.recipe.schema import Recipe
 
 
-def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> FSDPEngine:
+def build(
+    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+) -> FSDPEngine:
     return FSDPEngine(model, recipe, info, device, total_steps)
 
 

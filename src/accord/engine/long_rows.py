@@ -98,7 +98,9 @@ def tile_mlps(model: nn.Module, tiles: int) -> None:
         return
     config = getattr(model, "config", None)
     if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(f"engine.tiled_mlp: {type(model).__name__} has mixture-of-experts MLPs, which accord does not tile; set engine.tiled_mlp=false")
+        raise ValueError(
+            f"engine.tiled_mlp: {type(model).__name__} has mixture-of-experts MLPs, which accord does not tile; set engine.tiled_mlp=false"
+        )
     layers = layer_modules(model)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     if not layers or any(not isinstance(m, nn.Module) for m in mlps):
@@ -122,6 +124,8 @@ def _tile(mlp: nn.Module, tiles: int) -> None:
         if not torch.is_grad_enabled():
             return torch.cat([plain(piece) for piece in pieces], dim=-2)
         # Non-reentrant checkpoint per tile; nothing random inside an MLP to replay.
-        return torch.cat([checkpoint(plain, piece, use_reentrant=False, preserve_rng_state=False) for piece in pieces], dim=-2)
+        return torch.cat(
+            [checkpoint(plain, piece, use_reentrant=False, preserve_rng_state=False) for piece in pieces], dim=-2
+        )
 
     mlp.forward = forward

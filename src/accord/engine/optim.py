@@ -24,7 +24,9 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, shard: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, shard: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over param_groups(model). With `shard`, torch's ZeroRedundancyOptimizer wraps
     it: each rank keeps and updates the AdamW state of its share of the parameters (ZeRO-1)."""
     groups = param_groups(model, cfg)
@@ -39,7 +41,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, sh
     return torch.optim.AdamW(groups, **settings)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     return get_scheduler(
         _SCHEDULES[cfg.schedule],
         optimizer,

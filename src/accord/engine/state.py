@@ -35,7 +35,14 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter, LoadPlan, Metadata, SavePlan
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    FileSystemReader,
+    FileSystemWriter,
+    LoadPlan,
+    Metadata,
+    SavePlan,
+)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -80,7 +87,9 @@ def write_sharded(state: dict, folder: Path, asynchronous: bool = False, owned: 
         return PendingWrite(done, writer)
     group = _checkpoint_group()
     stager = {"async_stager": _AsIs()} if owned and ASYNC_WRITES_OWNED else {}
-    started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not tdist.is_initialized(), **stager)
+    started = dcp.async_save(
+        state, storage_writer=writer, process_group=group, no_dist=not tdist.is_initialized(), **stager
+    )
     return PendingWrite(started, writer, group)
 
 
@@ -188,7 +197,10 @@ class PartsWriter(RecordingWriter):
         plans = super().prepare_global_plan(plans)
         if self.part == 0:  # a one-part write names its files as write_sharded does
             return plans
-        return [replace(plan, storage_data=replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}p{self.part}_")) for plan in plans]
+        return [
+            replace(plan, storage_data=replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}p{self.part}_"))
+            for plan in plans
+        ]
 
     def finish(self, metadata: Metadata, results: list) -> None:
         """Coordinator, at the end of each part: keep its index (keys are disjoint between parts)."""
@@ -227,7 +239,9 @@ def torch_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     return {MODEL: model_state, OPTIM: optim_state["state"]}, optim_state["param_groups"]
 
 
-def save_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, asynchronous: bool = False) -> PendingWrite | None:
+def save_torch_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, asynchronous: bool = False
+) -> PendingWrite | None:
     state, _ = torch_state(model, optimizer)
     return write_sharded(state, folder, asynchronous)
 
@@ -238,7 +252,10 @@ def load_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder:
     state, groups = torch_state(model, optimizer)
     read_into(state, folder)
     set_state_dict(
-        model, optimizer, model_state_dict=state[MODEL], optim_state_dict={"state": state[OPTIM], "param_groups": groups},
+        model,
+        optimizer,
+        model_state_dict=state[MODEL],
+        optim_state_dict={"state": state[OPTIM], "param_groups": groups},
         options=StateDictOptions(),
     )
 
@@ -252,7 +269,6 @@ def read_into(state: dict, folder: Path) -> None:
     dcp.load(state, storage_reader=FileSystemReader(folder / STATE_DIR), no_dist=not tdist.is_initialized())
 
 
-
 def stored_keys(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Every tensor the checkpoint holds: flattened key -> (global shape, dtype)."""
     metadata = FileSystemReader(folder / STATE_DIR).read_metadata()
@@ -264,7 +280,9 @@ def stored_keys(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return out
 
 
-def read_whole(folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
+def read_whole(
+    folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size, torch.dtype]]
+) -> Iterator[dict[str, torch.Tensor]]:
     """Whole tensors for `keys`, read by this rank alone (no collective), in batches of
     at most READ_BUFFER_BYTES (or one tensor): the bounded buffer of a rank that needs whole
     tensors to keep its part of them (DeepSpeed's partitions). The caller empties each batch
@@ -283,12 +301,16 @@ def read_whole(folder: Path, keys: list[str], stored: dict[str, tuple[torch.Size
         yield _read(folder, batch)
 
 
-def _read(folder: Path, batch: dict[str, torch.Tensor], planner: DefaultLoadPlanner | None = None) -> dict[str, torch.Tensor]:
+def _read(
+    folder: Path, batch: dict[str, torch.Tensor], planner: DefaultLoadPlanner | None = None
+) -> dict[str, torch.Tensor]:
     dcp.load(batch, storage_reader=FileSystemReader(folder / STATE_DIR), planner=planner, no_dist=True)
     return batch
 
 
-def read_flat_ranges(folder: Path, ranges: dict[str, tuple[int, int]], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
+def read_flat_ranges(
+    folder: Path, ranges: dict[str, tuple[int, int]], stored: dict[str, tuple[torch.Size, torch.dtype]]
+) -> Iterator[dict[str, torch.Tensor]]:
     """Elements [start, stop) of each tensor of `ranges` as if flattened (a DeepSpeed ZeRO-3
     partition), read by this rank alone, in batches of at most READ_BUFFER_BYTES (or one
     range). DCP reads a stored piece and copies out the rows that cover a range (the first
@@ -308,7 +330,9 @@ def read_flat_ranges(folder: Path, ranges: dict[str, tuple[int, int]], stored: d
             yield _cut(_read(folder, batch, _ChunkPlanner(chunks)), cuts)
             batch, chunks, cuts, size = {}, {}, {}, 0
         batch[key] = rows
-        chunks[key] = ChunkStorageMetadata(offsets=torch.Size((first, *[0] * (len(shape) - 1))) if shape else torch.Size(), sizes=rows.shape)
+        chunks[key] = ChunkStorageMetadata(
+            offsets=torch.Size((first, *[0] * (len(shape) - 1))) if shape else torch.Size(), sizes=rows.shape
+        )
         cuts[key] = (start - first * row, stop - start)
         size += rows.nbytes
     if batch:
@@ -329,7 +353,13 @@ class _ChunkPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
-        return LoadPlan([item for key, chunk in self.chunks.items() for item in create_read_items_for_chunk_list(key, stored[key], [chunk])])
+        return LoadPlan(
+            [
+                item
+                for key, chunk in self.chunks.items()
+                for item in create_read_items_for_chunk_list(key, stored[key], [chunk])
+            ]
+        )
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]  # the piece itself (DCP's lookup takes an offset for a ShardedTensor's)
@@ -380,8 +410,14 @@ def convert_legacy(folder: Path) -> None:
 
     model = load_file(folder / LEGACY_FILES[0])
     optim = torch.load(folder / LEGACY_FILES[1], weights_only=True, map_location="cpu").get("state", {})
-    optim = {name: {key: torch.as_tensor(entry[key], dtype=torch.float32) if key == "step" else entry[key] for key in ADAM_KEYS if key in entry}
-             for name, entry in optim.items()}
+    optim = {
+        name: {
+            key: torch.as_tensor(entry[key], dtype=torch.float32) if key == "step" else entry[key]
+            for key in ADAM_KEYS
+            if key in entry
+        }
+        for name, entry in optim.items()
+    }
     tmp = folder / f".{STATE_DIR}.converting"
     shutil.rmtree(tmp, ignore_errors=True)
     dcp.save({MODEL: model, OPTIM: optim}, storage_writer=FileSystemWriter(tmp), no_dist=True)
@@ -392,7 +428,10 @@ def convert_legacy(folder: Path) -> None:
 
 
 def save_schedule(folder: Path, scheduler, scaler: torch.amp.GradScaler | None = None, **extra) -> None:
-    torch.save({"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None, **extra}, folder / SCHEDULE_FILE)
+    torch.save(
+        {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None, **extra},
+        folder / SCHEDULE_FILE,
+    )
 
 
 def load_schedule(folder: Path, scheduler, scaler: torch.amp.GradScaler | None = None) -> dict:

@@ -25,7 +25,15 @@ class TorchUpdateEngine(Engine):
     # torch's ZeroRedundancyOptimizer instead of AdamW itself (ZeRO-1 over DDP).
     shard_optimizer = False
 
-    def __init__(self, module: nn.Module, wrapped: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+    def __init__(
+        self,
+        module: nn.Module,
+        wrapped: nn.Module,
+        recipe: Recipe,
+        info: DistInfo,
+        device: torch.device,
+        total_steps: int,
+    ):
         """`module` is the model on `device`, `wrapped` the strategy's wrapper around it
         (its parameters are the ones to optimize: FSDP2 has made them sharded DTensors)."""
         self.device = device

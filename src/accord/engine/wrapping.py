@@ -49,7 +49,9 @@ def layer_modules(model: nn.Module, class_name: str | None = None) -> list[nn.Mo
 
 
 def _uniform_lists(model: nn.Module) -> list[nn.ModuleList]:
-    return [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1]
+    return [
+        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+    ]
 
 
 def _largest_block_list(model: nn.Module) -> list[nn.Module]:

@@ -10,17 +10,23 @@ from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine import deepspeed_available
-from accord.engine.deepspeed import engine as deepspeed_engine
 from accord.engine.base import Engine
 from accord.engine.ddp import DDPEngine
+from accord.engine.deepspeed import engine as deepspeed_engine
 from accord.engine.zero_torch import TorchZeroEngine
 from accord.recipe.schema import EngineConfig, Recipe
 
 
-def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> Engine:
+def build(
+    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+) -> Engine:
     if not _uses_torch(recipe.engine):
         return deepspeed_engine.build(recipe, model, info, device, plan, total_steps)
-    why = "as asked (engine.zero1_implementation=torch)" if recipe.engine.zero1_implementation == "torch" else "because DeepSpeed is not installed"
+    why = (
+        "as asked (engine.zero1_implementation=torch)"
+        if recipe.engine.zero1_implementation == "torch"
+        else "because DeepSpeed is not installed"
+    )
     dist.print0(f"accord: zero1 uses torch's ZeroRedundancyOptimizer over DDP {why}")
     if info.world_size == 1:
         return DDPEngine(model, recipe, info, device, total_steps)  # one process: nothing to shard
@@ -29,4 +35,6 @@ def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device
 
 def _uses_torch(cfg: EngineConfig) -> bool:
     """Offloading needs DeepSpeed (the recipe refuses it with the torch implementation)."""
-    return cfg.offload == "none" and (cfg.zero1_implementation == "torch" or (cfg.zero1_implementation == "auto" and not deepspeed_available()))
+    return cfg.offload == "none" and (
+        cfg.zero1_implementation == "torch" or (cfg.zero1_implementation == "auto" and not deepspeed_available())
+    )

@@ -16,7 +16,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from accord.distributed.group import DistInfo
 from accord.engine.ddp import DDPEngine
-from accord.engine.state import ADAM_KEYS, MODEL, OPTIM, PendingWrite, load_schedule, read_into, save_schedule, write_sharded
+from accord.engine.state import (
+    ADAM_KEYS,
+    MODEL,
+    OPTIM,
+    PendingWrite,
+    load_schedule,
+    read_into,
+    save_schedule,
+    write_sharded,
+)
 from accord.recipe.schema import Recipe
 
 
@@ -43,7 +52,11 @@ class TorchZeroEngine(DDPEngine):
         optim = {}
         for name, p in self._owned().items():
             if create and not local.get(p):  # before the first update: created as AdamW would
-                local[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                local[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
             if p in local and local[p]:
                 optim[name] = {key: local[p][key] for key in ADAM_KEYS}
         return {MODEL: model_state, OPTIM: optim}

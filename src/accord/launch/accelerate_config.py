@@ -17,7 +17,14 @@ from accord.recipe.schema import Recipe, RecipeError, validate_recipe
 
 # deepspeed_file_settings belongs to this interface (where launchers' and users' configs meet
 # the recipe); the DeepSpeed JSON mapping itself lives beside the config derivation it inverts.
-__all__ = ["accelerate_config", "accelerate_settings", "accelerate_warnings", "deepspeed_file_settings", "reconcile", "write_accelerate_config"]
+__all__ = [
+    "accelerate_config",
+    "accelerate_settings",
+    "accelerate_warnings",
+    "deepspeed_file_settings",
+    "reconcile",
+    "write_accelerate_config",
+]
 
 _PRECISION = {"no": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -34,14 +41,18 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     settings: dict[str, Any] = parallelism_settings(env)
     precision = env["ACCELERATE_MIXED_PRECISION"].lower()
     if precision not in _PRECISION:
-        raise RecipeError(f"accelerate config: mixed_precision {precision!r} is not supported by accord (use no, bf16 or fp16)")
+        raise RecipeError(
+            f"accelerate config: mixed_precision {precision!r} is not supported by accord (use no, bf16 or fp16)"
+        )
     settings["engine.precision"] = precision
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         settings |= deepspeed_settings(env)
     elif env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         settings["engine.strategy"] = "fsdp"
         if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
-            raise RecipeError("accelerate config: fsdp_offload_params is not supported by accord's fsdp; use a zero3 strategy with offload")
+            raise RecipeError(
+                "accelerate config: fsdp_offload_params is not supported by accord's fsdp; use a zero3 strategy with offload"
+            )
         if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":
             settings["engine.activation_checkpointing"] = True
         layer = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
@@ -103,7 +114,11 @@ def accelerate_warnings(env: dict[str, str] | None = None) -> list[str]:
         # A warning, not an error: FSDP2 shards the same way (FULL_SHARD per layer) and gives
         # the same updates, so TRL's and others' fsdp_version 1 configs still run as meant.
         strategy = env.get("FSDP_SHARDING_STRATEGY")
-        detail = f" (fsdp_sharding_strategy {strategy} is not applied)" if strategy and strategy not in ("1", "FULL_SHARD") else ""
+        detail = (
+            f" (fsdp_sharding_strategy {strategy} is not applied)"
+            if strategy and strategy not in ("1", "FULL_SHARD")
+            else ""
+        )
         lines.append(
             f"accelerate config has fsdp_version: 1, but accord runs FSDP2 (fully_shard, each decoder layer fully sharded){detail}; "
             f"set fsdp_version: 2 to silence this"
@@ -121,7 +136,11 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
     data_parallel = settings.pop("parallelism.data_parallel", None)
     sequence = settings.get("engine.sequence_parallel", recipe.engine.sequence_parallel)
     if data_parallel is not None and data_parallel * sequence != world_size:
-        groups = f"{world_size // sequence} data-parallel groups of {sequence}" if sequence > 1 else "all of them data-parallel"
+        groups = (
+            f"{world_size // sequence} data-parallel groups of {sequence}"
+            if sequence > 1
+            else "all of them data-parallel"
+        )
         raise RecipeError(
             f"{source} has a data-parallel size of {data_parallel} (parallelism_config) but accord runs {world_size} "
             f"processes, {groups}; make them agree or remove parallelism_config"
@@ -140,10 +159,16 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
         raise RecipeError("; ".join(conflicts) + " — make them agree (or leave the value out of one of them)")
     merged = validate_recipe(data, source=source)
     if accumulation is not None:
-        plan = BatchPlan.derive(merged.batch.global_batch_size, merged.batch.micro_batch_size, world_size, merged.engine.sequence_parallel)
+        plan = BatchPlan.derive(
+            merged.batch.global_batch_size, merged.batch.micro_batch_size, world_size, merged.engine.sequence_parallel
+        )
         if plan.grad_accum != accumulation:
             groups = plan.world_size  # data-parallel: processes / engine.sequence_parallel
-            micro = merged.batch.global_batch_size // (groups * accumulation) if merged.batch.global_batch_size % (groups * accumulation) == 0 else None
+            micro = (
+                merged.batch.global_batch_size // (groups * accumulation)
+                if merged.batch.global_batch_size % (groups * accumulation) == 0
+                else None
+            )
             hint = f"set batch.micro_batch_size={micro}" if micro else "change the global batch or the accumulation"
             raise RecipeError(
                 f"{source} has gradient_accumulation_steps={accumulation} but the recipe gives {plan.grad_accum} "
@@ -156,12 +181,18 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
 
 
 def accelerate_config(
-    recipe: Recipe, num_processes: int, num_machines: int = 1, machine_rank: int = 0,
-    main_process_ip: str | None = None, main_process_port: int = 29500,
+    recipe: Recipe,
+    num_processes: int,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int = 29500,
 ) -> dict[str, Any]:
     """The accelerate config that launches `recipe` as accord itself would."""
     engine = recipe.engine
-    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, num_processes, engine.sequence_parallel)
+    plan = BatchPlan.derive(
+        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, num_processes, engine.sequence_parallel
+    )
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,

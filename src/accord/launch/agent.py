@@ -12,8 +12,8 @@ import uuid
 from typing import Any, Protocol
 
 from accord.distributed import group as dist
-from accord.launch.cluster import Topology, interface_towards, is_local_address
 from accord.errors import AccordError, RunStopped, UserInputError
+from accord.launch.cluster import Topology, interface_towards, is_local_address
 from accord.recipe.schema import EngineConfig, Recipe
 from accord.stopping import PREEMPTED_EXIT_CODE
 
@@ -86,24 +86,35 @@ def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks |
     if topology.hosts_rank_zero:
         from accord.observe.progress import announce
 
-        announce(f"starting {nproc} worker{'s' if nproc != 1 else ''}…" + (f" (this node's of {topology.nnodes})" if topology.multi_node else ""))
+        announce(
+            f"starting {nproc} worker{'s' if nproc != 1 else ''}…"
+            + (f" (this node's of {topology.nnodes})" if topology.multi_node else "")
+        )
     return _launch_watched(recipe, json.dumps(data), nproc, topology, checks)
 
 
-def _launch_watched(recipe: Recipe, recipe_json: str, nproc: int, topology: Topology, checks: PendingChecks | None) -> str:
+def _launch_watched(
+    recipe: Recipe, recipe_json: str, nproc: int, topology: Topology, checks: PendingChecks | None
+) -> str:
     """The workers under the hang watchdog (accord.launch.watchdog): a hang that used up the restarts
     ends the run with its own message rather than "worker rank N failed"."""
     from accord.engine.device import wants_cuda
     from accord.launch.watchdog import HangDetected, watch_for_hangs
 
     cfg = recipe.engine
-    with watch_for_hangs(cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)) as watchdog:
+    with watch_for_hangs(
+        cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)
+    ) as watchdog:
         try:
             return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology, checks)
         except WorkerFailed:
             if watchdog is None or watchdog.restart not in watchdog.verdicts:
                 raise
-            restarts = f"no restart left of engine.max_restarts={cfg.max_restarts}" if cfg.max_restarts else "engine.max_restarts=0"
+            restarts = (
+                f"no restart left of engine.max_restarts={cfg.max_restarts}"
+                if cfg.max_restarts
+                else "engine.max_restarts=0"
+            )
             raise HangDetected(
                 f"the run hung and its workers were stopped ({restarts}); --resume continues from the latest checkpoint, if one was written"
             ) from None
@@ -154,7 +165,13 @@ def _rendezvous(topology: Topology) -> dict[str, Any]:
         host = topology.rdzv_endpoint.rsplit(":", 1)[0]
         # The node whose address is the endpoint hosts the store (else the c10d agent hangs).
         configs = {"is_host": is_local_address(host)}
-        return dict(rdzv_backend="c10d", rdzv_endpoint=topology.rdzv_endpoint, rdzv_configs=configs, local_addr=local_addr, run_id=topology.run_id)
+        return dict(
+            rdzv_backend="c10d",
+            rdzv_endpoint=topology.rdzv_endpoint,
+            rdzv_configs=configs,
+            local_addr=local_addr,
+            run_id=topology.run_id,
+        )
     return dict(
         rdzv_backend="static",
         rdzv_endpoint=f"{topology.master_addr}:{topology.master_port}",
@@ -164,7 +181,9 @@ def _rendezvous(topology: Topology) -> dict[str, Any]:
     )
 
 
-def _elastic_launch(recipe_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None) -> str:
+def _elastic_launch(
+    recipe_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None
+) -> str:
     """Workers are separate `python -m accord.launch.worker_start` programs (not functions run
     through multiprocessing): a worker that finished after a stop signal can then simply
     exit, where a function worker would wait for the agent to collect its return value."""
@@ -277,7 +296,9 @@ def _run_agent(config, worker_args: list[str]) -> str:
         for status in ("preempted", "stopped", "refused"):
             if failure.exitcode == EXIT_CODES[status]:
                 return status
-        raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
+        raise WorkerFailed(
+            f"worker rank {rank} failed (exit code {failure.exitcode}); its error is printed above"
+        ) from None
     except SignalException as e:
         raise Interrupted(f"stopped by {e.sigval.name}") from None
     return "completed"
@@ -293,13 +314,23 @@ def run_module(module: str, args: list[str], cfg: EngineConfig, topology: Topolo
     _set_worker_environment(cfg, nproc, topology)
     _quiet_agent()
     with tempfile.TemporaryDirectory(prefix="accord-run-") as folder:
-        config = LaunchConfig(min_nodes=topology.nnodes, max_nodes=topology.nnodes, nproc_per_node=nproc, max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn", logs_specs=_agent_logs(folder), **_rendezvous(topology))
+        config = LaunchConfig(
+            min_nodes=topology.nnodes,
+            max_nodes=topology.nnodes,
+            nproc_per_node=nproc,
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+            logs_specs=_agent_logs(folder),
+            **_rendezvous(topology),
+        )
         try:
             elastic_launch(config, sys.executable)("-m", module, *args)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
-            raise WorkerFailed(f"{module} rank {rank} failed (exit code {failure.exitcode}); its error is printed above") from None
+            raise WorkerFailed(
+                f"{module} rank {rank} failed (exit code {failure.exitcode}); its error is printed above"
+            ) from None
 
 
 def _agent_logs(folder: str):

@@ -58,7 +58,11 @@ def resolve_topology(
     wins over a SLURM job (srun with one task per node)."""
     env = dict(os.environ) if env is None else env
     if nnodes is not None or rdzv_endpoint is not None:
-        return _checked(_from_values(nnodes if nnodes is not None else 1, node_rank, master_addr, master_port, rdzv_endpoint, "flags"))
+        return _checked(
+            _from_values(
+                nnodes if nnodes is not None else 1, node_rank, master_addr, master_port, rdzv_endpoint, "flags"
+            )
+        )
     if env.get("NNODES") and _env_int(env, "NNODES") > 1:
         return _checked(
             _from_values(
@@ -104,7 +108,9 @@ def _env_int(env: dict[str, str], name: str) -> int:
     try:
         return int(env[name])
     except ValueError:
-        raise ClusterError(f"environment variable {name}={env[name]!r} is not a whole number; fix or unset it") from None
+        raise ClusterError(
+            f"environment variable {name}={env[name]!r} is not a whole number; fix or unset it"
+        ) from None
 
 
 def _from_slurm(env: dict[str, str]) -> Topology:
@@ -119,7 +125,9 @@ def _from_slurm(env: dict[str, str]) -> Topology:
         return Topology(source="slurm")
     hosts = slurm_hostnames(env["SLURM_JOB_NODELIST"] if "SLURM_JOB_NODELIST" in env else env["SLURM_NODELIST"])
     port = _env_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else 20000 + _env_int(env, "SLURM_JOB_ID") % 20000
-    return Topology(nnodes, _env_int(env, "SLURM_NODEID"), hosts[0], port, None, f"accord-slurm-{env['SLURM_JOB_ID']}", "slurm")
+    return Topology(
+        nnodes, _env_int(env, "SLURM_NODEID"), hosts[0], port, None, f"accord-slurm-{env['SLURM_JOB_ID']}", "slurm"
+    )
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:

@@ -10,7 +10,8 @@ import pickle
 import signal
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from accord.errors import RunStopped
 
@@ -34,7 +35,9 @@ class Forked:
         _, status = os.waitpid(self._pid, 0)
         self._reaped = True
         if not payload:
-            raise RunStopped(f"the checks before start died ({_describe(status)}); run again, or report it with the recipe")
+            raise RunStopped(
+                f"the checks before start died ({_describe(status)}); run again, or report it with the recipe"
+            )
         return unpack_outcome(payload)
 
     def cancel(self) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from accord.distributed import group as dist
-from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.checkpoint.store import check_resume
 from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
+from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.errors import UserInputError
 from accord.output.folder import check_output_dir
 from accord.recipe.paths import PathError, resolve_path
@@ -21,7 +21,9 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True, share: NodeS
     node) will hold global rank 0, the one that writes the outputs."""
     problems: list[str] = []
     try:
-        BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel)
+        BatchPlan.derive(
+            recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel
+        )
     except BatchPlanError as e:
         problems.append(str(e))
     problems += check_model_source(recipe.model)
@@ -56,7 +58,9 @@ def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> li
     except Exception as e:  # transformers and tokenizers raise many kinds; all mean the same to the user
         where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
         reason = " ".join(str(e).split())[:300]
-        return [f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"]
+        return [
+            f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"
+        ]
     try:
         task = build_task(recipe, tokenizer)
         data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
@@ -109,11 +113,16 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
             hint = ""
             if folder.name == "final":
                 writer = _recipe_writing(folder.parent)
-                hint = (f" (the final model of {writer}: run `accord train {writer}` first)" if writer
-                        else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)")
+                hint = (
+                    f" (the final model of {writer}: run `accord train {writer}` first)"
+                    if writer
+                    else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)"
+                )
             problems.append(f"model.path: folder not found: {folder}{hint}")
         elif not (folder / "config.json").is_file():
-            problems.append(f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)")
+            problems.append(
+                f"model.path: {folder} has no config.json (expected a save_pretrained folder or a .gguf file)"
+            )
         else:
             problems += _check_config_loads(folder, cfg.trust_remote_code)
             from accord.models.weights import check_weight_files
@@ -158,7 +167,9 @@ def check_sequence_parallel(recipe: Recipe) -> list[str]:
     from accord.engine.sequence_parallel.ulysses import check_sequence_parallel as check
 
     if not deepspeed_available():
-        return [f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is not installed: {INSTALL_DEEPSPEED}"]
+        return [
+            f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is not installed: {INSTALL_DEEPSPEED}"
+        ]
     if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
         return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
     return check(recipe, _model_config(recipe.model))
@@ -191,7 +202,9 @@ def check_devices(cfg: EngineConfig) -> list[str]:
     if cfg.devices is None:
         return []
     if not cuda:
-        return [f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or use a GPU machine"]
+        return [
+            f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or use a GPU machine"
+        ]
     import torch
 
     count = torch.cuda.device_count()
@@ -210,9 +223,13 @@ def check_deepspeed(cfg: EngineConfig) -> list[str]:
         cfg.strategy == "zero1" and (cfg.zero1_implementation == "deepspeed" or cfg.offload != "none")
     )
     # zero1_implementation=auto takes DeepSpeed where it is installed.
-    uses_deepspeed = needs_deepspeed or (cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available())
+    uses_deepspeed = needs_deepspeed or (
+        cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available()
+    )
     if needs_deepspeed and not deepspeed_available():
-        what = f"engine.strategy={cfg.strategy}" + (f" with engine.offload={cfg.offload}" if cfg.offload != "none" else "")
+        what = f"engine.strategy={cfg.strategy}" + (
+            f" with engine.offload={cfg.offload}" if cfg.offload != "none" else ""
+        )
         return [f"{what} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"]
     if uses_deepspeed and cfg.precision == "fp16" and not wants_cuda(cfg):
         return [

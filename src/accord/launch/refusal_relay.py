@@ -42,7 +42,11 @@ def _agent_store_nodes() -> int:
     from accord.distributed import rank_env
 
     info = rank_env.env_info()
-    if rank_env.outer_launcher() is None or not info.multi_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (
+        rank_env.outer_launcher() is None
+        or not info.multi_node
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
         return 0
     return info.world_size // info.local_world_size
 
@@ -50,7 +54,9 @@ def _agent_store_nodes() -> int:
 def _store(timeout_s: float):
     from torch.distributed import TCPStore
 
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def publish(message: str) -> None:

@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accord.observe import heartbeat
 from accord.errors import RunStopped
+from accord.observe import heartbeat
 from accord.output.procstat import STOPPED, process_stat
 
 POLL_S = 0.25
@@ -90,13 +90,16 @@ def diagnose(records: list[dict], stopped: set[int]) -> tuple[list[dict], str]:
     lowest = min(r["seq"] for r in records)
     if any(r["seq"] != lowest for r in records):
         return [r for r in records if r["seq"] == lowest], "behind the other ranks"
-    return records, "all waiting in the same phase (a collective that does not complete: the network, or a rank on another node)"
+    return (
+        records,
+        "all waiting in the same phase (a collective that does not complete: the network, or a rank on another node)",
+    )
 
 
 def describe(culprits: list[dict], why: str, records: list[dict], stalled_s: float, folder: Path) -> str:
     """The one line that names the stuck rank(s)."""
     named = ", ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']})" for r in culprits)
-    where = "; ".join(f"rank {r['rank']} in \"{r['op']}\" of step {r['step']}" for r in records)
+    where = "; ".join(f'rank {r["rank"]} in "{r["op"]}" of step {r["step"]}' for r in records)
     return f"hang: no rank progressed for {stalled_s:.0f} s; stuck: {named}, {why}; {where}; stacks in {folder}/"
 
 
@@ -150,9 +153,16 @@ class Watchdog(threading.Thread):
         self.verdicts[self.restart] = line
         # On a line of its own: rank 0's progress bar may be mid-line on the same terminal.
         print(f"\naccord: {line}", file=sys.stderr, flush=True)
-        summary = {"kind": "hang", "step": max(r["step"] for r in records), "time": time.time(), "stalled_s": round(stalled_s, 1),
-                   "stuck": [r["rank"] for r in culprits], "why": why, "folder": str(folder),
-                   "ranks": [{**r, "state": "stopped" if r["pid"] in stopped else "waiting"} for r in records]}
+        summary = {
+            "kind": "hang",
+            "step": max(r["step"] for r in records),
+            "time": time.time(),
+            "stalled_s": round(stalled_s, 1),
+            "stuck": [r["rank"] for r in culprits],
+            "why": why,
+            "folder": str(folder),
+            "ranks": [{**r, "state": "stopped" if r["pid"] in stopped else "waiting"} for r in records],
+        }
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self._dump(records, stopped, folder)
@@ -180,7 +190,9 @@ class Watchdog(threading.Thread):
         _wait_written([stacks[r["rank"]] for r in frozen])
         for rank, source in stacks.items():
             text = source.read_text() if source.is_file() else ""
-            (folder / f"stacks-rank-{rank:05d}.txt").write_text(text or f"rank {rank} wrote no stacks within {DUMP_WAIT_S:g} s\n")
+            (folder / f"stacks-rank-{rank:05d}.txt").write_text(
+                text or f"rank {rank} wrote no stacks within {DUMP_WAIT_S:g} s\n"
+            )
         for trace in self.dump_dir.glob("nccl-trace-rank-*"):
             shutil.copy(trace, folder / trace.name)
 
@@ -195,7 +207,9 @@ class Watchdog(threading.Thread):
 
 
 @contextmanager
-def watch_for_hangs(timeout_s: float | None, nproc: int, max_restarts: int, out_dir: str | Path, nccl: bool) -> Iterator[Watchdog | None]:
+def watch_for_hangs(
+    timeout_s: float | None, nproc: int, max_restarts: int, out_dir: str | Path, nccl: bool
+) -> Iterator[Watchdog | None]:
     """A watchdog over the local workers started inside the block (None when turned off); they
     find its folder (progress files, stack dumps) through the environment."""
     if timeout_s is None:

@@ -14,19 +14,24 @@ import sys
 import traceback
 from typing import Any
 
+from accord.checkpoint.store import (
+    CHECKPOINTS,
+    CheckpointError,
+    disk_space_warning,
+    incomplete_checkpoints,
+    verified_resume_source,
+)
+from accord.data.sources import DataError
 from accord.distributed import group as dist
-from accord.observe import heartbeat
-from accord.checkpoint.store import CHECKPOINTS, CheckpointError, disk_space_warning, incomplete_checkpoints, verified_resume_source
 from accord.engine.device import select_device
+from accord.errors import UserInputError
 from accord.launch.host_memory import release_freed_memory
+from accord.observe import heartbeat
 from accord.output.folder import discard_earlier_run, prepare_output_dir
 from accord.recipe.schema import Recipe
-from accord.stopping import EXIT_CODES, StopRequest
 from accord.run.assemble import build_run, describe
-from accord.data.sources import DataError
-from accord.errors import UserInputError
-from accord.stopping import RunResult, StartRefused, TrainingStopped
 from accord.run.trainer import Trainer
+from accord.stopping import EXIT_CODES, RunResult, StartRefused, StopRequest, TrainingStopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +60,9 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     info = dist.env_info()
     _quiet_libraries(info)
     if recipe.engine.release_host_memory and not release_freed_memory():
-        dist.print0("accord: warning: engine.release_host_memory: this C library is not glibc's; host memory is managed as usual")
+        dist.print0(
+            "accord: warning: engine.release_host_memory: this C library is not glibc's; host memory is managed as usual"
+        )
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())

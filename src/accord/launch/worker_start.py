@@ -22,8 +22,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 GO, ABORT = "go", "abort"
 _POLL_S = 0.01  # a stat per poll: the wait costs nothing, and "go" is seen within 10 ms

@@ -6,18 +6,19 @@ import contextlib
 import hashlib
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
+
 # Tokenizers and configs only at import: the launcher needs them for its checks, and the
 # model classes (transformers' modeling stack, ~1 s) are imported where models are built.
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from accord.recipe.paths import resolve_path
 from accord.errors import UserInputError
+from accord.recipe.paths import resolve_path
 from accord.recipe.schema import BYTE_TOKENIZER, LoraConfig, ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
@@ -123,7 +124,10 @@ def build_model(
     apply_rope_scaling(config, cfg.rope_scaling)
     with torch.device("meta"):
         model = auto.from_config(
-            config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, **({"attn_implementation": attn} if attn else {})
+            config,
+            dtype=torch.float32,
+            trust_remote_code=cfg.trust_remote_code,
+            **({"attn_implementation": attn} if attn else {}),
         )
     if folder is not None:
         model.config._name_or_path = str(folder)
@@ -163,7 +167,9 @@ def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
     config.validate_rope()
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None) -> PreTrainedModel:
+def apply_lora(
+    model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None
+) -> PreTrainedModel:
     """Wrap with peft adapters; only they (and a classification head) are trained. The
     adapters' initial values are seeded per name (accord.models.weights), so they are the same for
     any number of processes. On a meta-device model they stay meta until the engine
@@ -177,7 +183,9 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, ba
 
     task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
     target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
-    peft_config = PeftLoraConfig(task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target)
+    peft_config = PeftLoraConfig(
+        task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target
+    )
     meta = is_meta(model)
     with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
         wrapped = get_peft_model(model, peft_config)

@@ -18,9 +18,9 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -131,13 +131,17 @@ def _direct_tensors(module: nn.Module, seen: set[int]) -> list[tuple[str, torch.
 
 def _fill_module(name, module, tensors, seed, checkpoint, owners) -> None:
     regions = {key: _local_part(tensor) for key, tensor, _ in tensors}
-    values = _module_values(name, module, tensors, seed, checkpoint, owners, {k: (o, tuple(t.shape)) for k, (t, o) in regions.items()})
+    values = _module_values(
+        name, module, tensors, seed, checkpoint, owners, {k: (o, tuple(t.shape)) for k, (t, o) in regions.items()}
+    )
     for key, (local, _) in regions.items():
         if local.numel():
             local.copy_(values[key].to(dtype=local.dtype))
 
 
-def _module_values(name, module, tensors, seed, checkpoint, owners, regions, skip=frozenset()) -> dict[str, torch.Tensor]:
+def _module_values(
+    name, module, tensors, seed, checkpoint, owners, regions, skip=frozenset()
+) -> dict[str, torch.Tensor]:
     """The values of the region (offset, shape) of each of a module's own tensors: read from
     the checkpoint where it holds them, else initialised (the whole module's tensors once,
     in one bounded buffer). Keys in `skip` are only allocated (another rank provides them)."""
@@ -215,7 +219,9 @@ def _initial_values(name, module, tensors, seed, owners) -> dict[str, torch.Tens
     originals = {key: tables[key][key] for key in shadows}
     try:
         for key, shadow in shadows.items():
-            tables[key][key] = nn.Parameter(shadow, requires_grad=False) if tables[key] is module._parameters else shadow
+            tables[key][key] = (
+                nn.Parameter(shadow, requires_grad=False) if tables[key] is module._parameters else shadow
+            )
         torch.manual_seed(name_seed(seed, canonical_name(name)))
         _init_module(name, module, owners)
     finally:
@@ -347,7 +353,9 @@ def weight_files(folder: Path) -> list[str]:
             try:
                 return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise UserInputError(f"model.path: {index} is not a weights index ({type(e).__name__}: {e}); re-save the folder with save_pretrained") from None
+                raise UserInputError(
+                    f"model.path: {index} is not a weights index ({type(e).__name__}: {e}); re-save the folder with save_pretrained"
+                ) from None
         if (folder / weights).exists():
             return [weights]
     raise UserInputError(f"model.path={folder}: no model.safetensors or pytorch_model.bin (or their index) in it")
@@ -378,7 +386,9 @@ def check_weight_files(folder: Path) -> list[str]:
                 torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as e:  # safetensors, zipfile and pickle raise many kinds; all mean "unreadable"
             reason = " ".join(str(e).split())[:200]
-            problems.append(f"model.path: {path} cannot be read ({reason}); is it truncated (an interrupted copy or download)? copy it again")
+            problems.append(
+                f"model.path: {path} cannot be read ({reason}); is it truncated (an interrupted copy or download)? copy it again"
+            )
     return problems
 
 

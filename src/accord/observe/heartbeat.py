@@ -92,7 +92,9 @@ def start(hang_timeout_s: float | None, rank: int, local_rank: int, world_size: 
     faulthandler.register(DUMP_SIGNAL, file=_dump_file or sys.stderr, all_threads=True)
     if folder is None or hang_timeout_s is None:
         return
-    identity = json.dumps({"rank": rank, "local_rank": local_rank, "host": socket.gethostname(), "pid": os.getpid()}).encode()
+    identity = json.dumps(
+        {"rank": rank, "local_rank": local_rank, "host": socket.gethostname(), "pid": os.getpid()}
+    ).encode()
     with progress_file(folder, restart, rank).open("w+b") as f:
         f.truncate(FILE_SIZE)  # all zeros: seq 0 means "not in the loop yet"
         f.seek(IDENTITY_AT)

@@ -21,7 +21,14 @@ from accord.observe.steplog import peak_memory_gib
 def memory_record(step: int, phase: str, device: torch.device) -> dict:
     """Collective: a `memory` record for metrics.jsonl."""
     peaks = dist.all_gather_value(peak_memory_gib(device), device)
-    return {"kind": "memory", "step": step, "phase": phase, "peak_gib_per_rank": peaks, "peak_gib_max": max(peaks), "peak_gib_total": sum(peaks)}
+    return {
+        "kind": "memory",
+        "step": step,
+        "phase": phase,
+        "peak_gib_per_rank": peaks,
+        "peak_gib_max": max(peaks),
+        "peak_gib_total": sum(peaks),
+    }
 
 
 def phase_peaks(metrics: Path) -> dict[str, float]:

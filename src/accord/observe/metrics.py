@@ -19,13 +19,19 @@ class MetricsWriter:
 
         path = out_dir / "metrics.jsonl"
         if resume_step and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line.strip() and _kept_on_resume(json.loads(line), resume_step)]
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and _kept_on_resume(json.loads(line), resume_step)
+            ]
             tmp = path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
         self._jsonl = path.open("a", encoding="utf-8")
         # purge_step hides TensorBoard events of the steps being trained again.
-        self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self._tb = SummaryWriter(
+            log_dir=str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         """One record: `kind` (train/eval/...), `step`, then named numbers."""

@@ -43,7 +43,13 @@ def eval_metric_names(records: list[dict]) -> list[str]:
         if r["kind"] != "eval":
             continue
         for k, v in r.items():
-            if k not in _NOT_METRICS and not k.endswith("_count") and isinstance(v, (int, float)) and not isinstance(v, bool) and k not in names:
+            if (
+                k not in _NOT_METRICS
+                and not k.endswith("_count")
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and k not in names
+            ):
                 names.append(k)
     return names
 
@@ -52,31 +58,77 @@ def panels(records: list[dict], task: str = "") -> list[Panel]:
     """The plots of a run, each with at least one non-empty line."""
     what = f" ({task})" if task else ""
     out = [
-        Panel("loss", f"loss{what}", "loss per target", [("train", _points(records, "train", "loss")), ("held-out", _points(records, "eval", "loss"))], log_y=True),
+        Panel(
+            "loss",
+            f"loss{what}",
+            "loss per target",
+            [("train", _points(records, "train", "loss")), ("held-out", _points(records, "eval", "loss"))],
+            log_y=True,
+        ),
     ]
     evals = [n for n in eval_metric_names(records) if n != "loss"]
     accuracies = [n for n in evals if is_accuracy(n)]
     if accuracies:
-        out.append(Panel("eval_accuracy", f"held-out accuracy{what}", "% correct", [(_label(n), _points(records, "eval", n)) for n in accuracies], percent=True))
+        out.append(
+            Panel(
+                "eval_accuracy",
+                f"held-out accuracy{what}",
+                "% correct",
+                [(_label(n), _points(records, "eval", n)) for n in accuracies],
+                percent=True,
+            )
+        )
     if "perplexity" in evals:
-        out.append(Panel("eval_perplexity", f"held-out perplexity{what}", "perplexity", [("perplexity", _points(records, "eval", "perplexity"))], log_y=True))
+        out.append(
+            Panel(
+                "eval_perplexity",
+                f"held-out perplexity{what}",
+                "perplexity",
+                [("perplexity", _points(records, "eval", "perplexity"))],
+                log_y=True,
+            )
+        )
     for n in evals:
         if n not in accuracies and n != "perplexity":
-            out.append(Panel(f"eval_{n}", f"held-out {_label(n)}{what}", _label(n), [(_label(n), _points(records, "eval", n))]))
+            out.append(
+                Panel(f"eval_{n}", f"held-out {_label(n)}{what}", _label(n), [(_label(n), _points(records, "eval", n))])
+            )
     out += [
         Panel("learning_rate", "learning rate", "learning rate", [("lr", _points(records, "train", "lr"))]),
-        Panel("grad_norm", "gradient norm (before clipping)", "global L2 norm", [("grad norm", _points(records, "train", "grad_norm"))]),
         Panel(
-            "throughput", "throughput", "tokens / s",
-            [("tokens", _points(records, "throughput", "tokens_per_s")), ("target tokens", _points(records, "throughput", "target_tokens_per_s"))],
+            "grad_norm",
+            "gradient norm (before clipping)",
+            "global L2 norm",
+            [("grad norm", _points(records, "train", "grad_norm"))],
+        ),
+        Panel(
+            "throughput",
+            "throughput",
+            "tokens / s",
+            [
+                ("tokens", _points(records, "throughput", "tokens_per_s")),
+                ("target tokens", _points(records, "throughput", "target_tokens_per_s")),
+            ],
             from_zero=True,
         ),
         Panel(
-            "memory", "peak memory per process", "GiB",
-            [("during training", _points(records, "throughput", "peak_memory_gib")), ("at phase ends (largest rank)", _points(records, "memory", "peak_gib_max"))],
+            "memory",
+            "peak memory per process",
+            "GiB",
+            [
+                ("during training", _points(records, "throughput", "peak_memory_gib")),
+                ("at phase ends (largest rank)", _points(records, "memory", "peak_gib_max")),
+            ],
             from_zero=True,
         ),
-        Panel("mfu", "model FLOPs utilisation", "% of peak", [("MFU", _points(records, "throughput", "mfu"))], percent=True, from_zero=True),
+        Panel(
+            "mfu",
+            "model FLOPs utilisation",
+            "% of peak",
+            [("MFU", _points(records, "throughput", "mfu"))],
+            percent=True,
+            from_zero=True,
+        ),
     ]
     for p in out:
         p.lines = [(label, pts) for label, pts in p.lines if pts]
@@ -118,7 +170,10 @@ def render_report(out_dir: str | Path) -> Path:
         elif panel.percent and panel.name.startswith("eval"):
             ax.set_ylim(0, 100)
         elif panel.from_zero:
-            ax.set_ylim(bottom=0, top=max(y for _, pts in panel.lines for _, y in pts) * (100 if panel.percent else 1) * 1.15 or 1)
+            ax.set_ylim(
+                bottom=0,
+                top=max(y for _, pts in panel.lines for _, y in pts) * (100 if panel.percent else 1) * 1.15 or 1,
+            )
         ax.grid(alpha=0.3)
         if len(panel.lines) > 1:
             ax.legend()
@@ -143,8 +198,13 @@ def summary(records: list[dict], recipe: dict) -> list[tuple[str, str]]:
     engine = recipe.get("engine") or {}
     batch = recipe.get("batch") or {}
     if recipe:
-        rows.append(("run", f"{recipe.get('task', '?')} on {source}, {engine.get('strategy', '?')}, precision {engine.get('precision', '?')}, "
-                            f"global batch {batch.get('global_batch_size', '?')}"))
+        rows.append(
+            (
+                "run",
+                f"{recipe.get('task', '?')} on {source}, {engine.get('strategy', '?')}, precision {engine.get('precision', '?')}, "
+                f"global batch {batch.get('global_batch_size', '?')}",
+            )
+        )
     if train:
         rows.append(("steps", f"{train[-1]['step']}"))
         rows.append(("final training loss", f"{train[-1]['loss']:.4g}"))
@@ -159,12 +219,16 @@ def summary(records: list[dict], recipe: dict) -> list[tuple[str, str]]:
     if speed:
         tokens = [r["tokens_per_s"] for r in speed if isinstance(r.get("tokens_per_s"), (int, float))]
         if tokens:
-            rows.append(("throughput", f"{statistics.median(tokens):,.0f} tokens/s (median of {len(tokens)} intervals)"))
+            rows.append(
+                ("throughput", f"{statistics.median(tokens):,.0f} tokens/s (median of {len(tokens)} intervals)")
+            )
         mfu = [r["mfu"] for r in speed if isinstance(r.get("mfu"), (int, float))]
         if mfu:
             rows.append(("MFU", f"{100 * statistics.median(mfu):.1f}%"))
     peaks = [r["peak_memory_gib"] for r in speed if isinstance(r.get("peak_memory_gib"), (int, float))]
-    peaks += [r["peak_gib_max"] for r in records if r["kind"] == "memory" and isinstance(r.get("peak_gib_max"), (int, float))]
+    peaks += [
+        r["peak_gib_max"] for r in records if r["kind"] == "memory" and isinstance(r.get("peak_gib_max"), (int, float))
+    ]
     if peaks:
         rows.append(("peak memory", f"{max(peaks):.2f} GiB per process (largest)"))
     return rows

@@ -88,7 +88,9 @@ class StepLog:
         seconds, self._since = max(now - self._since, 1e-9), now
         # One collective for the whole interval: each step's loss (and task metrics) summed over ranks.
         names = sorted(steps[0].metrics)
-        table = torch.stack([torch.stack([s.loss_sum.double(), *(s.metrics[n].double() for n in names)]) for s in steps])
+        table = torch.stack(
+            [torch.stack([s.loss_sum.double(), *(s.metrics[n].double() for n in names)]) for s in steps]
+        )
         reduced = dist.all_reduce_sum(table).tolist()
         grad_norms = torch.stack([s.grad_norm.float() for s in steps]).tolist()
         logged = [LoggedStep(s, row[0] / max(s.targets, 1), g) for s, row, g in zip(steps, reduced, grad_norms)]
@@ -99,7 +101,9 @@ class StepLog:
                 record |= {name: value / max(s.targets, 1) for name, value in zip(names, row[1:])}
                 counts = {"targets": s.targets, "tokens": s.tokens, "padded_tokens": s.padded_tokens}
                 self.metrics.write(record | s.means | counts | {"skipped": s.skipped})
-            self.metrics.write({"kind": "throughput", "step": steps[-1].step, **self.throughput.numbers(steps, seconds)})
+            self.metrics.write(
+                {"kind": "throughput", "step": steps[-1].step, **self.throughput.numbers(steps, seconds)}
+            )
         return logged, sum(s.tokens for s in steps) / seconds
 
     def record_model_state(self, step: int, held: dict[str, int]) -> None:

@@ -68,7 +68,14 @@ def merged_lora(tensors, module) -> Iterator[tuple[str, torch.Tensor]]:
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     parts = {".base_layer.weight": "W", f".lora_A.{ADAPTER}.weight": "A", f".lora_B.{ADAPTER}.weight": "B"}
     for name, tensor in tensors:
-        part = next(((prefix, kind) for suffix, kind in parts.items() if name.endswith(suffix) and (prefix := name[: -len(suffix)]) in layers), None)
+        part = next(
+            (
+                (prefix, kind)
+                for suffix, kind in parts.items()
+                if name.endswith(suffix) and (prefix := name[: -len(suffix)]) in layers
+            ),
+            None,
+        )
         if part is None:
             if ".original_module." in name or ".lora_" in name:
                 continue

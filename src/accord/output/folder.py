@@ -125,7 +125,9 @@ def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = N
         tokenizer.save_pretrained(tmp)
 
 
-def save_streamed_model(tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES) -> None:
+def save_streamed_model(
+    tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES
+) -> None:
     """A save_pretrained folder from whole tensors handed over one at a time: transformers'
     sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json) of
     at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one

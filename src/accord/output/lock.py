@@ -117,7 +117,9 @@ def acquire(out_dir: Path, run_id: str) -> RunLock:
             time.sleep(0.1)  # written by the fallback below and not complete yet
             holder = _parse(_read_bytes(path))
             if holder is None:
-                raise OutputLocked(f"output.dir: {path} is not a lock accord can read; if no run uses {out_dir}, delete it")
+                raise OutputLocked(
+                    f"output.dir: {path} is not a lock accord can read; if no run uses {out_dir}, delete it"
+                )
         reason = stale_reason(holder, path)
         if reason is None:
             if holder.run_id == run_id:
@@ -125,7 +127,9 @@ def acquire(out_dir: Path, run_id: str) -> RunLock:
             raise OutputLocked(_refusal(out_dir, holder))
         if _remove_if_unchanged(path, raw):
             announce(f"taking over the lock of a run that is gone ({holder.describe()}: {reason})")
-    raise OutputLocked(f"output.dir: could not take the lock {path} (it keeps changing); is another run starting there?")
+    raise OutputLocked(
+        f"output.dir: could not take the lock {path} (it keeps changing); is another run starting there?"
+    )
 
 
 def stale_reason(holder: LockInfo, path: Path) -> str | None:

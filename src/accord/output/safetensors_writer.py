@@ -23,9 +23,18 @@ from accord.output.folder import SHARD_INDEX
 
 # The format's dtype names (safetensors' Dtype enum).
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -51,7 +60,11 @@ class ShardedSafetensorsWriter:
             self.data = open(self._data_path(), "wb")  # noqa: SIM115  closed by _flush
         # Little-endian bytes as they are in memory (a copy only if not contiguous).
         self.data.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        self.entries[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [self.size, self.size + nbytes]}
+        self.entries[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.size, self.size + nbytes],
+        }
         self.size += nbytes
         self.total += nbytes
 

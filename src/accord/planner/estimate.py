@@ -45,7 +45,10 @@ class StrategyPlan:
         return self.params + self.grads + self.optimizer + self.master + self.activations
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"total_gib": self.total / GIB, "phases_gib": {k: v / GIB for k, v in self.phases.items()}}
+        return asdict(self) | {
+            "total_gib": self.total / GIB,
+            "phases_gib": {k: v / GIB for k, v in self.phases.items()},
+        }
 
 
 def meta_model(recipe: Recipe):
@@ -99,7 +102,9 @@ def model_state(model, strategy: str, world: int, precision: str, offload: str) 
     if stage == 3:
         from accord.engine.deepspeed.config import zero3_sub_groups
 
-        steps = zero3_sub_groups(model, [[p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]], world)
+        steps = zero3_sub_groups(
+            model, [[p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]], world
+        )
     state = {
         "params": compute * (math.ceil(total / world) if stage == 3 else total),
         "grads": compute * (partition if stage >= 2 else trained),
@@ -121,7 +126,16 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
     return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
 
 
-def activations(model, micro: int, length: int, precision: str, checkpointing: bool | str, loss_chunk: int = 0, sequence_parallel: int = 1, mlp_tiles: int = 1) -> float:
+def activations(
+    model,
+    micro: int,
+    length: int,
+    precision: str,
+    checkpointing: bool | str,
+    loss_chunk: int = 0,
+    sequence_parallel: int = 1,
+    mlp_tiles: int = 1,
+) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
     tensors; flash/sdpa attention keeps no score matrix), plus the loss's logits: fp32
@@ -139,7 +153,11 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     vocab = getattr(config, "vocab_size", 0)
     element = 2 if precision in ("bf16", "fp16") else 4
     tokens = micro * -(-length // sequence_parallel)
-    mask = micro * length * length if sequence_parallel > 1 and "flash" not in (getattr(config, "_attn_implementation", None) or "") else 0
+    mask = (
+        micro * length * length
+        if sequence_parallel > 1 and "flash" not in (getattr(config, "_attn_implementation", None) or "")
+        else 0
+    )
     per_layer = (8 * h + 4 * f / mlp_tiles) * element * tokens
     inputs = 0 if checkpointing == "offload" else layers * h * element * tokens
     kept = inputs + per_layer if checkpointing else layers * per_layer
@@ -149,7 +167,9 @@ def activations(model, micro: int, length: int, precision: str, checkpointing: b
     return kept + logits + mask
 
 
-def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activations: float, recipe: Recipe, cpu: bool) -> dict[str, float]:
+def phase_peaks(
+    model, strategy: str, world: int, state: dict[str, float], activations: float, recipe: Recipe, cpu: bool
+) -> dict[str, float]:
     """Bytes rank 0 holds at the peak of each phase, above an empty process's, under
     `strategy`: live tensors on the rank's device (host memory when `cpu`, else the GPU's).
 
@@ -232,7 +252,10 @@ def phase_peaks(model, strategy: str, world: int, state: dict[str, float], activ
         resume = build + O + G + largest
     staged = at_rest if recipe.checkpoint.async_ and cpu else 0.0
     if strategy in ("zero2", "zero3") or (strategy == "zero1" and not _torch_zero1(recipe)):  # DeepSpeed
-        from accord.engine.state import ASYNC_WRITES_OWNED, WRITE_BUFFER_BYTES  # here: it imports torch.distributed.checkpoint
+        from accord.engine.state import (  # here: it imports torch.distributed.checkpoint
+            ASYNC_WRITES_OWNED,
+            WRITE_BUFFER_BYTES,
+        )
 
         share = 3 * whole / world  # fp32 weights and both moments, each tensor kept by one rank
         kept = share if recipe.checkpoint.async_ else min(share, max(WRITE_BUFFER_BYTES, 2 * largest))
@@ -258,7 +281,8 @@ def _torch_zero1(recipe: Recipe) -> bool:
     from accord.engine import deepspeed_available
 
     return recipe.engine.offload == "none" and (
-        recipe.engine.zero1_implementation == "torch" or (recipe.engine.zero1_implementation == "auto" and not deepspeed_available())
+        recipe.engine.zero1_implementation == "torch"
+        or (recipe.engine.zero1_implementation == "auto" and not deepspeed_available())
     )
 
 
@@ -266,7 +290,9 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
     phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
-    batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel)
+    batch = BatchPlan.derive(
+        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel
+    )
     model = meta_model(recipe)
     # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
     loss_chunk = 0
@@ -274,7 +300,9 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         positions = batch.micro_batch_size * recipe.data.max_length
         loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
     # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
-    checkpointing = True if cpu and recipe.engine.activation_checkpointing == "offload" else recipe.engine.activation_checkpointing
+    checkpointing = (
+        True if cpu and recipe.engine.activation_checkpointing == "offload" else recipe.engine.activation_checkpointing
+    )
     tiles = mlp_tiles(recipe.engine.tiled_mlp, recipe.data.max_length, model) if recipe.engine.tiled_mlp else 1
     per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
     act = per_degree[recipe.engine.sequence_parallel]
@@ -285,25 +313,48 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
             offload = "optimizer"
         state = model_state(model, strategy, world, recipe.engine.precision, offload)
         phases = phase_peaks(model, strategy, world, state, act, recipe, cpu)
-        rows.append(StrategyPlan(strategy, **state, activations=act, micro_batch_size=batch.micro_batch_size, grad_accum=batch.grad_accum,
-                                 phases=phases, sequence_parallel=per_degree))
+        rows.append(
+            StrategyPlan(
+                strategy,
+                **state,
+                activations=act,
+                micro_batch_size=batch.micro_batch_size,
+                grad_accum=batch.grad_accum,
+                phases=phases,
+                sequence_parallel=per_degree,
+            )
+        )
     return rows, world
 
 
-def _sequence_parallel_activations(model, recipe: Recipe, world: int, loss_chunk: int, checkpointing: bool | str, tiles: int) -> dict[int, float]:
+def _sequence_parallel_activations(
+    model, recipe: Recipe, world: int, loss_chunk: int, checkpointing: bool | str, tiles: int
+) -> dict[int, float]:
     """Activations per rank for the recipe's engine.sequence_parallel and each other degree
     the world, the batch, the task and the model's heads allow."""
     from accord.engine.sequence_parallel.ulysses import check_sequence_parallel
 
     out = {}
     for n in divisors(world):
-        if n != recipe.engine.sequence_parallel and check_sequence_parallel(recipe.model_copy(update={"engine": recipe.engine.model_copy(update={"sequence_parallel": n})}), model.config):
+        if n != recipe.engine.sequence_parallel and check_sequence_parallel(
+            recipe.model_copy(update={"engine": recipe.engine.model_copy(update={"sequence_parallel": n})}),
+            model.config,
+        ):
             continue
         try:
             batch = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, n)
         except UserInputError:
             continue
-        out[n] = activations(model, batch.micro_batch_size, recipe.data.max_length, recipe.engine.precision, checkpointing, loss_chunk, n, tiles)
+        out[n] = activations(
+            model,
+            batch.micro_batch_size,
+            recipe.data.max_length,
+            recipe.engine.precision,
+            checkpointing,
+            loss_chunk,
+            n,
+            tiles,
+        )
     return out
 
 
@@ -356,11 +407,18 @@ def _nothing_fits(rows: list[StrategyPlan], memory_gib: float, device: str) -> s
 
 
 def format_table(rows: list[StrategyPlan], memory_gib: float | None) -> str:
-    header = f"{'strategy':9} {'params':>9} {'grads':>9} {'optimizer':>10} {'master':>9} {'activations':>12} {'total GiB':>10}" + ("  fits" if memory_gib else "")
+    header = (
+        f"{'strategy':9} {'params':>9} {'grads':>9} {'optimizer':>10} {'master':>9} {'activations':>12} {'total GiB':>10}"
+        + ("  fits" if memory_gib else "")
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         cells = [r.params, r.grads, r.optimizer, r.master]
-        line = f"{r.strategy:9} " + " ".join(f"{c / GIB:>9.3f}" for c in cells[:3]) + f" {cells[3] / GIB:>9.3f} {r.activations / GIB:>12.3f} {r.total / GIB:>10.3f}"
+        line = (
+            f"{r.strategy:9} "
+            + " ".join(f"{c / GIB:>9.3f}" for c in cells[:3])
+            + f" {cells[3] / GIB:>9.3f} {r.activations / GIB:>12.3f} {r.total / GIB:>10.3f}"
+        )
         if memory_gib:
             line += "  yes" if r.total <= memory_gib * GIB else "  no"
         lines.append(line)

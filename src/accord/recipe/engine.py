@@ -21,12 +21,16 @@ class EngineConfig(Section):
         "gradients and optimizer state sharded per decoder layer), zero1 / zero2 / zero3 (DeepSpeed ZeRO: optimizer "
         "state / + gradients / + parameters sharded).",
     )
-    precision: Literal["no", "bf16", "fp16"] = Field("no", description="Mixed precision: no (fp32), bf16, or fp16 with a gradient scaler.")
+    precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Mixed precision: no (fp32), bf16, or fp16 with a gradient scaler."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: every visible GPU, else the CPU.")
     processes: int = Field(2, gt=0, description="Worker processes on CPU (on GPU: one per device).")
     devices: list[int] | None = Field(None, description="GPU indices to use, e.g. [0, 1] (default: all visible).")
     max_restarts: int = Field(
-        0, ge=0, description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes from the latest checkpoint."
+        0,
+        ge=0,
+        description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes from the latest checkpoint.",
     )
     # Well under the process-group timeout (PROCESS_GROUP_TIMEOUT_S): past that, torch ends the
     # run itself without saying which rank was stuck or where.
@@ -41,9 +45,13 @@ class EngineConfig(Section):
         description="A DeepSpeed JSON you already have: its stage, offload, batch sizes, accumulation, clipping and "
         "precision must agree with the recipe (checked before starting; they fill in what the recipe leaves open).",
     )
-    compile: bool = Field(False, description="torch.compile the model's training forward (first steps are slower while it compiles).")
+    compile: bool = Field(
+        False, description="torch.compile the model's training forward (first steps are slower while it compiles)."
+    )
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak dense bf16 TFLOP/s of one device, for MFU (default: looked up from the GPU's name)."
+        None,
+        gt=0,
+        description="Peak dense bf16 TFLOP/s of one device, for MFU (default: looked up from the GPU's name).",
     )
     offload: Literal["none", "optimizer", "optimizer+params"] = Field(
         "none",
@@ -69,8 +77,10 @@ class EngineConfig(Section):
         "tokens of data.max_length.",
     )
     context_parallel: int = Field(
-        1, ge=1, description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, CUDA "
-        "attention kernels only): not available yet; use sequence_parallel."
+        1,
+        ge=1,
+        description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, CUDA "
+        "attention kernels only): not available yet; use sequence_parallel.",
     )
     fsdp_layer_class: str | None = Field(
         None,
@@ -135,5 +145,7 @@ class EngineConfig(Section):
                 f"with {self.strategy} use engine.offload=optimizer"
             )
         if self.strategy == "zero1" and self.zero1_implementation == "torch" and self.offload != "none":
-            raise ValueError("engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) cannot offload")
+            raise ValueError(
+                "engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) cannot offload"
+            )
         return self

@@ -22,7 +22,9 @@ def describe_error(err: dict, root: type[BaseModel]) -> str:
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
         hint = f"; did you mean {'.'.join(loc[:-1] + close)}?" if close else ""
         if not close and len(loc) == 2:  # a key in the wrong section: train.lr for optim.lr
-            elsewhere = [f"{section}.{loc[-1]}" for section in _field_names(root, []) if loc[-1] in _field_names(root, [section])]
+            elsewhere = [
+                f"{section}.{loc[-1]}" for section in _field_names(root, []) if loc[-1] in _field_names(root, [section])
+            ]
             hint = f"; did you mean {' or '.join(elsewhere)}?" if elsewhere else ""
         where = ".".join(loc[:-1]) or "the recipe"
         return f"unknown key {key}{hint} (known keys of {where}: {', '.join(known)})"

@@ -42,7 +42,9 @@ class FunctionReward(_Reward):
     (the columns are the rows' columns, one list each, as TRL's reward functions get them)."""
 
     kind: Literal["function"]
-    function: str = Field(..., description="Where the callable lives, as package.module:function (importable on every node).")
+    function: str = Field(
+        ..., description="Where the callable lives, as package.module:function (importable on every node)."
+    )
 
 
 class ModelReward(_Reward):
@@ -53,7 +55,9 @@ class ModelReward(_Reward):
     path: str = Field(..., description="Local folder of the reward model (a sequence classifier with num_labels=1).")
 
 
-RewardSpec = Annotated[ExactMatchReward | RegexReward | LengthReward | FunctionReward | ModelReward, Field(discriminator="kind")]
+RewardSpec = Annotated[
+    ExactMatchReward | RegexReward | LengthReward | FunctionReward | ModelReward, Field(discriminator="kind")
+]
 
 
 class GRPOConfig(BaseModel):
@@ -62,18 +66,33 @@ class GRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
-    group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G); advantages are normalised within each group.")
+    group_size: int = Field(
+        4, ge=2, description="Completions sampled per prompt (G); advantages are normalised within each group."
+    )
     max_new_tokens: int = Field(32, gt=0, description="Longest sampled completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1.0,
+        description="Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.",
+    )
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [ExactMatchReward(kind="exact_match")],
         min_length=1,
         description="Reward functions, summed with their weights: {kind: exact_match, column}, {kind: regex, pattern}, "
         "{kind: length}, {kind: function, function: pkg.mod:fn}, {kind: model, path: folder}.",
     )
-    beta: float = Field(0.04, ge=0, description="Weight of the KL penalty to the reference (the starting model; adapters off under LoRA); 0: no reference.")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping range of the probability ratio: [1 - epsilon, 1 + epsilon].")
+    beta: float = Field(
+        0.04,
+        ge=0,
+        description="Weight of the KL penalty to the reference (the starting model; adapters off under LoRA); 0: no reference.",
+    )
+    epsilon: float = Field(
+        0.2, gt=0, lt=1, description="Clipping range of the probability ratio: [1 - epsilon, 1 + epsilon]."
+    )
     num_iterations: int = Field(
-        1, ge=1, description="Optimizer steps per generation batch (each step reuses the batch's completions; ratios against the policy that generated them)."
+        1,
+        ge=1,
+        description="Optimizer steps per generation batch (each step reuses the batch's completions; ratios against the policy that generated them).",
     )

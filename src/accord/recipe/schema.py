@@ -14,11 +14,10 @@ import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from accord.errors import UserInputError
-from accord.recipe.errors import describe_error
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
+from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.section import Section
-
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
 
@@ -32,11 +31,14 @@ class RopeScalingConfig(Section):
     transformers as the config's rope_parameters, so final/ keeps them for inference)."""
 
     rope_type: Literal["linear", "dynamic", "yarn"] = Field(
-        ..., description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN."
+        ...,
+        description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN.",
     )
     factor: float = Field(..., ge=1.0, description="How many times the original context to reach (e.g. 4.0).")
     original_max_position_embeddings: int | None = Field(
-        None, gt=0, description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this)."
+        None,
+        gt=0,
+        description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this).",
     )
 
 
@@ -54,15 +56,21 @@ class ModelConfig(Section):
         description="`byte` for accord's built-in byte-level tokenizer, or a local tokenizer folder. "
         "Default: the model folder's tokenizer, or `byte` for a model built from a config.",
     )
-    attn_implementation: str | None = Field(None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice.")
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice."
+    )
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model folder to run.")
     # A section of the model (not of data): it changes the model's config, saved with final/.
-    rope_scaling: RopeScalingConfig | None = Field(None, description="Extend a RoPE model's context: {rope_type: linear|dynamic|yarn, factor: 4.0}.")
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="Extend a RoPE model's context: {rope_type: linear|dynamic|yarn, factor: 4.0}."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.config is None):
-            raise ValueError("give exactly one of model.path (a local folder) or model.config (an architecture to build)")
+            raise ValueError(
+                "give exactly one of model.path (a local folder) or model.config (an architecture to build)"
+            )
         if self.config is not None and "architecture" not in self.config:
             raise ValueError("model.config needs `architecture` (a transformers model type such as llama)")
         return self
@@ -100,14 +108,18 @@ SOURCE_FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "arr
 class DocumentSeparator(Section):
     """Documents of a text file separated by a marker (e.g. `%` lines in fortune files)."""
 
-    separator: str = Field(..., min_length=1, description="The text between two documents (removed, with the line breaks around it).")
+    separator: str = Field(
+        ..., min_length=1, description="The text between two documents (removed, with the line breaks around it)."
+    )
 
 
 class SourceConfig(Section):
     """One data source: a local file, a folder of files, a `datasets.save_to_disk` folder, or a
     stream (files read with `streaming: true`, or a `function` returning a datasets IterableDataset)."""
 
-    path: str | None = Field(None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package.")
+    path: str | None = Field(
+        None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package."
+    )
     weight: float = Field(1.0, gt=0, description="Relative share of this source when several are mixed.")
     format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
         "auto",
@@ -116,17 +128,18 @@ class SourceConfig(Section):
         "texts sharing a prompt: the shared prefix becomes `prompt`, the rest `chosen` / `rejected`).",
     )
     fields: dict[str, str] = Field(
-        default_factory=dict, description="Rename columns to the names the task reads, e.g. {text: tweet, label: sentiment}."
+        default_factory=dict,
+        description="Rename columns to the names the task reads, e.g. {text: tweet, label: sentiment}.",
     )
     encoding: str = Field("utf-8", description="Text encoding of CSV/TSV/text files (e.g. latin-1).")
     document: Literal["file", "line", "paragraph"] | DocumentSeparator = Field(
         "file",
         description="Text files: what one document (row) is: the whole file, each non-blank line, each paragraph "
-        "(text between blank lines), or {separator: \"%\"} (text between occurrences of the separator).",
+        '(text between blank lines), or {separator: "%"} (text between occurrences of the separator).',
     )
     glob: str | None = Field(
         None,
-        description="Folders: which files to read, e.g. \"**/*.md\" (default: every file with the suffix of the "
+        description='Folders: which files to read, e.g. "**/*.md" (default: every file with the suffix of the '
         "folder's format, in all subfolders).",
     )
     streaming: bool = Field(
@@ -146,7 +159,11 @@ class SourceConfig(Section):
     @model_validator(mode="after")
     def _path_or_function(self) -> SourceConfig:
         if (self.path is None) == (self.function is None):
-            raise ValueError("give a data source either a path or a function (pkg.module:function returning rows), not both" if self.path else "a data source needs a path (or a function: pkg.module:function returning rows)")
+            raise ValueError(
+                "give a data source either a path or a function (pkg.module:function returning rows), not both"
+                if self.path
+                else "a data source needs a path (or a function: pkg.module:function returning rows)"
+            )
         return self
 
     @property
@@ -166,9 +183,13 @@ def _as_sources(value: Any) -> Any:
 class DataConfig(Section):
     """Where examples come from and how they become token sequences."""
 
-    train: list[SourceConfig] | None = Field(None, description="Training data: a path, a list of paths, or source mappings (path, weight, format, fields).")
+    train: list[SourceConfig] | None = Field(
+        None, description="Training data: a path, a list of paths, or source mappings (path, weight, format, fields)."
+    )
     eval: list[SourceConfig] | None = Field(None, description="Evaluation data in the same forms (optional).")
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this fraction of `train` for evaluation when `eval` is not given.")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Hold out this fraction of `train` for evaluation when `eval` is not given."
+    )
     generate: GeneratedData | None = Field(None, description="Use data generated by accord instead of files.")
     max_length: int = Field(256, gt=1, description="Longest sequence in tokens.")
     truncation: Literal["truncate", "drop", "error"] = Field(
@@ -179,18 +200,29 @@ class DataConfig(Section):
         description="Pack whole examples into max_length rows (best-fit decreasing, attention kept within each "
         "example). Default: on for sft and pretrain.",
     )
-    group_by_length: bool = Field(False, description="Without packing: batch examples of similar length (still one seeded global order).")
+    group_by_length: bool = Field(
+        False, description="Without packing: batch examples of similar length (still one seeded global order)."
+    )
     shuffle: bool = Field(True, description="Seeded shuffle of the global order every epoch (false: the files' order).")
-    completion_only_loss: bool = Field(True, description="sft: train only on completion / assistant tokens (false: on every token).")
+    completion_only_loss: bool = Field(
+        True, description="sft: train only on completion / assistant tokens (false: on every token)."
+    )
     add_bos: Literal["auto", "always", "never"] = Field(
         "auto",
         description="What goes before each text: auto follows the tokenizer's own policy (what `tokenizer(text)` adds, "
         "its post-processor or add_bos_token; the chat template as it renders for chat), always puts the BOS token "
         "first, never adds nothing. auto makes the trained tokens those that final/'s tokenizer gives at inference.",
     )
-    cache_dir: str = Field("~/.cache/accord/data", description="Where tokenized data is cached, keyed by a fingerprint of data, tokenizer and settings.")
-    prepare_workers: int | None = Field(None, gt=0, description="Processes that tokenize the data. Default: every local core.")
-    prepare_timeout_s: float = Field(1800.0, gt=0, description="How long other processes wait for the first one to prepare the data.")
+    cache_dir: str = Field(
+        "~/.cache/accord/data",
+        description="Where tokenized data is cached, keyed by a fingerprint of data, tokenizer and settings.",
+    )
+    prepare_workers: int | None = Field(
+        None, gt=0, description="Processes that tokenize the data. Default: every local core."
+    )
+    prepare_timeout_s: float = Field(
+        1800.0, gt=0, description="How long other processes wait for the first one to prepare the data."
+    )
 
     @field_validator("train", "eval", mode="before")
     @classmethod
@@ -233,27 +265,44 @@ class OptimConfig(Section):
         "so far as they ran and starts a new warm-up and decay from optim.lr over the added steps. Either way the "
         "run prints what happens.",
     )
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping)."
+    )
 
 
 class TrainConfig(Section):
     """How long to train and how often to log and evaluate."""
 
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run.")
-    epochs: float | None = Field(None, gt=0, description="Alternatively, passes over the training data (steps derived).")
+    epochs: float | None = Field(
+        None, gt=0, description="Alternatively, passes over the training data (steps derived)."
+    )
     log_every: int = Field(10, gt=0, description="Write metrics every N steps (each step's loss is still recorded).")
-    eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (always at the end when eval data exists).")
-    eval_on_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve on).")
+    eval_every: int | None = Field(
+        None, gt=0, description="Evaluate every N steps (always at the end when eval data exists)."
+    )
+    eval_on_start: bool = Field(
+        False,
+        description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve on).",
+    )
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
-    eval_limit: int | None = Field(None, gt=0, description="Evaluate on the first N held-out examples only (default: all).")
-    eval_generate: int = Field(0, ge=0, description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.")
+    eval_limit: int | None = Field(
+        None, gt=0, description="Evaluate on the first N held-out examples only (default: all)."
+    )
+    eval_generate: int = Field(
+        0,
+        ge=0,
+        description="At each evaluation, greedy-generate this many held-out prompts and report exact-match accuracy.",
+    )
     max_new_tokens: int = Field(32, gt=0, description="Longest generated completion during eval_generate.")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
         description="A NaN/inf loss or gradient norm: stop (naming the step; the last checkpoint is intact) "
         "or skip that update (checked every step, which costs one host sync per step).",
     )
-    max_skipped_steps: int = Field(10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates.")
+    max_skipped_steps: int = Field(
+        10, ge=0, description="With on_nonfinite=skip: stop after this many skipped updates."
+    )
     # In `train`, not `engine`: it changes how a task computes its loss (same value, less
     # memory) under every strategy, not how the model is distributed.
     loss_chunk_size: int | Literal["auto"] = Field(
@@ -287,24 +336,35 @@ class TaskClassConfig(Section):
     """A task defined outside accord: a subclass of accord.tasks.base.Task."""
 
     # Dumped as `class` everywhere (recipe.yaml, checkpoints, the workers' copy) and read either way.
-    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
 
-    class_: str = Field(..., alias="class", description="Where the Task subclass lives, as package.module:Class (importable on every node).")
+    class_: str = Field(
+        ...,
+        alias="class",
+        description="Where the Task subclass lives, as package.module:Class (importable on every node).",
+    )
 
 
 class ClassifyConfig(Section):
     """Sequence classification: rows have `text` (and optionally `text_pair`) and `label`."""
 
-    labels: list[str] | None = Field(None, description="The label set, in id order (default: the sorted labels found in the training data).")
+    labels: list[str] | None = Field(
+        None, description="The label set, in id order (default: the sorted labels found in the training data)."
+    )
 
 
 class DPOConfig(Section):
     """Direct preference optimisation: rows have `prompt`, `chosen` and `rejected`."""
 
     beta: float = Field(0.1, gt=0, description="Strength of the KL anchor to the reference model.")
-    reference: str | None = Field(None, description="Folder of the frozen reference model (default: the starting model itself).")
+    reference: str | None = Field(
+        None, description="Folder of the frozen reference model (default: the starting model itself)."
+    )
     precompute_reference: bool = Field(
-        False, description="Compute the reference log-probabilities once before training instead of running the reference every step."
+        False,
+        description="Compute the reference log-probabilities once before training instead of running the reference every step.",
     )
 
 
@@ -314,22 +374,37 @@ class LoraConfig(Section):
     r: int = Field(8, gt=0, description="Adapter rank.")
     alpha: float = Field(16.0, gt=0, description="Scaling numerator (the update is scaled by alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description="Module names to adapt, or all-linear.")
-    merge_on_export: bool = Field(True, description="Save the final model with the adapters merged in (loadable without peft); the adapter is saved too.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or all-linear."
+    )
+    merge_on_export: bool = Field(
+        True,
+        description="Save the final model with the adapters merged in (loadable without peft); the adapter is saved too.",
+    )
 
 
 class CheckpointConfig(Section):
     """When to write checkpoints (always also at the end), how many to keep, and whether to write them in the background."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
 
     every_steps: int | None = Field(None, gt=0, description="Write a checkpoint every N optimizer steps.")
-    every_minutes: float | None = Field(None, gt=0, description="Write a checkpoint when this many minutes passed since the last one.")
-    keep_last: int = Field(2, ge=1, description="Keep the newest K complete checkpoints (older ones are removed after a newer one is complete).")
+    every_minutes: float | None = Field(
+        None, gt=0, description="Write a checkpoint when this many minutes passed since the last one."
+    )
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Keep the newest K complete checkpoints (older ones are removed after a newer one is complete).",
+    )
     # `async` is a Python keyword: the attribute is async_, the recipe key `async`.
     async_: bool = Field(
-        False, alias="async", description="Write checkpoints in the background while training continues (sealed once written; "
-        "the next checkpoint waits for the previous one)."
+        False,
+        alias="async",
+        description="Write checkpoints in the background while training continues (sealed once written; "
+        "the next checkpoint waits for the previous one).",
     )
 
 
@@ -405,11 +480,15 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the recipe as UTF-8") from None
+        raise RecipeError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the recipe as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping of sections (seed, model, data, ...), got {type(raw).__name__}")
+        raise RecipeError(
+            f"{path}: a recipe is a mapping of sections (seed, model, data, ...), got {type(raw).__name__}"
+        )
     for item in overrides:
         apply_override(raw, item)
     recipe = validate_recipe(raw, source=str(path))

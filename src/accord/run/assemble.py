@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from accord.distributed import group as dist
-from accord.distributed.batch_plan import BatchPlan
 from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, training_rows
 from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
+from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
 from accord.engine import Engine, build_engine
 from accord.models.build import apply_lora, build_model, build_tokenizer
 from accord.observe.throughput import flops_per_token, peak_tflops
@@ -66,7 +66,9 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
-    plan = BatchPlan.derive(recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel)
+    plan = BatchPlan.derive(
+        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel
+    )
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
@@ -95,20 +97,38 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     report = data.report | {"eval_tokens": eval_tokens(data.eval)}  # the full held-out split, before eval_limit
     n = recipe.engine.sequence_parallel
     sequence = SequenceShards(n, info.rank % n, getattr(task, "attn_implementation", "sdpa"))
-    return RunSetup(recipe, info, tokenizer, task, train_data, eval_data, report, rows, order, plan, total_steps, engine, facts, sequence)
+    return RunSetup(
+        recipe,
+        info,
+        tokenizer,
+        task,
+        train_data,
+        eval_data,
+        report,
+        rows,
+        order,
+        plan,
+        total_steps,
+        engine,
+        facts,
+        sequence,
+    )
 
 
 def describe(run: RunSetup) -> list[str]:
     """What the run is about to do, for its first lines of output."""
     recipe, report, facts = run.recipe, run.data_report, run.model
-    params = f"{_count(facts.num_params)} parameters" + (f", {_count(facts.trainable)} trained" if facts.trainable != facts.num_params else "")
+    params = f"{_count(facts.num_params)} parameters" + (
+        f", {_count(facts.trainable)} trained" if facts.trainable != facts.num_params else ""
+    )
     layout = "packed rows" if run.task.packing else "rows"
     used = len(run.eval_data) if run.eval_data is not None else 0
     lines = [
         f"{run.task.name} on {facts.name} ({params}), {recipe.engine.strategy} on {run.engine.device.type}, precision {recipe.engine.precision}",
         f"batch {run.plan.describe()}",
         f"{report['train_examples']} training examples in {len(run.rows)} {layout} ({run.order.steps_per_epoch} steps per epoch), "
-        f"{report['eval_examples']} held out" + (f" ({used} used)" if run.eval_data is not None and used < report["eval_examples"] else "")
+        f"{report['eval_examples']} held out"
+        + (f" ({used} used)" if run.eval_data is not None and used < report["eval_examples"] else "")
         + f"; {run.total_steps} steps",
     ]
     if run.task.packing:

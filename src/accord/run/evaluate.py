@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from accord.data.fetch import fetch, lockstep_batches, to_device
 from accord.distributed import group as dist
 from accord.observe import heartbeat
-from accord.data.fetch import fetch, lockstep_batches, to_device
 from accord.recipe.schema import TrainConfig
 from accord.stopping import StopRequest
 from accord.tasks.base import PADDING, Task
@@ -78,14 +78,20 @@ class Evaluator:
             self._check_stop()
             with self.engine.autocast():
                 part = self.task.evaluate_generation(
-                    model, shard[start : start + GENERATION_ROWS_PER_CHECK], self.engine.device, self.cfg.max_new_tokens, lockstep=self.engine.lockstep
+                    model,
+                    shard[start : start + GENERATION_ROWS_PER_CHECK],
+                    self.engine.device,
+                    self.cfg.max_new_tokens,
+                    lockstep=self.engine.lockstep,
                 )
             for name, value in part.items():
                 sums[name] = sums.get(name, 0.0) + value
         if not sums:
             return {}
         names = sorted(sums)
-        totals = dist.all_reduce_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.engine.device))
+        totals = dist.all_reduce_sum(
+            torch.tensor([sums[n] for n in names], dtype=torch.float64, device=self.engine.device)
+        )
         reduced = dict(zip(names, totals.tolist()))
         count = reduced.pop("count")
         return self.task.generation_results(reduced, count)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from accord.distributed import group as dist
 from accord.data.fetch import fetch
+from accord.distributed import group as dist
 from accord.errors import RunStopped
 from accord.stopping import TrainingStopped
 
@@ -38,14 +38,18 @@ def rollout_step(run, task, step: int, global_batch) -> OnlineStep:
     names = sorted(summary.sums) if summary is not None else sorted(task.rollout_metric_names())
     local = [0.0] * (5 + len(names))
     if summary is not None:
-        local = [summary.completion_tokens, summary.tokens, summary.completions, 0.0, summary.generation_s] + [summary.sums[n] for n in names]
+        local = [summary.completion_tokens, summary.tokens, summary.completions, 0.0, summary.generation_s] + [
+            summary.sums[n] for n in names
+        ]
     else:
         local[3] = 1.0
     totals = dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=run.engine.device)).tolist()
     if totals[3]:
         if failure is not None and info.local_rank != 0:
             print(f"accord: error: {failure}", file=sys.stderr, flush=True)  # the worker prints only local rank 0's
-        raise TrainingStopped(str(failure) if failure is not None else "a reward function failed on another rank (its line is above)")
+        raise TrainingStopped(
+            str(failure) if failure is not None else "a reward function failed on another rank (its line is above)"
+        )
     completions = max(totals[2], 1.0)
     means = {n: v / completions for n, v in zip(names, totals[5:])}
     means["generation_s"] = totals[4] / info.world_size

@@ -14,18 +14,18 @@ import numpy as np
 import torch
 
 from accord import faults
+from accord.checkpoint.schedule import CheckpointSchedule, restore_run
+from accord.checkpoint.store import latest_checkpoint, seed_for
+from accord.data.fetch import fetch, to_device
 from accord.distributed import group as dist
 from accord.observe import heartbeat
-from accord.run.assemble import RunSetup
-from accord.data.fetch import fetch, to_device
-from accord.checkpoint.store import latest_checkpoint, seed_for
-from accord.checkpoint.schedule import CheckpointSchedule, restore_run
-from accord.run.evaluate import EvaluationStopped, Evaluator
-from accord.output.export import export_final
-from accord.run.nonfinite import NonFiniteGuard
 from accord.observe.memory import memory_record
 from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
+from accord.output.export import export_final
+from accord.run.assemble import RunSetup
+from accord.run.evaluate import EvaluationStopped, Evaluator
+from accord.run.nonfinite import NonFiniteGuard
 from accord.run.rollout_step import rollout_step
 from accord.stopping import RunResult, StopRequest
 
@@ -37,7 +37,11 @@ class Trainer:
         self.task = faults.maybe_poison_loss(run.task, lambda: self.step + 1)  # only under ACCORD_FAULTS
         self.task = faults.maybe_stop_rank(self.task, lambda: self.step + 1, run.info.rank, dist.restart_count())
         self.step = 0
-        self.evaluator = Evaluator(run.task, run.engine, run.info, run.eval_data, run.recipe.train) if run.eval_data is not None else None
+        self.evaluator = (
+            Evaluator(run.task, run.engine, run.info, run.eval_data, run.recipe.train)
+            if run.eval_data is not None
+            else None
+        )
         self.guard = NonFiniteGuard(run.recipe.train, run.engine.handles_overflow, self._intact_note)
         self.schedule = CheckpointSchedule(run.recipe.checkpoint)
         self.log: StepLog | None = None
@@ -71,7 +75,9 @@ class Trainer:
             with self.engine.sync_context(last_micro_step=last):
                 with self.engine.autocast():
                     out = self.task.loss(self.engine.train_model, batch)
-                heartbeat.phase("backward/all-reduce" if last else "backward", self.step + 1)  # gradients sync on the last
+                heartbeat.phase(
+                    "backward/all-reduce" if last else "backward", self.step + 1
+                )  # gradients sync on the last
                 self.engine.backward(out.loss_sum, max(targets, 1))
             loss_sum += out.loss_sum.detach()
             for name, value in out.metrics.items():
@@ -82,10 +88,24 @@ class Trainer:
         self.step += 1
         if online:
             tokens, padded = online.tokens, online.tokens
-            means = online.means | {"training_s": time.perf_counter() - training_started, "step_s": time.perf_counter() - started}
+            means = online.means | {
+                "training_s": time.perf_counter() - training_started,
+                "step_s": time.perf_counter() - started,
+            }
         else:
             tokens, padded, means = int(self.rows.lengths[global_batch].sum()), self._padded(global_batch), {}
-        return StepStats(self.step, loss_sum, grad_norm.detach(), targets, tokens, padded, lr, metrics, skipped=not applied, means=means)
+        return StepStats(
+            self.step,
+            loss_sum,
+            grad_norm.detach(),
+            targets,
+            tokens,
+            padded,
+            lr,
+            metrics,
+            skipped=not applied,
+            means=means,
+        )
 
     def _rows(self, row_ids) -> list[list[dict]]:
         """The examples of each row (one, or several when packed), fetched in one read."""
@@ -113,7 +133,13 @@ class Trainer:
         finite (how --overwrite knows the new run trains before it deletes the earlier one)."""
         self._after_first_step = after_first_step
         run, cfg = self.run, self.run.recipe.train
-        throughput = Throughput(self.plan.global_batch_size, run.info.world_size, run.model.flops_per_token, run.model.peak_tflops, self.engine.device)
+        throughput = Throughput(
+            self.plan.global_batch_size,
+            run.info.world_size,
+            run.model.flops_per_token,
+            run.model.peak_tflops,
+            self.engine.device,
+        )
         self.log = StepLog(run.out_dir, self.step, throughput, writer=run.info.is_main)
         self.log.write(memory_record(self.step, "build", self.engine.device))  # construction, loading, resume
         self.engine.module.train()
@@ -132,12 +158,16 @@ class Trainer:
             while self.step < run.total_steps:
                 stats = self.train_step()
                 if stats.step == start_step + 1:
-                    self.log.record_model_state(self.step, self.engine.model_state_bytes())  # optimizer state exists now
+                    self.log.record_model_state(
+                        self.step, self.engine.model_state_bytes()
+                    )  # optimizer state exists now
                 self.log.add(stats)
                 self.guard.after_step(stats)
                 progress.advance()
                 at_end = self.step == run.total_steps
-                eval_due = self.evaluator is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or at_end)
+                eval_due = self.evaluator is not None and (
+                    (cfg.eval_every and self.step % cfg.eval_every == 0) or at_end
+                )
                 if self.step % cfg.log_every == 0 or at_end or eval_due:
                     self._flush(progress)
                 if eval_due:
@@ -145,7 +175,9 @@ class Trainer:
                 # One small collective per step: did any rank get a stop signal, is a
                 # timed checkpoint due (rank 0's clock decides)?
                 heartbeat.phase("stop/checkpoint flags", self.step)
-                stopping, time_due = dist.any_rank(stop is not None and stop.requested, run.info.is_main and self.schedule.time_due())
+                stopping, time_due = dist.any_rank(
+                    stop is not None and stop.requested, run.info.is_main and self.schedule.time_due()
+                )
                 if at_end or stopping or time_due or self.schedule.step_due(self.step):
                     self._flush(progress)
                     heartbeat.phase("checkpoint save", self.step)

@@ -198,7 +198,9 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     encoding step, e.g. CodeLlama's): the same ids either way."""
     backend = getattr(tokenizer, "_tokenizer", None)
     fast = getattr(backend, "encode_batch_fast", None)
-    as_called = fast is not None and _plain_encoding(type(tokenizer)) and backend.truncation is None and backend.padding is None
+    as_called = (
+        fast is not None and _plain_encoding(type(tokenizer)) and backend.truncation is None and backend.padding is None
+    )
     if not as_called or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [encoding.ids for encoding in fast(texts, add_special_tokens=False)]
@@ -212,7 +214,11 @@ def _plain_encoding(cls) -> bool:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers 4: the plain call
         return False
-    return issubclass(cls, TokenizersBackend) and cls._encode_plus is TokenizersBackend._encode_plus and cls.__call__ is PreTrainedTokenizerBase.__call__
+    return (
+        issubclass(cls, TokenizersBackend)
+        and cls._encode_plus is TokenizersBackend._encode_plus
+        and cls.__call__ is PreTrainedTokenizerBase.__call__
+    )
 
 
 def text_prefix(tokenizer, policy: str = "auto") -> list[int]:

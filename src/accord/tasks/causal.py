@@ -41,11 +41,17 @@ class CausalLMTask(Task):
             attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
             return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         doc_lengths = [[len(ex["input_ids"]) for ex in row] for row in rows]
-        batch = {"input_ids": input_ids, "labels": labels, "position_ids": packed_position_ids(doc_lengths, input_ids.shape[1])}
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": packed_position_ids(doc_lengths, input_ids.shape[1]),
+        }
         if self.attn_implementation != "flash_attention_2":
             # flash-attention's varlen path finds the documents from the restarting
             # position ids; sdpa and eager need the block-diagonal mask spelled out.
-            batch["attention_mask"] = block_causal_mask(doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager")
+            batch["attention_mask"] = block_causal_mask(
+                doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager"
+            )
         return batch
 
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:

@@ -142,7 +142,9 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
 
 
-def row_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int) -> torch.Tensor:
+def row_target_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int
+) -> torch.Tensor:
     """Σ log p(target) per row over the positions with a target, `chunk` positions at a time."""
     rows, length, width = hidden.shape
     flat = targets.reshape(-1)
@@ -152,7 +154,15 @@ def row_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: tor
     if len(positions) == 0:
         # No target (a padding row): still a graph through the output layer, so every
         # strategy's gradient hooks fire for it, as with the plain loss.
-        return _chunk_logprobs(hidden[:, :1].reshape(-1, width), torch.zeros(rows, dtype=torch.long, device=hidden.device), weight, bias) * 0
+        return (
+            _chunk_logprobs(
+                hidden[:, :1].reshape(-1, width),
+                torch.zeros(rows, dtype=torch.long, device=hidden.device),
+                weight,
+                bias,
+            )
+            * 0
+        )
     if len(positions) <= chunk or not torch.is_grad_enabled():
         # One chunk holds them all: recomputing it in backward would save nothing over
         # keeping it (and cost a second pass through the output layer).
@@ -169,7 +179,8 @@ def row_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: tor
     return out.index_add(0, positions // length, token_logprobs)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _chunk_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()  # fp32 softmax, as the plain loss
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-

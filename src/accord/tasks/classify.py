@@ -38,18 +38,24 @@ class ClassifyTask(Task):
         for ds in (train, eval_ds):
             if ds is not None and "label" not in ds.column_names:
                 present = [c for c in ds.column_names if not c.startswith("__")]
-                raise DataError(f"classify data: missing field 'label' (fields present: {', '.join(present)}); rename with fields: {{label: <column>}}")
+                raise DataError(
+                    f"classify data: missing field 'label' (fields present: {', '.join(present)}); rename with fields: {{label: <column>}}"
+                )
         self.pair = "text_pair" in train.column_names
         self.labels, self.ids = label_set(train, eval_ds, self.given)
         if len(self.labels) < 2:
-            raise DataError(f"classify: found {len(self.labels)} distinct label(s) in the training data; need at least 2")
+            raise DataError(
+                f"classify: found {len(self.labels)} distinct label(s) in the training data; need at least 2"
+            )
         for ds in (train, eval_ds):
             if ds is None:
                 continue
             for start, values in _label_batches(ds):
                 for k, value in enumerate(values):
                     if value is None or str(value) not in self.ids:
-                        raise DataError(f"{row_origin(ds[start + k])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)")
+                        raise DataError(
+                            f"{row_origin(ds[start + k])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)"
+                        )
         return train, eval_ds
 
     def state(self) -> dict[str, Any]:
@@ -134,7 +140,11 @@ class ClassifyTask(Task):
             tp, fp, fn = sums[f"tp{c}"], sums[f"fp{c}"], sums[f"fn{c}"]
             if tp + fp + fn:  # a class neither present nor predicted is left out (as scikit-learn does)
                 f1s.append(2 * tp / (2 * tp + fp + fn))
-        return {"loss": sums["loss_sum"] / targets, "accuracy": sums["correct"] / targets, "macro_f1": sum(f1s) / max(len(f1s), 1)}
+        return {
+            "loss": sums["loss_sum"] / targets,
+            "accuracy": sums["correct"] / targets,
+            "macro_f1": sum(f1s) / max(len(f1s), 1),
+        }
 
 
 def label_set(train, eval_ds, given: list[str] | None) -> tuple[list[str], dict[str, int]]:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accord.data.fetch import fetch, to_device
 from accord.data.columns import Schema
+from accord.data.fetch import fetch, to_device
 from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
@@ -59,7 +59,9 @@ class DPOTask(Task):
             from accord.models.build import build_model
             from accord.recipe.schema import ModelConfig
 
-            self.reference = build_model(ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True)
+            self.reference = build_model(
+                ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True
+            )
         elif self.recipe.lora is None:
             self.reference = copy.deepcopy(model)
         if self.reference is not None:
@@ -115,7 +117,9 @@ class DPOTask(Task):
         examples = [row[0] for row in rows]
         batch = collate_pairs(examples, self.pad_id)
         if "ref_logp" in examples[0]:
-            batch["ref_logps"] = torch.tensor([e["ref_logp"][0] for e in examples] + [e["ref_logp"][1] for e in examples], dtype=torch.float32)
+            batch["ref_logps"] = torch.tensor(
+                [e["ref_logp"][0] for e in examples] + [e["ref_logp"][1] for e in examples], dtype=torch.float32
+            )
         return batch
 
     @torch.no_grad()
@@ -148,7 +152,9 @@ class DPOTask(Task):
         )
 
 
-def _row_logprobs(model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+def _row_logprobs(
+    model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
     """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
     if chunked is not None and chunked.serves(labels):
         return chunked.row_logprobs(model, inputs, shifted_targets(labels))

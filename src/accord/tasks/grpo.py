@@ -89,7 +89,11 @@ class GRPOTask(Task):
         return self.cfg.num_iterations
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"add_bos": self.add_bos, "prefix": self.prefix, "max_new_tokens": self.cfg.max_new_tokens}
+        return super().settings() | {
+            "add_bos": self.add_bos,
+            "prefix": self.prefix,
+            "max_new_tokens": self.cfg.max_new_tokens,
+        }
 
     # ---------------------------------------------------------------- data
 
@@ -104,7 +108,9 @@ class GRPOTask(Task):
                 missing = sorted(self.rewards.columns() - set(ds.column_names))
                 if missing:
                     present = [c for c in ds.column_names if not c.startswith("__")]
-                    raise DataError(f"grpo.rewards: exact_match reads column {missing[0]!r}, which the data lacks (fields present: {', '.join(present)})")
+                    raise DataError(
+                        f"grpo.rewards: exact_match reads column {missing[0]!r}, which the data lacks (fields present: {', '.join(present)})"
+                    )
             checked.append(ds)
         return tuple(checked)
 
@@ -116,7 +122,9 @@ class GRPOTask(Task):
 
     def prompt_text(self, row: dict[str, Any]) -> str:
         if self.chat:
-            return self.tokenizer.apply_chat_template(prompt_turns(row["messages"]), tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                prompt_turns(row["messages"]), tokenize=False, add_generation_prompt=True
+            )
         return row["prompt"]
 
     def encode_batch(self, batch: dict[str, list]) -> dict[str, list]:
@@ -152,8 +160,10 @@ class GRPOTask(Task):
 
     def describe(self) -> list[str]:
         c = self.cfg
-        return [f"grpo: {c.group_size} completions per prompt, up to {c.max_new_tokens} tokens; rewards {', '.join(self.rewards.names)}; "
-                f"beta {c.beta:g}, epsilon {c.epsilon:g}, {c.num_iterations} step(s) per generation batch"]
+        return [
+            f"grpo: {c.group_size} completions per prompt, up to {c.max_new_tokens} tokens; rewards {', '.join(self.rewards.names)}; "
+            f"beta {c.beta:g}, epsilon {c.epsilon:g}, {c.num_iterations} step(s) per generation batch"
+        ]
 
     # ---------------------------------------------------------------- generation (once per batch)
 
@@ -189,12 +199,23 @@ class GRPOTask(Task):
         holds the same number of prompts)."""
         c = self.cfg
         seeds = [[sample_seed(self.recipe.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
-        calls = [[i] for i in range(len(rows))] if self.lockstep else _same_length_calls([len(row["prompt_ids"]) for row in rows])
+        calls = (
+            [[i] for i in range(len(rows))]
+            if self.lockstep
+            else _same_length_calls([len(row["prompt_ids"]) for row in rows])
+        )
         completions: dict[int, list[list[int]]] = {}
         for call in calls:
             groups = sample_groups(
-                model, [rows[i]["prompt_ids"] for i in call], [seeds[i] for i in call], max_new_tokens=c.max_new_tokens,
-                temperature=c.temperature, top_p=c.top_p, eos_id=self.eos_id, pad_id=self.pad_id, lockstep=self.lockstep,
+                model,
+                [rows[i]["prompt_ids"] for i in call],
+                [seeds[i] for i in call],
+                max_new_tokens=c.max_new_tokens,
+                temperature=c.temperature,
+                top_p=c.top_p,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+                lockstep=self.lockstep,
             )
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
@@ -207,11 +228,15 @@ class GRPOTask(Task):
         return rollouts
 
     def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
-        texts = [self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions]
+        texts = [
+            self.tokenizer.decode([t for t in ids if t != self.eos_id], skip_special_tokens=True) for ids in completions
+        ]
         return Rollout(row["prompt_ids"], completions, json.loads(row[ROW]), texts)
 
     def _score(self, r: Rollout, row_id: int) -> None:
-        r.scores = self.rewards.score(Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id))
+        r.scores = self.rewards.score(
+            Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id)
+        )
         r.total = (torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None] * r.scores).sum(0)
         # Normalised within the group (TRL's scale_rewards=group): std + 1e-4 keeps a group of
         # equal rewards at advantage 0.
@@ -342,7 +367,9 @@ class GRPOTask(Task):
     # ---------------------------------------------------------------- evaluation
 
     @torch.no_grad()
-    def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
+    def evaluate_generation(
+        self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False
+    ) -> dict[str, float]:
         """Greedy completion of each held-out prompt, scored by each reward function (unweighted).
         Prompts of one length share a `generate` call (no padding, so each row's completion is
         its own, up to floating-point differences between batch shapes); under lockstep every
@@ -352,15 +379,30 @@ class GRPOTask(Task):
             calls = [[i] for i in range(len(rows))]
         else:
             scored = [i for i, row in enumerate(rows) if not row.get(PADDING)]  # padding rows only keep ranks in step
-            calls = [[scored[k] for k in call] for call in _same_length_calls([len(rows[i]["prompt_ids"]) for i in scored], EVAL_PROMPTS_PER_CALL)]
+            calls = [
+                [scored[k] for k in call]
+                for call in _same_length_calls([len(rows[i]["prompt_ids"]) for i in scored], EVAL_PROMPTS_PER_CALL)
+            ]
         for call in calls:
             ids = torch.tensor([rows[i]["prompt_ids"] for i in call], device=device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
-                                 pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=lockstep, temperature=None, top_p=None, top_k=None)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
+                synced_gpus=lockstep,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
             for i, completion in zip(call, out[:, ids.shape[1] :].tolist()):
                 if rows[i].get(PADDING):
                     continue
-                completion = completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
+                completion = (
+                    completion[: completion.index(self.eos_id) + 1] if self.eos_id in completion else completion
+                )
                 raw = json.loads(rows[i][ROW])
                 text = self.tokenizer.decode([t for t in completion if t != self.eos_id], skip_special_tokens=True)
                 scores = self.rewards.score(Group(self.prompt_text(raw), raw, [text], [len(completion)]))
@@ -370,7 +412,9 @@ class GRPOTask(Task):
         return sums
 
     def generation_results(self, reduced: dict[str, float], count: float) -> dict[str, float]:
-        return {f"greedy_reward_{name}": value / max(count, 1.0) for name, value in reduced.items()} | {"generated": count}
+        return {f"greedy_reward_{name}": value / max(count, 1.0) for name, value in reduced.items()} | {
+            "generated": count
+        }
 
 
 def prompt_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,7 +426,9 @@ def prompt_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages[:end]
 
 
-def grpo_token_loss(logps, old_logps, advantages, ref_logps, beta: float, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo_token_loss(
+    logps, old_logps, advantages, ref_logps, beta: float, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token GRPO loss (before masking) and the probability ratio: -min(r·A, clip(r, 1±ε)·A)
     + β·KL₃(π ‖ π_ref), with r = exp(log π − log π_old) (DeepSeekMath eq. 3, TRL's formula)."""
     ratio = torch.exp(logps - old_logps)

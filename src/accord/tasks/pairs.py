@@ -18,10 +18,15 @@ from accord.tasks.base import IGNORE, pad_rows, token_ids
 def pair_schema(labels: bool) -> Schema:
     """The token shard columns of encode_pairs (data/columns.py)."""
     sides = ("chosen", "rejected")
-    return Schema(tuple(f"{s}_input_ids" for s in sides), labels={f"{s}_labels": f"{s}_input_ids" for s in sides} if labels else {})
+    return Schema(
+        tuple(f"{s}_input_ids" for s in sides),
+        labels={f"{s}_labels": f"{s}_input_ids" for s in sides} if labels else {},
+    )
 
 
-def encode_pairs(tokenizer, batch: dict[str, list], prefix: list[int], ending: list[int], max_length: int, labels: bool) -> dict[str, list]:
+def encode_pairs(
+    tokenizer, batch: dict[str, list], prefix: list[int], ending: list[int], max_length: int, labels: bool
+) -> dict[str, list]:
     """Token columns for a batch of pairs: `prefix` (the BOS policy) + prompt + answer +
     `ending` per side, one pair a target. An over-long pair keeps the end of its prompt
     (what the answer follows) after the prefix, then cuts the answers. `labels`: also the
@@ -52,7 +57,10 @@ def collate_pairs(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     sequences = [e[f"{side}_input_ids"] for side in sides for e in examples]
     input_ids = pad_rows(sequences, pad_id)
     lengths = torch.tensor([len(s) for s in sequences])
-    batch = {"input_ids": input_ids, "attention_mask": (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long(),
+    }
     if "chosen_labels" in examples[0]:
         batch["labels"] = pad_rows([e[f"{side}_labels"] for side in sides for e in examples], IGNORE)
     return batch

@@ -48,7 +48,9 @@ class RewardTask(Task):
         self.chat = _holds_conversations(train, "chosen")
         if self.chat and self.tokenizer.chat_template is None:
             raise DataError("reward on chat messages needs a tokenizer with a chat template (model.tokenizer has none)")
-        return tuple(None if ds is None else self._as_text(ds) if self.chat else _text_pairs(ds) for ds in (train, eval_ds))
+        return tuple(
+            None if ds is None else self._as_text(ds) if self.chat else _text_pairs(ds) for ds in (train, eval_ds)
+        )
 
     def _as_text(self, ds):
         """Conversation rows as text pairs: `prompt` the template's rendering of the prompt
@@ -58,13 +60,20 @@ class RewardTask(Task):
         missing = [name for name in ("chosen", "rejected") if name not in ds.column_names]
         if missing:
             present = ", ".join(c for c in ds.column_names if not c.startswith("__"))
-            raise DataError(f"{row_origin(ds[0])}: chat preference rows need `chosen` and `rejected` conversations (fields present: {present})")
+            raise DataError(
+                f"{row_origin(ds[0])}: chat preference rows need `chosen` and `rejected` conversations (fields present: {present})"
+            )
 
         def split(row):
             for name in ("prompt", "chosen", "rejected"):
                 value = row.get(name) or []
-                if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
-                    raise DataError(f"{row_origin(row)}: `{name}` must be a list of {{role, content}} messages, like the first row's")
+                if not isinstance(value, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in value
+                ):
+                    raise DataError(
+                        f"{row_origin(row)}: `{name}` must be a list of {{role, content}} messages, like the first row's"
+                    )
             prompt = row.get("prompt") or []
             head = render(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""
             texts = {name: render(prompt + row[name], tokenize=False) for name in ("chosen", "rejected")}
@@ -117,5 +126,6 @@ def _holds_conversations(ds, column: str) -> bool:
 
 
 def _text_pairs(ds):
-    return check_columns(ds, ("prompt", "chosen", "rejected"), "reward data (prompt/chosen/rejected as text or chat messages)")
-
+    return check_columns(
+        ds, ("prompt", "chosen", "rejected"), "reward data (prompt/chosen/rejected as text or chat messages)"
+    )

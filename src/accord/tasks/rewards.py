@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,7 +61,9 @@ class RewardFunctions:
             try:
                 pattern = re.compile(spec.pattern, re.DOTALL)
             except re.error as e:
-                raise UserInputError(f"{where}.pattern: {spec.pattern!r} is not a valid regular expression ({e})") from None
+                raise UserInputError(
+                    f"{where}.pattern: {spec.pattern!r} is not a valid regular expression ({e})"
+                ) from None
             return lambda g: [float(pattern.fullmatch(c) is not None) for c in g.completions]
         if isinstance(spec, LengthReward):
             return lambda g: [-n / self.cfg.max_new_tokens for n in g.lengths]
@@ -88,7 +91,9 @@ class RewardFunctions:
         for name, scorer in zip(self.names, self._scorers):
             values = scorer(group)
             if len(values) != len(group.completions):
-                raise RewardFailed(f"reward {name} returned {len(values)} values for {len(group.completions)} completions ({_origin(group)})")
+                raise RewardFailed(
+                    f"reward {name} returned {len(values)} values for {len(group.completions)} completions ({_origin(group)})"
+                )
             bad = [v for v in values if not isinstance(v, (int, float)) or not math.isfinite(v)]
             if bad:
                 raise RewardFailed(f"reward {name} returned {bad[0]!r} (not a finite number) for {_origin(group)}")
@@ -115,7 +120,11 @@ def _origin(g: Group) -> str:
 
 def _checked_callable(fn: Callable, path: str) -> Scorer:
     def score(g: Group) -> list[float]:
-        columns = {k: [v] * len(g.completions) for k, v in g.row.items() if not k.startswith("__") and k not in ("prompt", "completions")}
+        columns = {
+            k: [v] * len(g.completions)
+            for k, v in g.row.items()
+            if not k.startswith("__") and k not in ("prompt", "completions")
+        }
         try:
             values = fn(prompts=[g.prompt] * len(g.completions), completions=list(g.completions), **columns)
         except Exception as e:
@@ -123,7 +132,9 @@ def _checked_callable(fn: Callable, path: str) -> Scorer:
         try:
             return list(values)
         except TypeError:
-            raise RewardFailed(f"reward function {path} returned {type(values).__name__}, not a list of numbers, on {_origin(g)}") from None
+            raise RewardFailed(
+                f"reward function {path} returned {type(values).__name__}, not a list of numbers, on {_origin(g)}"
+            ) from None
 
     return score
 

@@ -33,27 +33,54 @@ class PerSampleGumbel(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         vocab = scores.shape[-1]
         # -log(Exp(1)) is Gumbel(0, 1); the clamp keeps a (vanishingly rare) 0 draw finite.
-        noise = torch.stack([-torch.empty(vocab).exponential_(generator=g).clamp_min(1e-30).log() for g in self.generators])
+        noise = torch.stack(
+            [-torch.empty(vocab).exponential_(generator=g).clamp_min(1e-30).log() for g in self.generators]
+        )
         return scores.float() + noise.to(scores.device)
 
 
 @torch.no_grad()
 def sample_group(
-    model: nn.Module, prompt_ids: list[int], seeds: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
-    eos_id: int, pad_id: int, lockstep: bool,
+    model: nn.Module,
+    prompt_ids: list[int],
+    seeds: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+    lockstep: bool,
 ) -> list[list[int]]:
     """One completion per seed for one prompt (one batch, no padding), each cut after its EOS.
 
     `lockstep`: sharded parameters are gathered in every forward, so ranks keep decoding
     (transformers' synced_gpus) until all of them are done."""
-    return sample_groups(model, [prompt_ids], [seeds], max_new_tokens=max_new_tokens, temperature=temperature,
-                         top_p=top_p, eos_id=eos_id, pad_id=pad_id, lockstep=lockstep)[0]
+    return sample_groups(
+        model,
+        [prompt_ids],
+        [seeds],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        lockstep=lockstep,
+    )[0]
 
 
 @torch.no_grad()
 def sample_groups(
-    model: nn.Module, prompts: list[list[int]], seeds: list[list[int]], *, max_new_tokens: int, temperature: float,
-    top_p: float, eos_id: int, pad_id: int, lockstep: bool,
+    model: nn.Module,
+    prompts: list[list[int]],
+    seeds: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+    lockstep: bool,
 ) -> list[list[list[int]]]:
     """Each prompt's group (one completion per seed), sampled in one batch: the prompts must
     have the same length, so no row is padded and each row's tokens depend only on its prompt
@@ -89,7 +116,9 @@ def sample_groups(
     return groups
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """(B, L-1) log-probability of each next token under the sampling temperature (fp32), as
     TRL computes the policy's: logits divided by the temperature."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature

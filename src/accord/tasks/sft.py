@@ -30,10 +30,15 @@ class SFTTask(CausalLMTask):
         self.empty_completions: dict[str, list] = {}
 
     def settings(self) -> dict[str, Any]:
-        return super().settings() | {"completion_only_loss": self.completion_only, "add_bos": self.add_bos, "prefix": self.prefix}
+        return super().settings() | {
+            "completion_only_loss": self.completion_only,
+            "add_bos": self.add_bos,
+            "prefix": self.prefix,
+        }
 
     def fit(self, train, eval_ds):
-        from accord.data.streams import checked as checked_rows, columns, is_stream
+        from accord.data.streams import checked as checked_rows
+        from accord.data.streams import columns, is_stream
 
         self.chat = "messages" in (columns(train) if is_stream(train) else train.column_names)
         checked = []
@@ -41,7 +46,12 @@ class SFTTask(CausalLMTask):
         for split, ds in (("train", train), ("eval", eval_ds)):
             if ds is not None and is_stream(ds):  # checked row by row as preparation reads it
                 fields = () if self.chat else ("prompt", "completion")
-                ds = checked_rows(ds, fields, f"sft {split} data (prompt/completion or messages)", _check_messages if self.chat else None)
+                ds = checked_rows(
+                    ds,
+                    fields,
+                    f"sft {split} data (prompt/completion or messages)",
+                    _check_messages if self.chat else None,
+                )
             elif ds is not None and self.chat:
                 _check_messages(ds)
             elif ds is not None:
@@ -132,7 +142,9 @@ class SFTTask(CausalLMTask):
         return ids, labels
 
     @torch.no_grad()
-    def evaluate_generation(self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False) -> dict[str, float]:
+    def evaluate_generation(
+        self, model: nn.Module, rows, device, max_new_tokens: int, lockstep: bool = False
+    ) -> dict[str, float]:
         """Greedy completion of each prompt; exact match against the reference completion."""
         if self.chat:
             return {}
@@ -172,7 +184,10 @@ def _check_messages(ds) -> None:
         problem = None
         if not isinstance(messages, list) or not messages:
             problem = "`messages` must be a non-empty list of {role, content}"
-        elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        elif not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
             problem = "every message needs string `role` and `content`"
         elif not any(m["role"] == "assistant" for m in messages):
             problem = "no assistant turn, so nothing to train on (zero target tokens)"

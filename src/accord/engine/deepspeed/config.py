@@ -21,14 +21,21 @@ from accord.engine.wrapping import hidden_size, layer_modules
 from accord.recipe.schema import Recipe, RecipeError
 
 
-def deepspeed_config(recipe: Recipe, plan: BatchPlan, device: torch.device, model: nn.Module | None = None, world: int = 1) -> dict[str, Any]:
+def deepspeed_config(
+    recipe: Recipe, plan: BatchPlan, device: torch.device, model: nn.Module | None = None, world: int = 1
+) -> dict[str, Any]:
     """The whole DeepSpeed config, from the recipe (no "auto" values); `world` is the number
     of ranks ZeRO-3 partitions over."""
     engine, optim = recipe.engine, recipe.optim
     stage = int(engine.strategy.removeprefix("zero"))
     cuda = device.type == "cuda"
     offload_optimizer = engine.offload in ("optimizer", "optimizer+params")
-    adamw: dict[str, Any] = {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+    adamw: dict[str, Any] = {
+        "lr": optim.lr,
+        "betas": list(optim.betas),
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
     if not (cuda and offload_optimizer):
         # torch's AdamW (the DDP path's optimizer, fused on GPU like it); only an optimizer
         # offloaded from a GPU uses DeepSpeed's compiled CPU Adam, which is much faster there.
@@ -157,7 +164,9 @@ def deepspeed_settings(env: dict[str, str], source: str = "accelerate config: de
     stage = zero.get("stage", env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
     if stage is not None and str(stage) != "auto":
         if str(stage) == "0":
-            raise RecipeError("accelerate config: DeepSpeed ZeRO stage 0 is plain data parallelism; use engine.strategy=ddp")
+            raise RecipeError(
+                "accelerate config: DeepSpeed ZeRO stage 0 is plain data parallelism; use engine.strategy=ddp"
+            )
         settings["engine.strategy"] = f"zero{stage}"
     optimizer_device = _device(zero.get("offload_optimizer"), env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"))
     param_device = _device(zero.get("offload_param"), env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"))
@@ -173,7 +182,10 @@ def deepspeed_settings(env: dict[str, str], source: str = "accelerate config: de
     clipping = ds.get("gradient_clipping", env.get("ACCELERATE_GRADIENT_CLIPPING"))
     if clipping not in (None, "auto", "none"):
         settings["optim.max_grad_norm"] = float(clipping)
-    for key, name in (("train_micro_batch_size_per_gpu", "batch.micro_batch_size"), ("train_batch_size", "batch.global_batch_size")):
+    for key, name in (
+        ("train_micro_batch_size_per_gpu", "batch.micro_batch_size"),
+        ("train_batch_size", "batch.global_batch_size"),
+    ):
         if ds.get(key) not in (None, "auto"):
             settings[name] = int(ds[key])
     for key in ("bf16", "fp16"):

@@ -35,23 +35,29 @@ from accord.distributed.group import DistInfo
 from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
 from accord.engine.base import Engine
 from accord.engine.deepspeed.config import deepspeed_config
+from accord.engine.long_rows import apply_memory_levers
 from accord.engine.optim import build_scheduler, param_groups
 from accord.engine.precision import autocast
 from accord.engine.state import PendingWrite
-from accord.engine.long_rows import apply_memory_levers
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.recipe.schema import Recipe
 
 
-def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int) -> DeepSpeedEngine:
+def build(
+    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+) -> DeepSpeedEngine:
     if not deepspeed_available():
-        raise UserInputError(f"engine.strategy={recipe.engine.strategy} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}")
+        raise UserInputError(
+            f"engine.strategy={recipe.engine.strategy} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"
+        )
     return DeepSpeedEngine(model, recipe, info, device, plan, total_steps)
 
 
 class DeepSpeedEngine(Engine):
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int):
+    def __init__(
+        self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    ):
         # Imported here, not above: without DeepSpeed this module must still load, for build's message.
         import deepspeed
 
@@ -64,7 +70,9 @@ class DeepSpeedEngine(Engine):
         # accord's dist.init created the process group: DeepSpeed adopts it. (On the CPU it
         # also loads a shared-memory op used only for inference, printing a line per rank.)
         with contextlib.redirect_stdout(io.StringIO()):
-            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", dist_init_required=False)
+            deepspeed.init_distributed(
+                dist_backend="nccl" if device.type == "cuda" else "gloo", dist_init_required=False
+            )
         self.device = device
         self.world_size = info.world_size
         self.precision = recipe.engine.precision
@@ -77,7 +85,9 @@ class DeepSpeedEngine(Engine):
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         with _fp32_partitions_reused(self.stage == 3 and self.precision != "fp16"):
-            self._wrapped, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, dist_init_required=False)
+            self._wrapped, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=groups, config=config, dist_init_required=False
+            )
         self.module = self._wrapped.module
         self._state = DeepSpeedState(self._wrapped, self.stage, self.precision, device, group_names)
         self.state_optimizer = self._state.base

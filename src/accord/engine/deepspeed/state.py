@@ -23,7 +23,11 @@ import deepspeed
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import (
-    safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
     safe_set_local_optimizer_state,
 )
 from packaging.version import Version
@@ -32,7 +36,19 @@ from torch import nn
 from accord.distributed import group as dist
 from accord.engine.base import unique_entries
 from accord.engine.state import (
-    MODEL, OPTIM, WRITE_BUFFER_BYTES, PendingWrite, SaveEntry, load_schedule, read_flat_ranges, read_whole, save_parts, save_schedule, stored_keys, write_in_parts, write_sharded,
+    MODEL,
+    OPTIM,
+    WRITE_BUFFER_BYTES,
+    PendingWrite,
+    SaveEntry,
+    load_schedule,
+    read_flat_ranges,
+    read_whole,
+    save_parts,
+    save_schedule,
+    stored_keys,
+    write_in_parts,
+    write_sharded,
 )
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -59,7 +75,11 @@ class DeepSpeedState:
 
     def _needed(self) -> list[str]:
         """The ZeRO optimizer's attributes this stage and precision use below."""
-        needed = ["fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"] if self.stage == 3 else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
+        needed = (
+            ["fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"]
+            if self.stage == 3
+            else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
+        )
         if self.precision == "fp16":
             needed.append("loss_scale")
         return needed
@@ -89,7 +109,9 @@ class DeepSpeedState:
             return param.data
         return value
 
-    def save(self, folder: Path, writer: bool, scheduler: torch.optim.lr_scheduler.LRScheduler, asynchronous: bool = False) -> PendingWrite | None:
+    def save(
+        self, folder: Path, writer: bool, scheduler: torch.optim.lr_scheduler.LRScheduler, asynchronous: bool = False
+    ) -> PendingWrite | None:
         """Collective: the layout every strategy writes (engine.state), from DeepSpeed's
         partitions. DeepSpeed has no per-name shards, so each tensor is gathered whole, one at
         a time, and kept only by the rank that writes it (round-robin by name), and the ranks
@@ -107,7 +129,11 @@ class DeepSpeedState:
         entries = self._entries(tensors, with_optimizer=step is not None)
         parts = save_parts(entries, world, None if asynchronous else WRITE_BUFFER_BYTES)
         states = (self._gather(tensors, part, rank, step) for part in parts)
-        pending = write_sharded(next(states), folder, asynchronous=True, owned=True) if asynchronous else write_in_parts(states, folder)
+        pending = (
+            write_sharded(next(states), folder, asynchronous=True, owned=True)
+            if asynchronous
+            else write_in_parts(states, folder)
+        )
         if writer:
             extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)
@@ -132,10 +158,16 @@ class DeepSpeedState:
                 entries.append(SaveEntry(MODEL, name, tensor.numel() * tensor.element_size()))
         if with_optimizer:
             params = dict(self.module.named_parameters())
-            entries += [SaveEntry(OPTIM, name, 4 * len(ADAM_STATE_KEYS) * _numel(params[name])) for names in self.group_names for name in names]
+            entries += [
+                SaveEntry(OPTIM, name, 4 * len(ADAM_STATE_KEYS) * _numel(params[name]))
+                for names in self.group_names
+                for name in names
+            ]
         return entries
 
-    def _gather(self, tensors: dict[str, torch.Tensor], part: list[tuple[int, SaveEntry]], rank: int, step: float | None) -> dict:
+    def _gather(
+        self, tensors: dict[str, torch.Tensor], part: list[tuple[int, SaveEntry]], rank: int, step: float | None
+    ) -> dict:
         """Collective: one part's tensors (of `tensors`, the state dict) gathered whole in
         turn; this rank keeps those it owns."""
         params = dict(self.module.named_parameters())
@@ -191,12 +223,21 @@ class DeepSpeedState:
             self._load_partitions(folder, stored, {f"{MODEL}.{name}": (param, None) for name, param in params.items()})
             self._gather_again()
         trainable = [name for names in self.group_names for name in names]
-        optim_keys = [f"{OPTIM}.{name}.{key}" for name in trainable for key in ADAM_STATE_KEYS if f"{OPTIM}.{name}.{key}" in stored]
+        optim_keys = [
+            f"{OPTIM}.{name}.{key}"
+            for name in trainable
+            for key in ADAM_STATE_KEYS
+            if f"{OPTIM}.{name}.{key}" in stored
+        ]
         if optim_keys:
             (step,) = next(read_whole(folder, [f"{OPTIM}.{trainable[0]}.step"], stored)).values()
             self._create_optimizer_state(float(step))
         if optim_keys and self.stage == 3:
-            self._load_partitions(folder, stored, {key: (params[key[len(OPTIM) + 1 :].rsplit(".", 1)[0]], key.rsplit(".", 1)[1]) for key in optim_keys})
+            self._load_partitions(
+                folder,
+                stored,
+                {key: (params[key[len(OPTIM) + 1 :].rsplit(".", 1)[0]], key.rsplit(".", 1)[1]) for key in optim_keys},
+            )
         elif optim_keys:
             for batch in read_whole(folder, optim_keys, stored):
                 for key in list(batch):
@@ -299,8 +340,16 @@ class DeepSpeedState:
         the parameters' own flat partition is not a copy and is not counted."""
         if self.stage != 3:
             return 0
-        own = {flat.untyped_storage().data_ptr() for flat in _internal(self._zero, "fp16_partitioned_groups_flat") if flat is not None}
-        return sum(flat.numel() * flat.element_size() for flat in self._flat_params() if flat.untyped_storage().data_ptr() not in own)
+        own = {
+            flat.untyped_storage().data_ptr()
+            for flat in _internal(self._zero, "fp16_partitioned_groups_flat")
+            if flat is not None
+        }
+        return sum(
+            flat.numel() * flat.element_size()
+            for flat in self._flat_params()
+            if flat.untyped_storage().data_ptr() not in own
+        )
 
     def _link_optimizer_state(self) -> None:
         """ZeRO-1/2 read and write the optimizer state through per-parameter views of the

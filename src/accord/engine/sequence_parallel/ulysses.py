@@ -48,14 +48,18 @@ def check_sequence_parallel(recipe, config) -> list[str]:
     if n == 1:
         return []
     if recipe.task not in TASKS:
-        return [f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; set engine.sequence_parallel=1"]
+        return [
+            f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; set engine.sequence_parallel=1"
+        ]
     if config is None:
         return []  # not known before the model is built (a GGUF file): checked again in the worker
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads is None:
-        return [f"engine.sequence_parallel={n}: the model's config names no attention heads; set engine.sequence_parallel=1"]
+        return [
+            f"engine.sequence_parallel={n}: the model's config names no attention heads; set engine.sequence_parallel=1"
+        ]
     if heads % n or (kv_heads % n and n % kv_heads):
         valid = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
         return [
@@ -64,7 +68,9 @@ def check_sequence_parallel(recipe, config) -> list[str]:
         ]
     implementation = recipe.model.attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation not in CORE_ATTENTION:
-        return [f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; set engine.sequence_parallel=1"]
+        return [
+            f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; set engine.sequence_parallel=1"
+        ]
     return []
 
 
