@@ -159,7 +159,7 @@ def test_a_stopped_worker_is_named_with_its_operation_and_the_run_exits_1(tmp_pa
     folder = Path(hang["folder"])
     assert folder.parent == out and json.loads((folder / "hang.json").read_text())["stuck"] == [1]
     for rank in (0, 1):  # the stopped rank too: continued just long enough to dump
-        assert "accord/trainer.py" in (folder / f"stacks-rank-{rank:05d}.txt").read_text()
+        assert "accord/run/trainer.py" in (folder / f"stacks-rank-{rank:05d}.txt").read_text()
 
 
 # Two worker start-ups: slow. The default tier has the hang (test above) and the restart from
