@@ -45,7 +45,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # in ~20 s; its C++/CUDA ops are compiled on first use, not at install. bench (TRL, for
     # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own.
     stage "installing accord and its dependencies (transformers, datasets, DeepSpeed, ...)"
-    "${PIP[@]}" -e ".[dev,deepspeed,bench]"
+    "${PIP[@]}" -e ".[dev,deepspeed,lora,report,bench]"
     done_stage
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         # On a CPU-only machine DeepSpeed compiles one op (shared-memory collectives) the

@@ -417,6 +417,12 @@ def _report(args: argparse.Namespace) -> int:
     announce(f"rendering the report of {args.output_dir}…")  # before matplotlib's import: seconds
     if not (Path(args.output_dir) / "metrics.jsonl").is_file():
         raise UserInputError(f"{args.output_dir}: no metrics.jsonl here (give the output.dir of a run)")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserInputError(
+            "accord report draws with matplotlib, which is not installed: pip install 'accord[report]'"
+        )
     from accord.observe.report import render_report
 
     page = render_report(args.output_dir)

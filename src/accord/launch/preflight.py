@@ -186,9 +186,18 @@ def _model_config(cfg: ModelConfig):
 
 
 def check_environment(recipe: Recipe) -> list[str]:
-    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16.
+    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft.
     Kept out of the recipe's schema, so a recipe validates alike on every machine."""
-    return check_devices(recipe.engine) or check_deepspeed(recipe.engine)
+    return check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe)
+
+
+def check_peft(recipe: Recipe) -> list[str]:
+    """LoRA is an optional feature: its library is an extra."""
+    import importlib.util
+
+    if recipe.lora is not None and importlib.util.find_spec("peft") is None:
+        return ["lora needs peft, which is not installed: pip install 'accord[lora]' (or drop the lora section)"]
+    return []
 
 
 def check_devices(cfg: EngineConfig) -> list[str]:
