@@ -410,6 +410,46 @@ def test_recipe_that_is_not_utf8_is_one_line(tmp_path):
     )
 
 
+def test_a_key_written_twice_names_both_lines_at_any_depth(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second optim: section would replace the first."""
+    top = tmp_path / "top.yaml"
+    top.write_text("seed: 0\noptim:\n  lr: 1.0e-3\nseed: 1\noptim:\n  lr: 2.0e-3\n")
+    assert_one_line(run_accord_here("train", top), f"{top}:4: duplicate key seed (lines 1 and 4); keep one")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("optim:\n  lr: 1.0e-3\n  warmup_steps: 2\n  lr: 2.0e-3\n")
+    assert_one_line(run_accord_here("train", nested), f"{nested}:4: duplicate key optim.lr (lines 2 and 4)")
+    in_a_list = tmp_path / "list.yaml"
+    in_a_list.write_text("data:\n  train:\n    - path: a.jsonl\n      path: b.jsonl\n")
+    assert_one_line(run_accord_here("train", in_a_list), "duplicate key data.train.0.path (lines 3 and 4)")
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.lr=.inf", "optim.lr: input should be a finite number (got inf)"),
+        ("optim.lr=.nan", "optim.lr: input should be a finite number (got nan)"),
+        ("optim.lr=0", "optim.lr: input should be greater than 0"),
+        ("optim.weight_decay=-.inf", "optim.weight_decay: input should be a finite number"),
+        ("optim.max_grad_norm=.inf", "optim.max_grad_norm: input should be a finite number"),
+        ("optim.betas=[0.9,1.0]", "optim.betas=[0.9, 1.0]: each must be in [0, 1), e.g. [0.9, 0.999]"),
+        ("optim.betas=[-0.1,0.999]", "optim.betas=[-0.1, 0.999]: each must be in [0, 1)"),
+        ("output.dir=", "output.dir is empty: name the run's folder"),
+        ("output.dir=' '", "output.dir is empty"),
+    ],
+)
+def test_absurd_values_are_refused_before_any_work(tiny_recipe, tmp_path, override, needle):
+    assert_one_line(run_accord_here("train", tiny_recipe, override), needle)
+    assert not (tmp_path / "run").exists() and not list(Path.cwd().glob("checkpoints"))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_and_the_file_kept(tiny_recipe, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    proc = run_accord("train", tiny_recipe, f"output.dir={taken}", *SHORT)
+    assert_one_line(proc, f"output.dir: {taken} exists and is not a folder")
+    assert taken.read_text() == "mine"
+
+
 @pytest.mark.parametrize("split", ["train", pytest.param("eval", marks=pytest.mark.slow)])
 def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, split):
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(400)])

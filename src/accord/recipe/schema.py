@@ -18,6 +18,7 @@ from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: 
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.section import Section
+from accord.recipe.yaml_text import DuplicateKey, load_yaml
 
 BYTE_TOKENIZER = "byte"  # model.tokenizer value for accord's built-in byte-level tokenizer
 
@@ -269,6 +270,13 @@ class OptimConfig(Section):
         1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping)."
     )
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_are_decay_rates(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"optim.betas={list(betas)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
+
 
 class TrainConfig(Section):
     """How long to train and how often to log and evaluate."""
@@ -412,6 +420,14 @@ class OutputConfig(Section):
     """Where the run writes its recipe, metrics, TensorBoard events and final model."""
 
     dir: str = Field("runs/default", description="Output folder.")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_named(cls, folder: str) -> str:
+        if not folder.strip():
+            raise ValueError("output.dir is empty: name the run's folder, e.g. output.dir=runs/my-run")
+        return folder
+
     overwrite: bool = Field(False, description="Replace an earlier run in `dir` (otherwise refused).")
 
 
@@ -477,7 +493,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except DuplicateKey as e:
+        raise RecipeError(f"{path}:{e.second}: {e}") from None
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise RecipeError(

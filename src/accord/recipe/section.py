@@ -1,4 +1,5 @@
-"""The base of every recipe section: unknown keys are errors, defaults are validated too."""
+"""The base of every recipe section: unknown keys are errors, defaults are validated too, and no number is NaN or
+infinite (YAML reads `.inf` and `.nan` as floats; none of accord's settings means either)."""
 
 from __future__ import annotations
 
@@ -6,4 +7,4 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
