@@ -382,6 +382,27 @@ def test_a_zero3_rank_reads_the_rows_around_its_partition_in_bounded_batches(tmp
             assert torch.equal(torch.cat(pieces[name]), tensor.flatten()), (world, name)
 
 
+def test_a_model_of_one_shard_is_one_model_safetensors_as_save_pretrained_writes_it(tmp_path):
+    """Tools open `model.safetensors` by name: a final model that fits one shard has no index."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from accord.engine.base import unique_entries
+    from accord.models.build import build_byte_tokenizer
+    from accord.output.folder import save_streamed_model
+
+    model = _tiny_llama(tie=True)
+    tensors = ((name, t.detach().clone()) for name, t in unique_entries(model))
+    save_streamed_model(tensors, model, build_byte_tokenizer(), tmp_path / "final")
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference)
+    written = sorted(p.name for p in (tmp_path / "final").glob("model*"))
+    assert written == sorted(p.name for p in reference.glob("model*")) == ["model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
 def test_streamed_export_writes_each_tensor_as_it_arrives_in_every_dtype(tmp_path):
     """The shard writer keeps no tensor once it has written it (its memory is one tensor,
     not one shard), and the files read back bit-exactly through safetensors in every dtype,

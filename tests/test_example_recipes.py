@@ -83,7 +83,7 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     records = read_metrics(out)
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]  # the baseline, then the end
-    assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors.index.json").is_file()
+    assert (out / "final" / "config.json").is_file() and any((out / "final").glob("model*.safetensors"))
 
 
 @pytest.mark.slow  # two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's, the missing-start line test_recipe's

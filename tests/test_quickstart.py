@@ -173,8 +173,8 @@ print(json.dumps(answers))
 
 def test_second_run_into_the_same_folder_is_refused_and_loses_nothing(quickstart_run):
     out, _ = quickstart_run
-    before = (out / "final" / "model-00001-of-00001.safetensors").read_bytes()
+    before = (out / "final" / "model.safetensors").read_bytes()
     proc = run_accord("train", REPO / "recipes" / "quickstart.yaml", *SHORT, f"output.dir={out}", timeout=60)
     assert proc.returncode == 2
     assert "already holds a run" in proc.stderr and "--overwrite" in proc.stderr
-    assert (out / "final" / "model-00001-of-00001.safetensors").read_bytes() == before
+    assert (out / "final" / "model.safetensors").read_bytes() == before

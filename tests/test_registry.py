@@ -104,4 +104,4 @@ def test_task_defined_outside_accord_trains(tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(r["targets_seen"] == pytest.approx(1.0) for r in train)
     assert "class: my_tasks:EveryTokenTask" in (out / "recipe.yaml").read_text()
-    assert (out / "final" / "model.safetensors.index.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file()

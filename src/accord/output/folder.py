@@ -24,6 +24,7 @@ RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes of tensors each.
 SHARD_BYTES = 2**30
 SHARD_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # a model of one shard, as save_pretrained names it
 # Where --overwrite moves an earlier run's artefacts until the new run has completed a step
 # (then they are deleted) or has failed before that (then they are moved back).
 PREVIOUS_RUN = ".previous-run"
@@ -129,8 +130,8 @@ def save_streamed_model(
     tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES
 ) -> None:
     """A save_pretrained folder from whole tensors handed over one at a time: transformers'
-    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json) of
-    at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one
+    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or
+    one model.safetensors) of at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one
     tensor at a time. `model` gives the config (and generation config) only."""
     from accord.output.safetensors_writer import ShardedSafetensorsWriter
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from accord.output.folder import SHARD_INDEX
+from accord.output.folder import SHARD_INDEX, SINGLE_FILE
 
 # The format's dtype names (safetensors' Dtype enum).
 _DTYPES = {
@@ -40,7 +40,7 @@ _DTYPES = {
 
 class ShardedSafetensorsWriter:
     """`model-0000k-of-0000n.safetensors` files of at most `shard_bytes` of tensor data each
-    (or one tensor) and their index, in `folder`."""
+    (or one tensor) and their index, in `folder`; or one `model.safetensors` when all fit in one."""
 
     def __init__(self, folder: Path, shard_bytes: int):
         self.folder, self.shard_bytes = folder, shard_bytes
@@ -69,10 +69,14 @@ class ShardedSafetensorsWriter:
         self.total += nbytes
 
     def close(self) -> None:
-        """Writes the last shard and the index (an empty model: one empty shard)."""
+        """Writes the last shard and the index (an empty model: one empty shard). One shard is
+        `model.safetensors` without an index, as save_pretrained writes it: tools open that name."""
         if self.entries or not self.parts:
             self._flush()
         count = len(self.parts)
+        if count == 1:
+            self.parts[0][0].rename(self.folder / SINGLE_FILE)
+            return
         weight_map = {}
         for k, (path, names) in enumerate(self.parts, start=1):
             name = f"model-{k:05d}-of-{count:05d}.safetensors"
