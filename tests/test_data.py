@@ -139,10 +139,20 @@ def prepare(recipe):
     return prepare_data(recipe, tokenizer, task, preparer=True)
 
 
-def test_empty_dataset(tmp_path):
-    (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(DataError, match="empty.jsonl"):
-        prepare(sft_recipe(tmp_path, train=str(tmp_path / "empty.jsonl")))
+@pytest.mark.parametrize(
+    "name, text, what",
+    [
+        ("empty.jsonl", "", "empty"),
+        ("blank.jsonl", "\n  \n", "blank \\(only white space\\)"),
+        ("empty.csv", "", "empty"),
+        ("empty.json", "", "empty"),
+        ("empty.parquet", "", "empty"),
+    ],
+)
+def test_an_empty_data_file_is_named_with_its_cause(tmp_path, name, text, what):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=f"{name}: the file is {what}: it has no rows; fill it or leave it out"):
+        prepare(sft_recipe(tmp_path, train=str(tmp_path / name)))
 
 
 def test_label_outside_the_label_set(tmp_path):

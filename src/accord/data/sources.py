@@ -224,11 +224,23 @@ def _load_files(files: list[str], fmt: str, source: SourceConfig):
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
     except Exception as e:  # datasets wraps parser errors; find the line ourselves for JSON
+        for file in files:
+            _raise_on_no_rows(Path(file))
         if builder == "json":
             for file in files:
                 _raise_on_bad_json(Path(file))
         cause = e.__cause__ or e
         raise DataError(f"{', '.join(files)}: cannot be read as {fmt}: {' '.join(str(cause).split())[:300]}") from None
+
+
+def _raise_on_no_rows(path: Path) -> None:
+    """An empty (or blank) file makes the parsers fail with an empty message: say so."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return
+    what = "empty" if path.stat().st_size == 0 else "blank (only white space)"
+    raise DataError(f"{path}: the file is {what}: it has no rows; fill it or leave it out of the recipe's data")
 
 
 def _raise_on_bad_json(path: Path) -> None:
