@@ -227,6 +227,24 @@ def test_overwrite_sets_aside_every_file_a_run_writes_and_puts_them_back(tmp_pat
     ).is_file()
 
 
+def test_a_run_set_aside_by_a_live_overwrite_is_not_offered_for_deletion(tmp_path):
+    """While a live --overwrite holds the earlier run in .previous-run (until its first step), a
+    second start is told the folder is in use, not to move or delete what the live run needs."""
+    from accord.output.folder import PREVIOUS_RUN, check_output_dir
+    from accord.output.lock import acquire
+    from accord.recipe.schema import validate_recipe
+
+    out = tmp_path / "run"
+    (out / PREVIOUS_RUN).mkdir(parents=True)
+    recipe = validate_recipe(TINY_RECIPE | {"output": {"dir": str(out), "overwrite": True}})
+    with acquire(out, "the-live-run"):
+        [problem] = check_output_dir(recipe)
+        assert "is in use by another run" in problem and PREVIOUS_RUN not in problem
+        assert check_output_dir(recipe, run_id="the-live-run")[0].startswith(f"output.dir: {out / PREVIOUS_RUN} holds")
+    [problem] = check_output_dir(recipe)  # nobody holds it: the interrupted run's way back is offered
+    assert f"move its contents back into {out}, or delete it" in problem
+
+
 def test_overwrite_left_half_done_by_a_killed_launcher_is_refused(tiny_recipe, tmp_path):
     out = tmp_path / "out"
     (out / ".previous-run").mkdir(parents=True)

@@ -241,7 +241,7 @@ class _OutputHold:
         if not self.writer:
             return []
         # Checked again under the lock: another run may have finished here since the checks.
-        problems = check_output_dir(self.recipe)
+        problems = check_output_dir(self.recipe, self.run_id)
         if problems:
             return problems
         self.fresh = not earlier_run(self.out_dir)

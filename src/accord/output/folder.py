@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from accord.output.lock import lock_problem
 from accord.recipe.schema import Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
@@ -44,16 +45,22 @@ def remove_refused_run(out_dir: Path) -> None:
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
-def check_output_dir(recipe: Recipe) -> list[str]:
-    """Problems with output.dir, found before any work starts."""
+def check_output_dir(recipe: Recipe, run_id: str = "") -> list[str]:
+    """Problems with output.dir, found before any work starts. `run_id`: this run's, whose own
+    lock on the folder is no problem."""
     out_dir = Path(recipe.output.dir)
     if out_dir.exists() and not out_dir.is_dir():
         return [f"output.dir: {out_dir} exists and is not a folder"]
     found = earlier_run(out_dir)
     if (out_dir / PREVIOUS_RUN).exists():
+        # A live run replacing the earlier one holds it there until its first step: moving
+        # or deleting it then would lose that run's way back, so only the lock is named.
+        in_use = lock_problem(out_dir, run_id)
+        if in_use:
+            return [in_use]
         return [
-            f"output.dir: {out_dir / PREVIOUS_RUN} holds the run an interrupted --overwrite set aside (the run replacing "
-            f"it never completed a step); move its contents back into {out_dir}, or delete it"
+            f"output.dir: {out_dir / PREVIOUS_RUN} holds the run an interrupted --overwrite set aside "
+            f"(the run replacing it never completed a step); move its contents back into {out_dir}, or delete it"
         ]
     if recipe.output.overwrite and recipe.resume != "never":
         return ["--overwrite starts over and --resume / resume continues: choose one"]
