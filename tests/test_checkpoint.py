@@ -116,6 +116,17 @@ def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
     assert records[-1]["loss"] is None  # strict JSON for a non-finite value
 
 
+def test_a_failed_checkpoint_names_the_first_ranks_own_error_not_dcps_wrapper():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from accord.checkpoint.store import _reason
+
+    failures = {1: (RuntimeError("bad shard"), None), 0: (ValueError("unexpected  pos\n704"), None)}
+    assert _reason(CheckpointException("save failed", failures)) == "rank 0: ValueError: unexpected pos 704"
+    wrapped = CheckpointException("save failed", {0: (OSError(28, "No space left on device", "/x/y"), None)})
+    assert _reason(wrapped) == "No space left on device (/x/y)"
+
+
 def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
     from accord.checkpoint.store import disk_space_warning
 

@@ -15,11 +15,13 @@ whose files still match it, naming the ones it skipped, which it leaves in place
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,9 @@ def save_checkpoint(
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
+            previous = complete_checkpoints(root)
+            if previous:  # the last one's size is what this one needs: stop before half-writing it
+                _raise_if_no_space(root, _folder_bytes(previous[-1]))
             (tmp / "rng").mkdir(parents=True)
         except OSError as e:
             error = e
@@ -94,8 +99,9 @@ def save_checkpoint(
         _save_rng(tmp, info)
     except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
-    _agree_or_raise(error, state.step, tmp, info)
-    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write, asynchronous)
+    needed = _state_bytes(engine)
+    _agree_or_raise(error, state.step, tmp, info, needed)
+    pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write, asynchronous, needed)
     if not asynchronous:
         pending.wait()
     return pending
@@ -116,8 +122,10 @@ class PendingCheckpoint:
         info: dist.DistInfo,
         write,
         asynchronous: bool,
+        needed: int | None = None,
     ):
         self.state, self.recipe, self.root, self.final, self.tmp, self.info = state, recipe, root, final, tmp, info
+        self.needed = needed  # bytes the checkpoint takes, roughly
         self._write = write
         self._error: BaseException | None = None
         self._thread = None
@@ -165,7 +173,7 @@ class PendingCheckpoint:
             self._finish()
         else:
             self._thread.join()
-        _agree_or_raise(self._error, self.state.step, self.tmp, self.info)
+        _agree_or_raise(self._error, self.state.step, self.tmp, self.info, self.needed)
         return self.final
 
 
@@ -191,14 +199,24 @@ def _seal(
     prune(root, recipe.checkpoint.keep_last, sealed=final)
 
 
-def _agree_or_raise(error: BaseException | None, step: int, tmp: Path, info: dist.DistInfo) -> None:
-    """All ranks learn whether any rank failed, so none waits forever in the next collective."""
+def _agree_or_raise(
+    error: BaseException | None, step: int, tmp: Path, info: dist.DistInfo, needed: int | None = None
+) -> None:
+    """All ranks learn whether any rank failed, so none waits forever in the next collective.
+    `needed`: the bytes a checkpoint takes, to tell a full disk from other failures."""
     (failed,) = dist.any_rank(error is not None)
     if not failed:
         return
     if nodefolders.writes_folder(info):
         shutil.rmtree(tmp, ignore_errors=True)
     reason = _reason(error) if error is not None else "it failed on another rank"
+    if nodefolders.writes_folder(info) and needed is not None and not reason.startswith("No space left"):
+        # torch.save's zip writer reports a full disk as "unexpected pos ..." (the OSError is lost
+        # in C++): with the partial checkpoint gone, a disk still short of one names the cause.
+        try:
+            _raise_if_no_space(tmp.parent, needed)
+        except OSError as e:
+            reason = e.strerror
     raise CheckpointError(
         f"could not write the checkpoint of step {step}: {reason}; earlier checkpoints are intact — "
         f"free disk space or fix the output folder, then resume with --resume"
@@ -219,6 +237,12 @@ def _reason(error: BaseException) -> str:
             # each rank's (exception, traceback summary)
             seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         seen += [c for c in (e.__cause__, e.__context__) if c is not None]
+    # No OSError: the first rank's own exception, not DCP's wrapper ("CheckpointException ranks:...").
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = min(failures.items(), key=lambda item: item[0])
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
@@ -276,6 +300,34 @@ def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
     if atomic:
         os.replace(target, path)
     _fsync_dir(path.parent)
+
+
+def _raise_if_no_space(root: Path, needed: int) -> None:
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: {root} has {_size(free)} free, a checkpoint needs ~{_size(needed)}",
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _state_bytes(engine) -> int:
+    """A checkpoint's size, roughly: fp32 weights, and AdamW's two moments of the trained ones."""
+    # ZeRO-3 leaves each parameter empty on the rank and keeps its size in ds_numel.
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in engine.module.parameters()]
+    return 4 * sum(n for n, _ in sizes) + 8 * sum(n for n, trained in sizes if trained)
 
 
 def disk_space_warning(out_dir: Path, num_params: int, keep_last: int) -> str | None:
