@@ -94,3 +94,5 @@ def test_doctor_on_one_host_passes_every_check_and_the_equivalence_self_test(tmp
     for check in checks:
         assert any(line.startswith(OK) and f"  {check}  " in line for line in table), "\n".join(table)
     assert any("2 processes vs 1 process" in line and "max |Δparam|" in line for line in table)
+    # The self-test's two runs stay quiet when they agree: no training log naming a deleted temporary folder.
+    assert "accord-doctor-" not in proc.stdout + proc.stderr and "accord: batch" not in proc.stderr

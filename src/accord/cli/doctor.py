@@ -12,12 +12,14 @@ Exit 0 when no line failed, 1 otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,6 +296,28 @@ def self_test(recipe: Recipe, topology: Topology, folder: Path) -> Line | None:
     )
 
 
+@contextlib.contextmanager
+def _output_to(log: Path) -> Iterator[None]:
+    """This process's stdout and stderr, and its children's (workers inherit the descriptors), go to `log`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "ab") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
 def everyone_world(topology: Topology, recipe: Recipe) -> int:
     from accord.launch.agent import planned_world_size
 
@@ -350,10 +374,15 @@ def run(recipe: Recipe, topology: Topology, with_self_test: bool = True) -> int:
         except AccordError as e:
             lines = [Line("meeting the other processes", "this node", str(e).splitlines()[0], FAIL)]
         if with_self_test and not any(line.verdict == FAIL for line in lines):
+            log = folder / "self-test.log"
             try:
-                line = self_test(recipe, topology, folder)
+                with _output_to(log):
+                    line = self_test(recipe, topology, folder)
             except AccordError as e:
                 line = Line(f"{SELF_TEST_STEPS}-step equivalence", "all processes vs 1", str(e).splitlines()[0], FAIL)
+            if line is not None and line.verdict == FAIL:
+                # Its two runs' logs are shown only when it failed: they say why.
+                sys.stderr.write(log.read_text(errors="replace"))
             if line is not None:
                 lines.append(line)
     print(format_table(lines), flush=True)
