@@ -20,13 +20,13 @@ and folder that wrote it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accord.atomic import replacing
 from accord.distributed import group as dist
 
 SHARED, NODE_LOCAL = "shared", "node-local"
@@ -235,22 +235,16 @@ def _exchange(folder: Path, info: dist.DistInfo, layout: Layout) -> None:
             continue
         receiving = info.rank in wanted
         target = folder / rel
-        tmp = target.with_name(f".{target.name}.receiving")
         if receiving:
             target.parent.mkdir(parents=True, exist_ok=True)
         with (
             open(folder / rel, "rb") if info.rank == src else _null() as source,
-            open(tmp, "wb") if receiving else _null() as sink,
+            replacing(target, durable=True) if receiving else _null() as sink,
         ):
             for _ in range(max(1, -(-size // CHUNK_BYTES))):
                 piece = dist.broadcast_object(source.read(CHUNK_BYTES) if info.rank == src else None, src=src)
                 if receiving:
                     sink.write(piece)
-            if receiving:
-                sink.flush()
-                os.fsync(sink.fileno())
-        if receiving:
-            os.replace(tmp, target)
 
 
 def _other_rng(rel: str, rank: int, layout: Layout) -> bool:

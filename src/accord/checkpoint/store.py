@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, faults
+from accord.atomic import fsync_folder, write_atomic
 from accord.checkpoint import node_folders as nodefolders
 from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
 from accord.distributed import group as dist
@@ -180,14 +181,14 @@ def _seal(
     nodefolders.record(tmp)  # layout.json first: the manifest covers it
     write_manifest(tmp, manifest | unlisted_entries(tmp, manifest, rank=leader))
     _fsync_tree(tmp)
-    _write_durably(tmp / COMPLETE, "")
+    write_atomic(tmp / COMPLETE, "", durable=True)
     if final.exists():
         # The same step written again by a run resumed from an earlier one, perhaps because
         # this one failed verification: kept aside for the user, never deleted.
         os.rename(final, root / f"replaced-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_durably(root / LATEST, final.name + "\n", atomic=True)
+    fsync_folder(root)
+    write_atomic(root / LATEST, final.name + "\n", durable=True)
     prune(root, recipe.checkpoint.keep_last, sealed=final)
 
 
@@ -256,26 +257,7 @@ def _fsync_tree(folder: Path) -> None:
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     for path in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
-        _fsync_dir(path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
-    target = path.with_name(f".{path.name}.tmp") if atomic else path
-    with target.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if atomic:
-        os.replace(target, path)
-    _fsync_dir(path.parent)
+        fsync_folder(path)
 
 
 def disk_space_warning(out_dir: Path, num_params: int, keep_last: int) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from accord.atomic import replacing
 from accord.data.columns import ColumnWriter, encode_columns
 from accord.data.mapped_pages import released_as_read
 from accord.data.nodeshare import NodeShare
@@ -263,9 +264,8 @@ def _encode_unit(payload: Any, path: Path) -> None:
     task = _TASK
     assert task is not None
     arrays = _encode_text(task, payload) if getattr(task, "streams_text", False) else _encode_rows(task, payload)
-    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)  # complete or absent: a kill never leaves half a chunk
+    with replacing(path) as f:  # complete or absent: a kill never leaves half a chunk
+        np.savez(f, **arrays)
 
 
 def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.ndarray]:
