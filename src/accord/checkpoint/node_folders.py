@@ -80,7 +80,7 @@ def detect(out_dir: Path, info: dist.DistInfo) -> Layout:
         _current = Layout(leader=info.is_main)
         return _current
     token = dist.broadcast_object(uuid.uuid4().hex[:12] if info.is_main else None)
-    node_leader = info.local_rank == 0
+    node_leader = info.leads_node
     marker = out_dir / MARKER.format(token=token, node=info.node)
     if node_leader:
         out_dir.mkdir(parents=True, exist_ok=True)

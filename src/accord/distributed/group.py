@@ -107,8 +107,8 @@ def left_a_group() -> bool:
 
 
 def is_main() -> bool:
-    """Rank 0 (also before the group exists, from the launcher's environment)."""
-    return (dist.get_rank() if dist.is_initialized() else env_info().rank) == 0
+    """This process is global rank 0 (also before the group exists, from the launcher's environment)."""
+    return dist.get_rank() == 0 if dist.is_initialized() else env_info().is_main
 
 
 def print0(*args, **kwargs) -> None:

@@ -67,7 +67,7 @@ def publish(message: str) -> None:
     from accord.distributed import rank_env
 
     nodes = _agent_store_nodes()
-    if nodes < 2 or not rank_env.env_info().is_main:
+    if nodes < 2 or not rank_env.leads():
         return
     try:
         store = _store(5.0)
@@ -86,7 +86,7 @@ def watch() -> None:
     from accord.distributed import rank_env
 
     info = rank_env.env_info()
-    if _watch is not None or _agent_store_nodes() < 2 or info.node == 0 or info.local_rank != 0:
+    if _watch is not None or _agent_store_nodes() < 2 or info.node == 0 or not info.leads_node:
         return
     _watch = threading.Event()
     threading.Thread(target=_watching, args=(_watch,), name="accord-refusal-watch", daemon=True).start()

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from accord.distributed import group as dist
 
     # Once: a restarted worker group finds the report of the checks that let the first one through.
-    if report and not os.path.exists(report[0]) and dist.env_info().local_rank == 0:
+    if report and not os.path.exists(report[0]) and dist.env_info().leads_node:
         _check_and_report(recipe_path, report[0])  # before the rest: bad input is found sooner
     from accord.launch import worker  # the slow part, overlapping the checks
 
