@@ -28,6 +28,7 @@ from pathlib import Path
 
 from accord.atomic import replacing
 from accord.distributed import group as dist
+from accord.errors import CheckpointError
 
 SHARED, NODE_LOCAL = "shared", "node-local"
 LAYOUT_FILE = "layout.json"
@@ -186,8 +187,6 @@ def agreed_source(source: Path | None, out_dir: Path, info: dist.DistInfo) -> Pa
     missing = dist.all_gather_objects(None if (mine / "COMPLETE").is_file() else f"{mine} (node {info.node})")
     absent = sorted({m for m in missing if m is not None})
     if absent:
-        from accord.checkpoint.store import CheckpointError
-
         raise CheckpointError(
             f"resume: rank 0 resumes from {name}, but {', '.join(absent)} is not a complete checkpoint; "
             f"each node resumes from its own output.dir: copy that node's checkpoint there, or resume=PATH an older one"

@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from accord.checkpoint.node_folders import complete_from_peers
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
     PendingCheckpoint,
     TrainingState,
+    order_change,
     read_state,
     restore_rng,
     save_checkpoint,
@@ -80,13 +82,9 @@ def restore_run(run, folder: Path) -> int:
             dist.print0(f"accord: converting {folder} from the single-file checkpoint format to the sharded one")
             convert_legacy(folder)
         dist.barrier()
-    from accord.checkpoint.node_folders import complete_from_peers
-
     missing = complete_from_peers(folder, run.info)  # a folder per node: the files other nodes wrote
     if missing:
         raise TrainingStopped("\n".join(missing))
-    from accord.checkpoint.store import order_change
-
     refusal = order_change(folder, run.recipe)  # the launcher checked; a restart or outer launcher may not have
     if refusal:
         raise TrainingStopped(refusal)

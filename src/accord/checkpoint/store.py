@@ -31,10 +31,13 @@ from accord import __version__, faults
 from accord.atomic import fsync_folder, write_atomic
 from accord.checkpoint import node_folders as nodefolders
 from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
+from accord.data.order import order_version, same_order
 from accord.distributed import group as dist
-from accord.errors import RunStopped
+from accord.errors import CheckpointError
+from accord.output.folder import earlier_run
 from accord.recipe.schema import Recipe, recipe_to_yaml
 from accord.stopping import StartRefused
+from accord.tasks import groups_by_length
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -45,10 +48,6 @@ RECIPE_FILE = "recipe.yaml"
 # What a resumed run must share with the run that wrote the checkpoint: anything else
 # (logging, evaluation, max_steps, micro batch, processes, checkpointing) may change.
 IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
-
-
-class CheckpointError(RunStopped):
-    """A checkpoint could not be written or used; earlier checkpoints are intact."""
 
 
 @dataclass(frozen=True)
@@ -436,9 +435,6 @@ def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
 def order_change(folder: Path, recipe: Recipe) -> str | None:
     """The line refusing a checkpoint taken in another global data order (an older accord's):
     the same steps would see other examples, so the run would not continue where it was."""
-    from accord.data.order import order_version, same_order
-    from accord.tasks import groups_by_length
-
     saved = read_state(folder).data_order
     grouped = groups_by_length(recipe)
     if same_order(saved, recipe.data.shuffle, grouped):
@@ -468,8 +464,6 @@ def check_resume(recipe: Recipe) -> list[str]:
     out_dir = Path(recipe.output.dir)
     if not candidates:
         if recipe.resume == "auto":
-            from accord.output.folder import earlier_run
-
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
                 return [
                     f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accord.distributed import group as dist
+from accord.distributed.network import interface_towards, is_loopback
 from accord.errors import AccordError
-from accord.launch.cluster import Topology, interface_towards, is_loopback
+from accord.launch.cluster import Topology
 from accord.recipe.schema import Recipe
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"

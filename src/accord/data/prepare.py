@@ -28,8 +28,9 @@ from accord.data.chunks import default_workers, tokenise_share, write_shards
 from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
 from accord.data.packing import rows_folder, write_rows
+from accord.data.rows import DataError, row_origin
 from accord.data.shards import META, TokenShards
-from accord.data.sources import DataError, load_split, row_origin
+from accord.data.split import load_split
 from accord.data.streams import check_task, is_stream, read_into_arrow
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import Recipe

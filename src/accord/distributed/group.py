@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from accord.distributed.network import ClusterError, interface_towards, is_loopback
 from accord.distributed.rank_env import DistInfo, env_info, outer_launcher  # noqa: F401 (read from here too)
 from accord.recipe.schema import PROCESS_GROUP_TIMEOUT_S
 
@@ -45,8 +46,6 @@ def choose_gloo_interface() -> None:
     master = os.environ.get("MASTER_ADDR")
     if outer_launcher() is None or info.world_size <= 1 or not master or "GLOO_SOCKET_IFNAME" in os.environ:
         return
-    from accord.launch.cluster import ClusterError, interface_towards, is_loopback
-
     if is_loopback(master):
         if info.multi_node:
             raise ClusterError(

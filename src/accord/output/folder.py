@@ -23,7 +23,6 @@ RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard",
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes of tensors each.
 SHARD_BYTES = 2**30
-SHARD_INDEX = "model.safetensors.index.json"
 # Where --overwrite moves an earlier run's artefacts until the new run has completed a step
 # (then they are deleted) or has failed before that (then they are moved back).
 PREVIOUS_RUN = ".previous-run"
@@ -132,6 +131,7 @@ def save_streamed_model(
     sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json) of
     at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one
     tensor at a time. `model` gives the config (and generation config) only."""
+    # Here, not at the top: the writer imports torch, which the launcher's checks of the folder never need.
     from accord.output.safetensors_writer import ShardedSafetensorsWriter
 
     with replacing_folder(final) as tmp:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from accord.output.folder import SHARD_INDEX
+SHARD_INDEX = "model.safetensors.index.json"  # the shards' index, named as transformers names it
 
 # The format's dtype names (safetensors' Dtype enum).
 _DTYPES = {
