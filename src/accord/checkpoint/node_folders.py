@@ -28,6 +28,7 @@ from pathlib import Path
 
 from accord.atomic import replacing
 from accord.distributed import group as dist
+from accord.engine.state import state_problems
 from accord.errors import CheckpointError
 
 SHARED, NODE_LOCAL = "shared", "node-local"
@@ -207,8 +208,6 @@ def complete_from_peers(folder: Path, info: dist.DistInfo) -> list[str]:
         _exchange(folder, info, layout)
     problems: list[str] = []
     if layout.leader:
-        from accord.engine.state import state_problems
-
         problems = [_named(line, folder) for line in state_problems(folder)]
     found = dist.all_gather_objects(problems)
     return sorted({line for lines in found for line in lines})

@@ -19,6 +19,7 @@ from accord.checkpoint.store import (
     step_name,
 )
 from accord.distributed import group as dist
+from accord.engine.state import convert_legacy, is_legacy
 from accord.recipe.schema import CheckpointConfig
 from accord.stopping import TrainingStopped
 
@@ -71,8 +72,6 @@ class CheckpointSchedule:
 
 def restore_run(run, folder: Path) -> int:
     """Weights, optimizer, schedule, RNG and the data position from `folder`; the step to continue at."""
-    from accord.engine.state import convert_legacy, is_legacy
-
     state = read_state(folder)
     # Rank 0's answer for all: its conversion renames `state/` into place, so a rank that
     # looked later would see the new format, skip the barrier and hang its peers.

@@ -33,6 +33,7 @@ from accord.data.rows import IGNORE, DataError, row_origin
 from accord.data.shards import ShardWriter, id_dtype
 from accord.data.streams import is_stream, row_at
 from accord.data.token_ids import token_ids
+from accord.observe.progress import byte_bar
 
 UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
 UNIT_ROWS = 1000  # rows per unit for the other tasks
@@ -198,8 +199,6 @@ def _tokenise_missing(
     """Every unit without a chunk file gets one, `workers` at a time, at most 2 per worker
     in flight (units are read as they are needed, never all at once)."""
     global _TASK
-    from accord.observe.progress import byte_bar
-
     _TASK = task
     kept = 0
     with byte_bar(total, desc) as bar:
