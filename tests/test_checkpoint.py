@@ -424,8 +424,7 @@ def test_streamed_export_writes_each_tensor_as_it_arrives_in_every_dtype(tmp_pat
     import torch
     from safetensors.torch import load_file
 
-    from accord.output.folder import SHARD_INDEX
-    from accord.output.safetensors_writer import ShardedSafetensorsWriter
+    from accord.output.safetensors_writer import SHARD_INDEX, ShardedSafetensorsWriter
 
     expected = {
         "f32": torch.randn(3, 5),

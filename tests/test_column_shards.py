@@ -9,7 +9,8 @@ import pytest
 from accord.data.columns import ColumnShards, ColumnWriter, Schema, encode_columns
 from accord.data.fetch import fetch
 from accord.data.prepare import _encode, prepare_data, reads_datasets
-from accord.data.sources import DataError, load_split
+from accord.data.sources import DataError
+from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task, task_class

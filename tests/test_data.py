@@ -7,7 +7,8 @@ import json
 import pytest
 
 from accord.data.prepare import cache_folder, prepare_data
-from accord.data.sources import DataError, load_source, load_split
+from accord.data.sources import DataError, load_source
+from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import SourceConfig, validate_recipe
 from accord.tasks import build_task

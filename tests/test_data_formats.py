@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from accord.data.prepare import prepare_data
-from accord.data.sources import DataError, load_source, load_split
-from accord.data.split import held_out_warning
+from accord.data.sources import DataError, load_source
+from accord.data.split import held_out_warning, load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import SourceConfig, load_recipe, validate_recipe
 from accord.tasks import build_task

@@ -145,7 +145,7 @@ def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
     (else it binds the host name's, often 127.0.0.1); on one node a loopback master needs
     nothing, and GLOO_SOCKET_IFNAME set by the user is kept."""
     from accord.distributed import group as dist
-    from accord.launch.cluster import _ipv4_of
+    from accord.distributed.network import _ipv4_of
 
     outward = [(name, _ipv4_of(name)) for _, name in socket.if_nameindex() if name != "lo" and _ipv4_of(name)]
     if not outward:

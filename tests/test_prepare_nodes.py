@@ -14,7 +14,7 @@ from accord.data import chunks
 from accord.data.chunks import tokenise_share
 from accord.data.nodeshare import SEAL, NodeShare, claim_seal, node_share
 from accord.data.prepare import cache_folder, prepare_data
-from accord.data.sources import load_split
+from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task

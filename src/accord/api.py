@@ -148,7 +148,7 @@ def train(
     refusals.watch()  # another node than rank 0's: print rank 0's refusal if it comes
     run_id = topology.run_id or dist.launcher_run_id() or new_run_id()
     # One lock per node: taken by the launcher, or under an outer launcher by each node's local rank 0.
-    locks_here = dist.outer_launcher() is None or dist.env_info().local_rank == 0
+    locks_here = dist.outer_launcher() is None or dist.env_info().leads_node
     held_elsewhere = lock_problem(out_dir, run_id) if locks_here else None
     if held_elsewhere:
         raise OutputLocked(held_elsewhere)

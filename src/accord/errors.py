@@ -22,3 +22,7 @@ class RunStopped(AccordError, RuntimeError):
     """A run that started and cannot go on; what is intact is said in the message."""
 
     exit_code = 1
+
+
+class CheckpointError(RunStopped):
+    """A checkpoint could not be written or used; earlier checkpoints are intact."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from accord.checkpoint.store import read_checkpoint_recipe
 from accord.distributed import group as dist
 from accord.recipe.schema import OptimConfig
 
@@ -68,8 +69,6 @@ def saved_segments(folder: Path, planned_steps: int | None) -> list[list[int]] |
 def apply_on_resume(run, folder: Path, step: int) -> None:
     """After the run's state is restored from `folder` at `step`: say what a changed
     train.max_steps does to the schedule, and install the schedule optim.extend chose."""
-    from accord.checkpoint.store import read_checkpoint_recipe
-
     cfg: OptimConfig = run.recipe.optim
     total = run.total_steps
     try:

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from accord.engine.state import state_problems
+
 MANIFEST = "MANIFEST.json"
 # sha256, by measurement on this machine's CPU (2 shared cores, loaded), a 300 MB file:
 # sha256 ~0.8 GB/s, blake2b ~0.9, sha1 ~1.1, md5 ~0.4, zlib.crc32 ~3.6, reading alone ~3.4.
@@ -70,9 +72,7 @@ def verify(folder: Path, rank: int = 0, world: int = 1, checksums: bool = True) 
     one reason per file, naming it (empty when they match). `checksums=False` checks presence
     and sizes only (stat calls, for a quick look before workers start)."""
     if not (folder / MANIFEST).is_file():
-        from accord.engine.state import state_problems  # written before manifests existed
-
-        return state_problems(folder) if rank == 0 else []
+        return state_problems(folder) if rank == 0 else []  # written before manifests existed
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         algorithm, files = manifest["hash"], manifest["files"]

@@ -20,14 +20,16 @@ and folder that wrote it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accord.atomic import replacing
 from accord.distributed import group as dist
+from accord.engine.state import state_problems
+from accord.errors import CheckpointError
 
 SHARED, NODE_LOCAL = "shared", "node-local"
 LAYOUT_FILE = "layout.json"
@@ -80,7 +82,7 @@ def detect(out_dir: Path, info: dist.DistInfo) -> Layout:
         _current = Layout(leader=info.is_main)
         return _current
     token = dist.broadcast_object(uuid.uuid4().hex[:12] if info.is_main else None)
-    node_leader = info.local_rank == 0
+    node_leader = info.leads_node
     marker = out_dir / MARKER.format(token=token, node=info.node)
     if node_leader:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -186,8 +188,6 @@ def agreed_source(source: Path | None, out_dir: Path, info: dist.DistInfo) -> Pa
     missing = dist.all_gather_objects(None if (mine / "COMPLETE").is_file() else f"{mine} (node {info.node})")
     absent = sorted({m for m in missing if m is not None})
     if absent:
-        from accord.checkpoint.store import CheckpointError
-
         raise CheckpointError(
             f"resume: rank 0 resumes from {name}, but {', '.join(absent)} is not a complete checkpoint; "
             f"each node resumes from its own output.dir: copy that node's checkpoint there, or resume=PATH an older one"
@@ -208,8 +208,6 @@ def complete_from_peers(folder: Path, info: dist.DistInfo) -> list[str]:
         _exchange(folder, info, layout)
     problems: list[str] = []
     if layout.leader:
-        from accord.engine.state import state_problems
-
         problems = [_named(line, folder) for line in state_problems(folder)]
     found = dist.all_gather_objects(problems)
     return sorted({line for lines in found for line in lines})
@@ -235,22 +233,16 @@ def _exchange(folder: Path, info: dist.DistInfo, layout: Layout) -> None:
             continue
         receiving = info.rank in wanted
         target = folder / rel
-        tmp = target.with_name(f".{target.name}.receiving")
         if receiving:
             target.parent.mkdir(parents=True, exist_ok=True)
         with (
             open(folder / rel, "rb") if info.rank == src else _null() as source,
-            open(tmp, "wb") if receiving else _null() as sink,
+            replacing(target, durable=True) if receiving else _null() as sink,
         ):
             for _ in range(max(1, -(-size // CHUNK_BYTES))):
                 piece = dist.broadcast_object(source.read(CHUNK_BYTES) if info.rank == src else None, src=src)
                 if receiving:
                     sink.write(piece)
-            if receiving:
-                sink.flush()
-                os.fsync(sink.fileno())
-        if receiving:
-            os.replace(tmp, target)
 
 
 def _other_rng(rel: str, rank: int, layout: Layout) -> bool:

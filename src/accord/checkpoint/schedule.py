@@ -6,17 +6,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from accord.checkpoint.node_folders import complete_from_peers
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
     PendingCheckpoint,
     TrainingState,
+    order_change,
     read_state,
     restore_rng,
     save_checkpoint,
     step_name,
 )
 from accord.distributed import group as dist
+from accord.engine.state import convert_legacy, is_legacy
 from accord.recipe.schema import CheckpointConfig
 from accord.stopping import TrainingStopped
 
@@ -69,8 +72,6 @@ class CheckpointSchedule:
 
 def restore_run(run, folder: Path) -> int:
     """Weights, optimizer, schedule, RNG and the data position from `folder`; the step to continue at."""
-    from accord.engine.state import convert_legacy, is_legacy
-
     state = read_state(folder)
     # Rank 0's answer for all: its conversion renames `state/` into place, so a rank that
     # looked later would see the new format, skip the barrier and hang its peers.
@@ -80,13 +81,9 @@ def restore_run(run, folder: Path) -> int:
             dist.print0(f"accord: converting {folder} from the single-file checkpoint format to the sharded one")
             convert_legacy(folder)
         dist.barrier()
-    from accord.checkpoint.node_folders import complete_from_peers
-
     missing = complete_from_peers(folder, run.info)  # a folder per node: the files other nodes wrote
     if missing:
         raise TrainingStopped("\n".join(missing))
-    from accord.checkpoint.store import order_change
-
     refusal = order_change(folder, run.recipe)  # the launcher checked; a restart or outer launcher may not have
     if refusal:
         raise TrainingStopped(refusal)

@@ -21,7 +21,6 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,16 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, faults
+from accord.atomic import fsync_folder, write_atomic
 from accord.checkpoint import node_folders as nodefolders
 from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
+from accord.data.order import order_version, same_order
 from accord.distributed import group as dist
-from accord.errors import RunStopped
+from accord.errors import CheckpointError
+from accord.output.folder import earlier_run
 from accord.recipe.schema import Recipe, recipe_to_yaml
 from accord.stopping import StartRefused
+from accord.tasks import groups_by_length
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -46,10 +49,6 @@ RECIPE_FILE = "recipe.yaml"
 # What a resumed run must share with the run that wrote the checkpoint: anything else
 # (logging, evaluation, max_steps, micro batch, processes, checkpointing) may change.
 IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
-
-
-class CheckpointError(RunStopped):
-    """A checkpoint could not be written or used; earlier checkpoints are intact."""
 
 
 @dataclass(frozen=True)
@@ -188,14 +187,14 @@ def _seal(
     nodefolders.record(tmp)  # layout.json first: the manifest covers it
     write_manifest(tmp, manifest | unlisted_entries(tmp, manifest, rank=leader))
     _fsync_tree(tmp)
-    _write_durably(tmp / COMPLETE, "")
+    write_atomic(tmp / COMPLETE, "", durable=True)
     if final.exists():
         # The same step written again by a run resumed from an earlier one, perhaps because
         # this one failed verification: kept aside for the user, never deleted.
         os.rename(final, root / f"replaced-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_durably(root / LATEST, final.name + "\n", atomic=True)
+    fsync_folder(root)
+    write_atomic(root / LATEST, final.name + "\n", durable=True)
     prune(root, recipe.checkpoint.keep_last, sealed=final)
 
 
@@ -280,26 +279,7 @@ def _fsync_tree(folder: Path) -> None:
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     for path in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
-        _fsync_dir(path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, text: str, atomic: bool = False) -> None:
-    target = path.with_name(f".{path.name}.tmp") if atomic else path
-    with target.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if atomic:
-        os.replace(target, path)
-    _fsync_dir(path.parent)
+        fsync_folder(path)
 
 
 def _raise_if_no_space(root: Path, needed: int) -> None:
@@ -506,9 +486,6 @@ def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
 def order_change(folder: Path, recipe: Recipe) -> str | None:
     """The line refusing a checkpoint taken in another global data order (an older accord's):
     the same steps would see other examples, so the run would not continue where it was."""
-    from accord.data.order import order_version, same_order
-    from accord.tasks import groups_by_length
-
     saved = read_state(folder).data_order
     grouped = groups_by_length(recipe)
     if same_order(saved, recipe.data.shuffle, grouped):
@@ -538,8 +515,6 @@ def check_resume(recipe: Recipe) -> list[str]:
     out_dir = Path(recipe.output.dir)
     if not candidates:
         if recipe.resume == "auto":
-            from accord.output.folder import earlier_run
-
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
                 return [
                     f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"

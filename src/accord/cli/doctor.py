@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accord.distributed import group as dist
+from accord.distributed.network import interface_towards, is_loopback
 from accord.errors import AccordError
-from accord.launch.cluster import Topology, interface_towards, is_loopback
+from accord.launch.cluster import Topology
 from accord.recipe.schema import Recipe
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -122,7 +123,7 @@ def probe(view_path: str, result_path: str) -> int:
     dist.init(device)
     try:
         views = dist.all_gather_objects(
-            view | {"node": info.node, "host": os.uname().nodename} if info.local_rank == 0 else None
+            view | {"node": info.node, "host": os.uname().nodename} if info.leads_node else None
         )
         nodes = info.world_size // info.local_world_size
         # each pair of nodes' local ranks 0; on one node all its processes (none for one process)
@@ -141,7 +142,7 @@ def probe(view_path: str, result_path: str) -> int:
         merged: dict[str, float] = {}
         for entry in measured:
             merged |= {k: v for k, v in (entry or {}).items() if k not in merged}
-        if info.local_rank == 0:
+        if info.leads_node:
             Path(result_path).write_text(
                 json.dumps(
                     {

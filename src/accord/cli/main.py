@@ -457,11 +457,11 @@ def _fail(message: str, code: int = 2) -> int:
     # A process that never imported accord.distributed.group never joined a group: its rank is the
     # launcher's, and the line is printed without importing torch (a second sooner).
     dist = sys.modules.get("accord.distributed.group")
-    rank0 = dist.is_main() if dist is not None else rank_env.env_info().is_main
+    rank0 = dist.is_main() if dist is not None else rank_env.leads()
     grouped = dist is not None and (dist.left_a_group() or dist.in_group())
     # Global rank 0, and under a multi-node outer launcher each node's local rank 0: every
     # node's log says why it stopped, not only the launcher's ChildFailedError.
-    if (rank0 or rank_env.env_info().local_rank == 0) and refusals.claim():
+    if (rank0 or rank_env.env_info().leads_node) and refusals.claim():
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
     if not grouped:

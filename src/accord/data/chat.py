@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accord.data.sources import ROW, SOURCE, DataError
+from accord.data.rows import ROW, SOURCE, DataError
 
 # ShareGPT speakers -> chat-template roles.
 SHAREGPT_ROLES = {

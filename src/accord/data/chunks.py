@@ -24,12 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from accord.atomic import replacing
 from accord.data.columns import ColumnWriter, encode_columns
 from accord.data.mapped_pages import released_as_read
 from accord.data.nodeshare import NodeShare
+from accord.data.pieces import documents
+from accord.data.rows import IGNORE, DataError, row_origin
 from accord.data.shards import ShardWriter, id_dtype
-from accord.data.sources import DataError, row_origin
 from accord.data.streams import is_stream, row_at
+from accord.data.token_ids import token_ids
+from accord.observe.progress import byte_bar
 
 UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
 UNIT_ROWS = 1000  # rows per unit for the other tasks
@@ -119,8 +123,6 @@ def _workers(ds, streams: bool, total: int | None, workers: int) -> int:
 
 def _text_units(ds) -> Iterator[Unit]:
     """Documents grouped (or cut) into pieces of about UNIT_CHARS, in file order."""
-    from accord.data.pieces import documents
-
     pieces: list[tuple[str, bool, bool]] = []
     chars, index = 0, 0
     for document in documents(ds):
@@ -197,8 +199,6 @@ def _tokenise_missing(
     """Every unit without a chunk file gets one, `workers` at a time, at most 2 per worker
     in flight (units are read as they are needed, never all at once)."""
     global _TASK
-    from accord.observe.progress import byte_bar
-
     _TASK = task
     kept = 0
     with byte_bar(total, desc) as bar:
@@ -263,14 +263,11 @@ def _encode_unit(payload: Any, path: Path) -> None:
     task = _TASK
     assert task is not None
     arrays = _encode_text(task, payload) if getattr(task, "streams_text", False) else _encode_rows(task, payload)
-    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)  # complete or absent: a kill never leaves half a chunk
+    with replacing(path) as f:  # complete or absent: a kill never leaves half a chunk
+        np.savez(f, **arrays)
 
 
 def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.ndarray]:
-    from accord.tasks.base import token_ids
-
     dtype = id_dtype(len(task.tokenizer))  # the shards' dtype: a chunk is a quarter of int64's bytes
     prefix, eos = np.asarray(task.prefix, dtype=dtype), np.asarray([task.eos_id], dtype=dtype)
     parts, lengths = [], []
@@ -287,8 +284,6 @@ def _encode_text(task, pieces: list[tuple[str, bool, bool]]) -> dict[str, np.nda
 
 
 def _encode_rows(task, batch: dict[str, list]) -> dict[str, np.ndarray]:
-    from accord.tasks.base import IGNORE
-
     out = task.encode_batch(batch)
     dtype = id_dtype(len(task.tokenizer))
     schema = task.shard_schema()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from accord.data.rows import IGNORE
 from accord.data.shards import BitFile, map_file, read_bits, read_meta, write_meta
-from accord.tasks.base import IGNORE
 
 COLUMNS_META = "columns.json"
 _INDEX = {"length": "int32", "num_targets": "int32"}  # value columns every split has

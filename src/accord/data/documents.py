@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from accord.data.sources import DataError
+from accord.data.rows import DataError
 
 _CHUNK = 1 << 20  # characters read at a time
 

@@ -28,9 +28,11 @@ from accord.data.chunks import default_workers, tokenise_share, write_shards
 from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
 from accord.data.packing import rows_folder, write_rows
+from accord.data.rows import DataError, row_origin
 from accord.data.shards import META, TokenShards
-from accord.data.sources import DataError, load_split, row_origin
+from accord.data.split import load_split
 from accord.data.streams import check_task, is_stream, read_into_arrow
+from accord.observe.progress import item_bar
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import Recipe
 
@@ -223,8 +225,6 @@ def _tokenise_share(folder: Path, work: Path, train, eval_ds, task, workers: int
 
 def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
     """Encode, then apply the truncation policy; returns (dataset, counts)."""
-    from accord.observe.progress import item_bar
-
     raw_columns = ds.column_names
     # A bar over the examples (shown once tokenizing takes over ~3 s); datasets' own bars are off.
     with item_bar(len(ds), f"tokenize {split}") as bar:

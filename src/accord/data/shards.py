@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accord.data.sources import DataError
-from accord.tasks.base import IGNORE
+from accord.data.rows import IGNORE, DataError
 
 META = "shards.json"
 _TOKENS, _TARGETS, _OFFSETS, _NUM_TARGETS = "tokens.bin", "targets.bin", "offsets.bin", "num_targets.bin"

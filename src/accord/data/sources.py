@@ -13,12 +13,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from accord.errors import UserInputError
+from accord.data.chat import normalise_chat
+from accord.data.documents import split_documents
+from accord.data.pieces import PIECE, document_starts, file_documents, has_pieces
+from accord.data.rows import ROW, SOURCE, DataError, row_origin  # noqa: F401 (read from here too)
 from accord.recipe.paths import PathError, resolve_path
-from accord.recipe.schema import DataConfig, SourceConfig
+from accord.recipe.schema import SourceConfig
 
-SOURCE = "__source"
-ROW = "__row"
 _SUFFIXES = {
     ".jsonl": "jsonl",
     ".json": "json",
@@ -29,10 +30,6 @@ _SUFFIXES = {
     ".yml": "chatterbot",
     ".yaml": "chatterbot",
 }
-
-
-class DataError(UserInputError):
-    """Unusable input data; the message names the file and row and how to fix it."""
 
 
 def load_source(source: SourceConfig, required: tuple[str, ...], role: str = "data.train"):
@@ -49,8 +46,6 @@ def load_source(source: SourceConfig, required: tuple[str, ...], role: str = "da
 def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     import datasets
 
-    from accord.data.chat import normalise_chat
-
     path, fmt, files = locate_files(source)
     if source.document != "file" and fmt != "text":
         raise DataError(
@@ -65,12 +60,8 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     elif fmt == "chatterbot":
         ds = datasets.Dataset.from_list(_chatterbot_rows(files))
     elif fmt == "text" and source.document != "file":
-        from accord.data.documents import split_documents
-
         ds = split_documents(files, source.document, source.encoding)
     elif fmt == "text":
-        from accord.data.pieces import file_documents
-
         ds = file_documents(files, source.encoding)
     else:
         ds = _load_files(files, fmt, source)
@@ -333,11 +324,6 @@ def _where(ds, index: int, default: str) -> str:
     return f"{default}: row {index + 1}"
 
 
-def row_origin(row: dict[str, Any]) -> str:
-    """ "file: row N" for a row that went through load_source."""
-    return f"{row.get(SOURCE, '?')}: row {row.get(ROW, '?')}"
-
-
 def _chatterbot_rows(files: list[str]) -> list[dict[str, Any]]:
     """chatterbot-corpus YAML: each conversation is a list of alternating user / assistant turns."""
     import yaml
@@ -382,41 +368,10 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
-    """(train, eval or None) Datasets from the recipe's data section (files or generated)."""
-    import datasets
-
-    if cfg.generate is not None:
-        from accord.data.generated import generate
-
-        train_rows, eval_rows = generate(cfg.generate, seed)
-        to_ds = datasets.Dataset.from_list
-        return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
-    assert cfg.train is not None
-    if any(s.streamed for s in cfg.train + (cfg.eval or [])):
-        from accord.data.streams import load_stream_split
-
-        return load_stream_split(cfg, seed, required)
-    train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
-    if cfg.eval is not None:
-        return train, mix(
-            [load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed
-        )
-    if cfg.eval_fraction:
-        from accord.data.split import hold_out
-
-        # Pre-training text is documents, sized by characters; anything else is examples, held out by count.
-        documents = required == ("text",) and "label" not in train.column_names
-        return hold_out(train, cfg.eval_fraction, seed, documents)
-    return train, None
-
-
 def mix(parts: list, weights: list[float], seed: int):
     """One dataset from several: concatenated when the weights are equal, otherwise sampled
     in the given proportions (smaller sources repeat) until every source was seen once."""
     import datasets
-
-    from accord.data.pieces import PIECE, has_pieces
 
     if len(parts) == 1:
         return parts[0]
@@ -442,8 +397,6 @@ def _interleave_documents(parts: list, probabilities: list[float], seed: int):
     each pick brings all of that document's rows."""
     import datasets
     import numpy as np
-
-    from accord.data.pieces import document_starts
 
     whole = datasets.concatenate_datasets(parts)
     offsets = np.cumsum([0] + [len(p) for p in parts])

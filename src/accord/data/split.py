@@ -1,4 +1,5 @@
-"""The held-out split of `data.eval_fraction`: seeded, disjoint from training, and sized by
+"""The recipe's train and eval splits (load_split: files, streams or generated rows), and the
+held-out split of `data.eval_fraction`: seeded, disjoint from training, and sized by
 text rather than by rows where rows are whole documents.
 
 Examples (sft pairs, chats, labelled texts, preference pairs) are held out by count: the
@@ -12,6 +13,35 @@ from __future__ import annotations
 
 import numpy as np
 
+from accord.data.generated import generate
+from accord.data.pieces import PIECE, document_starts, has_pieces
+from accord.data.sources import load_source, mix
+from accord.data.streams import load_stream_split
+from accord.recipe.schema import DataConfig
+
+
+def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
+    """(train, eval or None) Datasets from the recipe's data section (files or generated)."""
+    import datasets
+
+    if cfg.generate is not None:
+        train_rows, eval_rows = generate(cfg.generate, seed)
+        to_ds = datasets.Dataset.from_list
+        return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
+    assert cfg.train is not None
+    if any(s.streamed for s in cfg.train + (cfg.eval or [])):
+        return load_stream_split(cfg, seed, required)
+    train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
+    if cfg.eval is not None:
+        return train, mix(
+            [load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed
+        )
+    if cfg.eval_fraction:
+        # Pre-training text is documents, sized by characters; anything else is examples, held out by count.
+        documents = required == ("text",) and "label" not in train.column_names
+        return hold_out(train, cfg.eval_fraction, seed, documents)
+    return train, None
+
 
 def hold_out(train, fraction: float, seed: int, documents: bool):
     """(train, held out) Datasets; `documents`: rows are `text` documents (or pieces of
@@ -21,8 +51,6 @@ def hold_out(train, fraction: float, seed: int, documents: bool):
         held = max(1, round(len(train) * fraction))
         return train.select(sorted(order[held:])), train.select(sorted(order[:held]))
     import pyarrow.compute as pc
-
-    from accord.data.pieces import document_starts
 
     row_sizes = pc.utf8_length(train.with_format("arrow")["text"]).to_numpy(zero_copy_only=False)
     first = document_starts(train)
@@ -60,8 +88,6 @@ def _cut(row, need: int):
     """One row of text as (head, tail) one-row Datasets, the tail about `need` characters long,
     starting at a line break (else a space) so no line is split when it can be helped; the
     tail is the first piece of its document."""
-    from accord.data.pieces import PIECE, has_pieces
-
     text = row[0]["text"]
     at = len(text) - need
     for mark in ("\n", " "):

@@ -21,9 +21,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from accord.data.sources import ROW, SOURCE, DataError, load_source, locate_files
+from accord.data.chat import _flatten_parts, _from_sharegpt
+from accord.data.rows import ROW, SOURCE, DataError
+from accord.data.sources import load_source, locate_files
 from accord.errors import UserInputError
 from accord.recipe.schema import DataConfig, SourceConfig
+from accord.registry import load_object
 
 _STREAM_FORMATS = {
     "jsonl": ("json", {}),
@@ -86,20 +89,14 @@ def stream_source(source: SourceConfig, required: tuple[str, ...], role: str):
     names = [next((name for name, column in source.fields.items() if column == c), c) for c in names]
     ds = ds.map(_numbered(where), batched=True, batch_size=BATCH, with_indices=True)
     if "conversations" in names and "messages" not in names:
-        from accord.data.chat import _from_sharegpt
-
         ds = ds.map(_from_sharegpt, batched=True, batch_size=BATCH, remove_columns=["conversations"])
     elif "messages" in names:
-        from accord.data.chat import _flatten_parts
-
         ds = ds.map(_flatten_parts, batched=True, batch_size=BATCH)
     return checked(ds, required, where)
 
 
 def _from_function(target: str, role: str):
     import datasets
-
-    from accord.registry import load_object
 
     fn = load_object(target, f"{role}.function")
     if not callable(fn):
@@ -129,8 +126,6 @@ def _call(fn: Callable, target: str) -> Any:
 
 
 def _rows_of(target: str) -> Iterator[dict]:
-    from accord.registry import load_object
-
     for number, row in enumerate(_call(load_object(target, "data function"), target), start=1):
         if not isinstance(row, dict):
             raise DataError(f"{target}: row {number}: expected a dict of columns, got {type(row).__name__}")

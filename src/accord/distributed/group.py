@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from accord.distributed.network import ClusterError, interface_towards, is_loopback
 from accord.distributed.rank_env import DistInfo, env_info, outer_launcher  # noqa: F401 (read from here too)
 from accord.recipe.schema import PROCESS_GROUP_TIMEOUT_S
 
@@ -45,8 +46,6 @@ def choose_gloo_interface() -> None:
     master = os.environ.get("MASTER_ADDR")
     if outer_launcher() is None or info.world_size <= 1 or not master or "GLOO_SOCKET_IFNAME" in os.environ:
         return
-    from accord.launch.cluster import ClusterError, interface_towards, is_loopback
-
     if is_loopback(master):
         if info.multi_node:
             raise ClusterError(
@@ -107,8 +106,8 @@ def left_a_group() -> bool:
 
 
 def is_main() -> bool:
-    """Rank 0 (also before the group exists, from the launcher's environment)."""
-    return (dist.get_rank() if dist.is_initialized() else env_info().rank) == 0
+    """This process is global rank 0 (also before the group exists, from the launcher's environment)."""
+    return dist.get_rank() == 0 if dist.is_initialized() else env_info().is_main
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,5 +1,15 @@
 """The launcher's rank layout, read from the environment: the only module that reads RANK,
-WORLD_SIZE & co. It imports no torch, so a refusal before any worker starts prints at once."""
+WORLD_SIZE & co. It imports no torch, so a refusal before any worker starts prints at once.
+
+Who leads, one notion per scope (nothing else compares ranks with 0):
+- the job: global rank 0 -- `DistInfo.is_main` for a layout in hand, `accord.distributed.group.is_main()`
+  for this process in its process group, and `leads()` where the asker may be a launcher that has no
+  rank yet (the console's messages);
+- a node: its local rank 0 -- `DistInfo.leads_node` (prepares the node's data, takes its lock, prints
+  its node's errors);
+- an output folder: `accord.checkpoint.node_folders.writes_folder` (global rank 0, or with a folder per
+  node each of those nodes' leaders).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +33,13 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
+        """Global rank 0: the job's leader."""
         return self.rank == 0
+
+    @property
+    def leads_node(self) -> bool:
+        """Local rank 0: the leader of this process's node."""
+        return self.local_rank == 0
 
     @property
     def node(self) -> int:

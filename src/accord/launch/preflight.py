@@ -35,7 +35,7 @@ def preflight(recipe: Recipe, world_size: int, writer: bool = True, share: NodeS
         # created the folder.
         problems += check_output_dir(recipe)
     problems += check_resume(recipe)
-    if problems or dist.env_info().local_rank != 0:
+    if problems or not dist.env_info().leads_node:
         # The data step is the expensive part: only for a sound recipe, and once per node
         # (under an outer launcher the other local ranks wait for it in the workers).
         return problems

@@ -16,6 +16,8 @@ import sys
 import threading
 from datetime import timedelta
 
+from accord.distributed import rank_env
+
 KEY, SEEN = "accord/refusal", "accord/refusal/seen"
 WAIT_FOR_NODES_S = 15.0  # how long rank 0 waits for the other nodes to read its refusal
 POLL_S = 0.5
@@ -39,8 +41,6 @@ def forget_claim() -> None:
 
 def _agent_store_nodes() -> int:
     """Nodes in this job when an elastic agent's store is there to share messages (else 0)."""
-    from accord.distributed import rank_env
-
     info = rank_env.env_info()
     if (
         rank_env.outer_launcher() is None
@@ -64,10 +64,8 @@ def publish(message: str) -> None:
     to print it (best effort: a store that cannot be reached changes nothing)."""
     import time
 
-    from accord.distributed import rank_env
-
     nodes = _agent_store_nodes()
-    if nodes < 2 or not rank_env.env_info().is_main:
+    if nodes < 2 or not rank_env.leads():
         return
     try:
         store = _store(5.0)
@@ -83,10 +81,8 @@ def watch() -> None:
     """On another node's local rank 0: print rank 0's refusal and end this worker, until
     stop_watching() (the process group is up: later failures are agreed collectively)."""
     global _watch
-    from accord.distributed import rank_env
-
     info = rank_env.env_info()
-    if _watch is not None or _agent_store_nodes() < 2 or info.node == 0 or info.local_rank != 0:
+    if _watch is not None or _agent_store_nodes() < 2 or info.node == 0 or not info.leads_node:
         return
     _watch = threading.Event()
     threading.Thread(target=_watching, args=(_watch,), name="accord-refusal-watch", daemon=True).start()

@@ -81,7 +81,7 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
         # Every rank raises this together (the cause is agreed collectively), so the
         # shutdown can still be orderly.
         clean = True
-        if info.local_rank == 0:  # on every node, so each node's log says why it stopped
+        if info.leads_node:  # on every node, so each node's log says why it stopped
             print(f"accord: error: {e}", file=sys.stderr, flush=True)
         return RunResult(e.status, -1, message=str(e)).__dict__
     finally:

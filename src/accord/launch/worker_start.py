@@ -25,16 +25,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from accord.atomic import write_atomic
+
 GO, ABORT = "go", "abort"
 _POLL_S = 0.01  # a stat per poll: the wait costs nothing, and "go" is seen within 10 ms
 
 
 def open_gate(gate: str | os.PathLike, verdict: str) -> None:
     """The launcher's side: write `go` or `abort` in one step (a worker never reads half)."""
-    path = Path(gate)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(verdict)
-    os.replace(partial, path)
+    write_atomic(gate, verdict)
 
 
 class _Watcher(threading.Thread):
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from accord.distributed import group as dist
 
     # Once: a restarted worker group finds the report of the checks that let the first one through.
-    if report and not os.path.exists(report[0]) and dist.env_info().local_rank == 0:
+    if report and not os.path.exists(report[0]) and dist.env_info().leads_node:
         _check_and_report(recipe_path, report[0])  # before the rest: bad input is found sooner
     from accord.launch import worker  # the slow part, overlapping the checks
 
@@ -96,9 +95,7 @@ def _check_and_report(recipe_path: str, report: str) -> None:
 
     recipe = Recipe.model_validate(json.loads(Path(recipe_path).read_text(encoding="utf-8")))
     payload = packed_outcome(preflight, recipe, dist.env_info().world_size, where="local rank 0's checks")
-    partial = Path(report + ".partial")
-    partial.write_bytes(payload)
-    os.replace(partial, report)  # the launcher never reads half
+    write_atomic(report, payload)  # the launcher never reads half
 
 
 class WorkerChecks:

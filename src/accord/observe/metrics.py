@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from accord.atomic import write_atomic
 
 
 class MetricsWriter:
@@ -24,9 +25,7 @@ class MetricsWriter:
                 for line in path.read_text().splitlines()
                 if line.strip() and _kept_on_resume(json.loads(line), resume_step)
             ]
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            write_atomic(path, "".join(line + "\n" for line in kept))
         self._jsonl = path.open("a", encoding="utf-8")
         # purge_step hides TensorBoard events of the steps being trained again.
         self._tb = SummaryWriter(

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+from accord.atomic import replacing_folder, write_atomic
 from accord.output.lock import lock_problem
 from accord.recipe.schema import Recipe, recipe_to_yaml
 
@@ -24,8 +24,6 @@ RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard",
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes of tensors each.
 SHARD_BYTES = 2**30
-SHARD_INDEX = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"  # a model of one shard, as save_pretrained names it
 # Where --overwrite moves an earlier run's artefacts until the new run has completed a step
 # (then they are deleted) or has failed before that (then they are moved back).
 PREVIOUS_RUN = ".previous-run"
@@ -79,7 +77,7 @@ def prepare_output_dir(recipe: Recipe) -> Path:
     """Create output.dir and save the recipe (an earlier run was set aside by the launcher)."""
     out_dir = Path(recipe.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "recipe.yaml", recipe_to_yaml(recipe))
+    write_atomic(out_dir / "recipe.yaml", recipe_to_yaml(recipe))
     return out_dir
 
 
@@ -128,7 +126,7 @@ def save_final_model(module, tokenizer, final: Path, state_dict: dict | None = N
     """save_pretrained (safetensors) into a temporary sibling, then rename into place.
     `state_dict`: what to save when the module itself holds only a shard (a LoRA adapter's
     tensors: small; the whole model goes through save_streamed_model)."""
-    with _replacing(final) as tmp:
+    with replacing_folder(final) as tmp:
         module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
@@ -137,12 +135,13 @@ def save_streamed_model(
     tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES
 ) -> None:
     """A save_pretrained folder from whole tensors handed over one at a time: transformers'
-    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or
-    one model.safetensors) of at most `shard_bytes` each, every tensor written as it arrives, so the writer holds one
-    tensor at a time. `model` gives the config (and generation config) only."""
+    sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or one
+    model.safetensors) of at most `shard_bytes` each, every tensor written as it arrives, so the
+    writer holds one tensor at a time. `model` gives the config (and generation config) only."""
+    # Here, not at the top: the writer imports torch, which the launcher's checks of the folder never need.
     from accord.output.safetensors_writer import ShardedSafetensorsWriter
 
-    with _replacing(final) as tmp:
+    with replacing_folder(final) as tmp:
         shards = ShardedSafetensorsWriter(tmp, shard_bytes)
         for name, tensor in tensors:
             shards.add(name, tensor)
@@ -161,26 +160,6 @@ def _model_class(model) -> type:
     from torch.distributed.fsdp import FSDPModule
 
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
-
-
-@contextlib.contextmanager
-def _replacing(final: Path) -> Iterator[Path]:
-    """A temporary sibling of `final` to write into, renamed into place when all went well."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _existing_parent(path: Path) -> Path:

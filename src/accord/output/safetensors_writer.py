@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from accord.output.folder import SHARD_INDEX, SINGLE_FILE
+SHARD_INDEX = "model.safetensors.index.json"  # the shards' index, named as transformers names it
+SINGLE_FILE = "model.safetensors"  # a model of one shard, as save_pretrained names it
 
 # The format's dtype names (safetensors' Dtype enum).
 _DTYPES = {

@@ -17,6 +17,7 @@ from accord.errors import UserInputError
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
+from accord.recipe.paths import locate
 from accord.recipe.section import Section
 from accord.recipe.yaml_text import DuplicateKey, load_yaml
 
@@ -517,8 +518,6 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def _anchor_paths(recipe: Recipe, folder: Path) -> None:
     """Relative data and model paths are read from the current folder when they exist there,
     else from the recipe file's folder (see accord.recipe.paths.locate)."""
-    from accord.recipe.paths import locate
-
     for source in (recipe.data.train or []) + (recipe.data.eval or []):
         if source.path is not None:
             source.path, source._looked_in = locate(source.path, folder)

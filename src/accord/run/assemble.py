@@ -65,7 +65,7 @@ def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunS
     task = build_task(recipe, tokenizer)
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
-    data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
+    data = prepare_data(recipe, tokenizer, task, preparer=info.leads_node)
     plan = BatchPlan.derive(
         recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel
     )

@@ -45,7 +45,7 @@ def rollout_step(run, task, step: int, global_batch) -> OnlineStep:
         local[3] = 1.0
     totals = dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=run.engine.device)).tolist()
     if totals[3]:
-        if failure is not None and info.local_rank != 0:
+        if failure is not None and not info.leads_node:
             print(f"accord: error: {failure}", file=sys.stderr, flush=True)  # the worker prints only local rank 0's
         raise TrainingStopped(
             str(failure) if failure is not None else "a reward function failed on another rank (its line is above)"

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE = -100
+from accord.data.rows import IGNORE, DataError
+from accord.data.token_ids import token_ids  # noqa: F401 (read from here too)
 
 # A row that only keeps a rank's number of forward passes equal to the others'.
 PADDING = "__accord_padding__"
@@ -189,38 +190,6 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return (picked * mask).sum(-1)
 
 
-def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """`tokenizer(texts, add_special_tokens=False)["input_ids"]`, faster: a fast tokenizer's
-    backend encodes ids only (`encode_batch_fast` computes no offsets, about half the time
-    of tokenizing), and no attention masks are built. The plain call where the backend lacks
-    it or is set up differently from what that call would set (truncation, padding, special
-    tokens split), or whose class encodes its own way (a model's tokenizer that overrides the
-    encoding step, e.g. CodeLlama's): the same ids either way."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    fast = getattr(backend, "encode_batch_fast", None)
-    as_called = (
-        fast is not None and _plain_encoding(type(tokenizer)) and backend.truncation is None and backend.padding is None
-    )
-    if not as_called or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [encoding.ids for encoding in fast(texts, add_special_tokens=False)]
-
-
-def _plain_encoding(cls) -> bool:
-    """Whether `cls(texts)` is the backend's encode_batch and nothing else (transformers 5's
-    TokenizersBackend, not overridden)."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # transformers 4: the plain call
-        return False
-    return (
-        issubclass(cls, TokenizersBackend)
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and cls.__call__ is PreTrainedTokenizerBase.__call__
-    )
-
-
 def text_prefix(tokenizer, policy: str = "auto") -> list[int]:
     """The ids accord puts in front of a text (data.add_bos): `auto` what the tokenizer's own
     policy puts there (`tokenizer(text)` minus `tokenizer(text, add_special_tokens=False)`:
@@ -230,8 +199,6 @@ def text_prefix(tokenizer, policy: str = "auto") -> list[int]:
         return []
     if policy == "always":
         if tokenizer.bos_token_id is None:
-            from accord.data.sources import DataError
-
             raise DataError("data.add_bos=always but the tokenizer has no BOS token; use data.add_bos=auto or never")
         return [tokenizer.bos_token_id]
     return _around_text(tokenizer)[0]

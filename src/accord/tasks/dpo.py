@@ -20,6 +20,7 @@ from torch import nn
 
 from accord.data.columns import Schema
 from accord.data.fetch import fetch, to_device
+from accord.recipe.schema import ModelConfig
 from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
@@ -56,8 +57,8 @@ class DPOTask(Task):
         with its adapters switched off."""
         cfg = self.recipe.dpo
         if cfg.reference is not None:
+            # Here, not at the top: only a separate reference model needs the model builder (transformers).
             from accord.models.build import build_model
-            from accord.recipe.schema import ModelConfig
 
             self.reference = build_model(
                 ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from accord.data.rows import SOURCE, row_origin
 from accord.errors import RunStopped, UserInputError
 from accord.recipe.grpo import ExactMatchReward, FunctionReward, GRPOConfig, LengthReward, ModelReward, RegexReward
+from accord.recipe.paths import PathError, resolve_path
 from accord.registry import load_object
 
 
@@ -111,8 +113,6 @@ def _name(spec) -> str:
 
 def _origin(g: Group) -> str:
     """The row's file and line, else its index in the data; with the start of its prompt."""
-    from accord.data.sources import SOURCE, row_origin
-
     where = row_origin(g.row) if SOURCE in g.row else f"data row {g.index}"
     prompt = g.prompt if len(g.prompt) <= 40 else g.prompt[:37] + "..."
     return f"{where} (prompt {prompt!r})"
@@ -143,8 +143,6 @@ def check_reward_model(path: str, where: str) -> None:
     """A reward-model folder must hold a sequence classifier with one output."""
     from transformers import AutoConfig
 
-    from accord.recipe.paths import PathError, resolve_path
-
     try:
         folder = resolve_path(path)
         config = AutoConfig.from_pretrained(str(folder))
@@ -165,8 +163,6 @@ class _ModelScorer:
 
     def __init__(self, path: str, device: torch.device):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from accord.recipe.paths import resolve_path
 
         folder = str(resolve_path(path))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from accord.data.sources import DataError, check_columns
+from accord.data.rows import DataError, row_origin
+from accord.data.sources import check_columns
+from accord.data.streams import checked as checked_rows
+from accord.data.streams import columns, is_stream
 from accord.tasks.base import IGNORE, PADDING, text_prefix, token_ids
 from accord.tasks.causal import CausalLMTask
 
@@ -37,9 +40,6 @@ class SFTTask(CausalLMTask):
         }
 
     def fit(self, train, eval_ds):
-        from accord.data.streams import checked as checked_rows
-        from accord.data.streams import columns, is_stream
-
         self.chat = "messages" in (columns(train) if is_stream(train) else train.column_names)
         checked = []
         self.empty_completions = {}
@@ -58,8 +58,6 @@ class SFTTask(CausalLMTask):
                 ds = check_columns(ds, ("prompt", "completion"), "sft data (prompt/completion or messages)")
                 empty = [i for i, completion in enumerate(ds["completion"]) if completion == ""]
                 if empty:
-                    from accord.data.sources import row_origin
-
                     self.empty_completions[split] = [len(empty), row_origin(ds[empty[0]])]
             checked.append(ds)
         if self.chat and self.tokenizer.chat_template is None:
@@ -178,8 +176,6 @@ class SFTTask(CausalLMTask):
 
 
 def _check_messages(ds) -> None:
-    from accord.data.sources import row_origin
-
     for i, messages in enumerate(ds["messages"]):
         problem = None
         if not isinstance(messages, list) or not messages:
