@@ -94,7 +94,7 @@ def _assert_close(strategy: str, baseline: float, measured: dict[str, float], pl
     report = ", ".join(f"{p}: planned {planned[p]:.3f} measured {measured[p] - baseline:.3f}" for p in measured)
     print(
         f"{strategy} (GiB above the empty process's {baseline:.3f}): {report}"
-    )  # for the README's figures (pytest -s)
+    )  # for docs/benchmarks.md's figures (pytest -s)
     for phase, peak in measured.items():
         above = peak - baseline
         assert (1 - UNDER) * above <= planned[phase] <= (1 + OVER) * above + SLACK_GIB, (
