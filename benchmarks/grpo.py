@@ -9,8 +9,8 @@ largest process, i.e. the peak of one process); reported per contender: wall sec
 steps after the first, prompts/s and completion tokens/s over those steps, peak RSS, and the
 mean exact-match reward of the last step's completions (both sample with temperature 1).
 accord starts its 2 processes itself (engine.processes); TRL runs under
-`accelerate launch --multi_gpu --num_processes 2` (the only accelerate launch that starts two
-gloo processes on a CPU machine, see FIELD-NOTES), each process taking half the global batch
+`accelerate launch --multi_gpu --num_processes 2` (the accelerate launch that starts two
+gloo processes on a CPU machine; with use_cpu it starts one), each process taking half the global batch
 (per_device_train_batch_size = prompts × group / 2).
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Re-measure the README's quickstart figures and print them as the README's table, to paste
-# into README.md before a release (on an otherwise idle machine: the figures are timings).
+# Re-measure the quickstart's figures and print them as the table in docs/benchmarks.md ("The
+# quickstart"), to paste there before a release (on an otherwise idle machine: the figures are timings).
 #
 #   ./scripts/measure-readme.sh [KEY=VALUE ...]     # overrides for a quick trial, e.g. train.max_steps=250
 #

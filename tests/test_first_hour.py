@@ -78,3 +78,18 @@ def test_the_first_line_comes_before_torch_is_imported(tmp_path, command, first_
     )
     assert proc.stdout.strip() == repr((False, first_line)), proc.stdout + proc.stderr
     assert proc.stderr == f"accord: {first_line}\n"
+
+
+def test_the_first_hour_script_times_what_the_readme_shows():
+    """scripts/measure-first-hour.sh times the README's steps: every accord command and every
+    line of Python it runs must be shown in README.md (with `accord` bare, as the README writes it)."""
+    from conftest import REPO
+
+    script = (REPO / "scripts" / "measure-first-hour.sh").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = [line.split(" .venv/bin/accord ", 1)[1] for line in script.splitlines() if " .venv/bin/accord " in line]
+    assert len(commands) >= 5, commands
+    for command in commands:
+        assert f"accord {command}" in readme, f"measure-first-hour.sh runs `accord {command}`, not shown in README.md"
+    snippet = script.split("python -c '", 1)[1].split("'", 1)[0].strip().splitlines()
+    assert len(snippet) == 3 and all(line in readme for line in snippet), snippet

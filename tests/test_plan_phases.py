@@ -11,7 +11,7 @@ The plan counts live bytes (what a GPU's allocator reports). On the CPU, glibc's
 freed blocks of the sizes FSDP gathers and frees layer after layer: by default a 38M fsdp
 rank's RSS peaks about 0.8 GiB above the empty process where its live tensors take 0.37.
 `engine.release_host_memory` returns every freed large block at once, so the runs here set
-it and RSS then measures live memory (README: memory on the CPU).
+it and RSS then measures live memory (docs/memory-and-plan.md: memory on the CPU).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _assert_close(strategy: str, baseline: float, measured: dict[str, float], pl
     report = ", ".join(f"{p}: planned {planned[p]:.3f} measured {measured[p] - baseline:.3f}" for p in measured)
     print(
         f"{strategy} (GiB above the empty process's {baseline:.3f}): {report}"
-    )  # for the README's figures (pytest -s)
+    )  # for docs/benchmarks.md's figures (pytest -s)
     for phase, peak in measured.items():
         above = peak - baseline
         assert (1 - UNDER) * above <= planned[phase] <= (1 + OVER) * above + SLACK_GIB, (

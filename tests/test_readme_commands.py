@@ -1,6 +1,6 @@
-"""The README's short commands run and print what the README shows, so README drift fails here.
+"""The short commands shown in README.md and docs/*.md run and print what the page shows, so drift fails here.
 
-In README.md a fenced block line `$ accord ...` is a command and the lines after it, up to the
+In those pages a fenced block line `$ accord ...` is a command and the lines after it, up to the
 next `$` line or the end of the block, are lines it prints (the key ones: others may come
 between them). Every such command must be listed below, as CHECKED (run here, needs no long
 run) or NOT_RUN (with the reason), so a new example is not skipped silently.
@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, accord_env, run_process
 
-README = REPO / "README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 CHECKED = [
     "accord train recipes/quickstart.yaml batch.micro_batch_sise=32",
@@ -30,24 +30,27 @@ _MACHINE = re.compile(r"\d+(?:\.\d+)?(?= GiB)")
 
 
 def readme_examples() -> dict[str, list[str]]:
-    """{command: the lines the README shows it printing}, in README order."""
+    """{command: the lines the pages show it printing}, in page order (README.md, then docs/)."""
     examples: dict[str, list[str]] = {}
-    in_block, command = False, None
-    for line in README.read_text(encoding="utf-8").splitlines():
-        if line.startswith("```"):
-            in_block, command = not in_block, None
-        elif in_block and line.startswith("$ "):
-            command = line[2:].strip()
-            examples[command] = []
-        elif in_block and command is not None and line.strip():
-            examples[command].append(line.rstrip())
+    for page in PAGES:
+        in_block, command = False, None
+        for line in page.read_text(encoding="utf-8").splitlines():
+            if line.startswith("```"):
+                in_block, command = not in_block, None
+            elif in_block and line.startswith("$ "):
+                command = line[2:].strip()
+                assert command not in examples, f"{page.name} shows `{command}` again: show each command once"
+                examples[command] = []
+            elif in_block and command is not None and line.strip():
+                examples[command].append(line.rstrip())
     return examples
 
 
 def test_every_readme_example_is_checked_or_says_why_not():
     shown = set(readme_examples())
     assert shown == set(CHECKED) | set(NOT_RUN), (
-        f"README shows {sorted(shown - set(CHECKED) - set(NOT_RUN))}; not in README any more: {sorted((set(CHECKED) | set(NOT_RUN)) - shown)}"
+        f"README/docs show {sorted(shown - set(CHECKED) - set(NOT_RUN))}; "
+        f"not in README/docs any more: {sorted((set(CHECKED) | set(NOT_RUN)) - shown)}"
     )
 
 
@@ -68,7 +71,7 @@ def test_readme_command_prints_what_the_readme_shows(command, tmp_path):
     assert "Traceback" not in proc.stderr
     position = 0
     for line in map(_machine_free, expected):
-        assert line in printed[position:], f"README shows {line!r} after `{command}`; it printed:\n" + "\n".join(
+        assert line in printed[position:], f"the docs show {line!r} after `{command}`; it printed:\n" + "\n".join(
             printed
         )
         position = printed.index(line, position) + 1
@@ -76,3 +79,10 @@ def test_readme_command_prints_what_the_readme_shows(command, tmp_path):
 
 def _machine_free(line: str) -> str:
     return _MACHINE.sub("N", line)
+
+
+def test_readme_shows_the_two_set_up_commands():
+    """CI and users run these two lines as the README shows them: keep them there verbatim."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "./scripts/setup.sh && .venv/bin/accord train recipes/quickstart.yaml --overwrite" in readme
+    assert "./scripts/setup.sh && .venv/bin/python -m pytest -q" in readme

@@ -351,7 +351,8 @@ def _plan(args: argparse.Namespace) -> int:
     if result.device != "GPU":
         print(
             "accord: on the CPU these are live bytes; a process's RSS can exceed them by what glibc's heap keeps "
-            "(measured up to ~1.7x per process under fsdp/zero3) unless engine.release_host_memory=true (README: Memory on the CPU)"
+            "(measured up to ~1.7x per process under fsdp/zero3) unless engine.release_host_memory=true "
+            "(docs/memory-and-plan.md: memory on the CPU)"
         )
     print(f"accord: {result.advice}")  # last: the answer
     return 0

@@ -88,7 +88,7 @@ def exit_after_shutdown(code: int) -> NoReturn:
     group still referenced by a model, DeviceMesh or DTensor; gloo's threads) would be
     destroyed in static-destructor order at exit, which sometimes aborts the process with
     "terminate called without an active exception" (SIGABRT, exit -6) after a run that
-    succeeded: the flake in FIELD-NOTES. Leaving with os._exit takes that path away.
+    succeeded. Leaving with os._exit takes that path away.
     """
     sys.stdout.flush()
     sys.stderr.flush()

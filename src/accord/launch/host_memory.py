@@ -6,8 +6,8 @@ only from its top: FSDP and ZeRO-3 gather and free every layer's parameters, gra
 activations each step, and on a CPU run the freed blocks stay resident between the live
 ones. A fixed threshold (what MALLOC_MMAP_THRESHOLD_ sets) serves every block of at least
 RELEASED_BLOCK_BYTES from its own mapping, unmapped when freed: a rank's resident memory
-follows its live tensors, for the page faults of mapping each block again (measured in the
-README: ~25-30% more CPU time on a CPU run). A GPU's memory is torch's caching allocator's,
+follows its live tensors, for the page faults of mapping each block again (about a third more
+CPU time on a CPU run; docs/memory-and-plan.md). A GPU's memory is torch's caching allocator's,
 not affected.
 """
 

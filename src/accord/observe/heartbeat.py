@@ -3,11 +3,9 @@
 The loop marks every phase it enters with `phase(op, step)` ("forward", "backward/all-reduce",
 "optimizer step", "eval", "checkpoint save", ...) and long phases call `tick()` as they go.
 Under accord's launcher each call writes a few bytes into a small memory-mapped file per rank
-in the watchdog's local folder: no system call, no thread, no network on the training path,
-and the launcher reads exactly where a rank was even after the rank was SIGSTOPped (a thread
-publishing to a store lags by its interval and stops with the process: tried, it named step 26
-for a rank stopped at step 31). The watchdog runs on every node for that node's ranks, so the
-files never need to cross the network.
+in the watchdog's local folder: no system call, thread or network on the training path, and
+the launcher reads exactly where a rank was even after it was stopped (SIGSTOP), which a
+thread publishing to a store cannot. Each node's watchdog reads only its own ranks' files.
 
 Every rank also dumps its Python stacks on DUMP_SIGNAL (faulthandler, from the signal handler
 itself, so also while the main thread is stuck in C++): into the watchdog's folder under

@@ -197,7 +197,7 @@ def phase_peaks(
       but for DDP's already in its buckets), and the checkpoint read into it one tensor at a
       time (ZeRO-3: a batch of the rows around its partitions, READ_BUFFER_BYTES at most).
     Host memory on the CPU is counted as live bytes: glibc's heap can keep more unless
-    engine.release_host_memory is on (see README).
+    engine.release_host_memory is on (see docs/memory-and-plan.md).
     """
     compute = 2 if recipe.engine.precision in ("bf16", "fp16") else 4
     params = list(model.parameters())

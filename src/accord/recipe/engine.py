@@ -62,7 +62,7 @@ class EngineConfig(Section):
         False,
         description="Return host memory to the OS as soon as a tensor of 1 MiB or more is freed (glibc's malloc with a "
         "fixed mmap threshold, as MALLOC_MMAP_THRESHOLD_=1048576 does). On CPU runs under fsdp or zero3 a rank's peak RSS "
-        "then follows its live tensors (measured: about half) for about a third more CPU time (see README); a GPU's memory is not affected.",
+        "then follows its live tensors (measured: about half) for about a third more CPU time (see docs/memory-and-plan.md); a GPU's memory is not affected.",
     )
     activation_checkpointing: bool | Literal["offload"] = Field(
         False,

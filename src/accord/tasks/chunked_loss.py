@@ -37,8 +37,8 @@ from accord.tasks.base import IGNORE
 _LOGIT_POSTPROCESSING = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
 
 
-# train.loss_chunk_size: auto (the default), measured with benchmarks/long_context.py (see the
-# README): chunks of AUTO_CHUNK_TOKENS target tokens, for a micro batch whose whole fp32 logits
+# train.loss_chunk_size: auto (the default), measured with benchmarks/long_context.py (see
+# docs/long-rows.md): chunks of AUTO_CHUNK_TOKENS target tokens, for a micro batch whose whole fp32 logits
 # (positions × vocabulary × 4 bytes) would pass AUTO_WHOLE_LOGITS_BYTES; a smaller one keeps the
 # plain loss, which is as fast and sums in the order it always did (a byte-level vocabulary
 # never chunks, a 32k one from about one chunk's worth of positions).

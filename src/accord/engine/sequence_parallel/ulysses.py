@@ -1,33 +1,11 @@
 """Ulysses sequence parallelism (engine.sequence_parallel: N).
 
-The world is data-parallel × N: ranks r*N … r*N+N-1 form sequence-parallel group r, train
-on the same rows of the global batch (BatchPlan.data_rank) and each take one N-th of every
-row's tokens. Every layer runs on the local tokens except attention, which exchanges
-sequence shards for head shards (all-to-all), attends over the whole row with 1/N of the
-heads, and exchanges back.
-
-What is DeepSpeed's and what is accord's:
-- The attention is DeepSpeed's `UlyssesSPAttentionHF` (ALST), used as it is, with its
-  differentiable all-to-all (it runs on gloo: torch 2.13's gloo has all_to_all_single) and
-  its kv-head replication where N exceeds the kv heads. Not its
-  `register_with_transformers`: that replaces transformers' global "sdpa" entry (so every
-  model in the process) and drops the attention mask, which packed rows need
-  (sdpa and eager attend across documents without it, FIELD-NOTES); here the attention is
-  registered under its own name on this model's config, and the mask over the whole row
-  is passed through to the core attention.
-- The batch sharding is accord's (accord.tasks.sequence_shards says why not DeepSpeed's
-  `UlyssesSPDataLoaderAdapter`).
-- Gradients: every rank holds the whole model (or its strategy's shard of it) and a
-  slice of the group's tokens; its backward, through the all-to-all's backward, gives its
-  share of the group's gradient. The strategy averages over the whole world as it always
-  does, and the loss scaling (world / global targets) turns that into the sum over every
-  token of the global batch, each counted on exactly one rank: the contract's
-  normalisation, unchanged. So ddp, fsdp and zero1-3 carry it without knowing of it.
-
-Rows are padded to a multiple of N (padding has no targets). Evaluation runs whole rows on
-each rank (the attention steps aside outside training), as without sequence parallelism.
-The mask is materialised over the whole row (rows × L × L booleans) for sdpa and eager;
-flash attention finds the documents from the gathered position ids instead.
+Ranks r*N … r*N+N-1 form a group that trains on the same rows, each holding one N-th of every
+row's tokens; attention exchanges sequence shards for head shards (all-to-all) to attend over
+the whole row. The attention is DeepSpeed's `UlyssesSPAttentionHF`, registered under its own
+name on this model's config (not globally) and given the whole row's mask, so packed
+documents stay apart. Each target token is counted on exactly one rank, so every strategy
+carries it unchanged. Rows are padded to a multiple of N; evaluation runs whole rows.
 """
 
 from __future__ import annotations
