@@ -60,15 +60,13 @@ class RunSetup:
         return Path(self.recipe.output.dir)
 
 
-def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunSetup:
+def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torch.device) -> RunSetup:
+    """The run of `recipe` on this rank; `plan` is the batch plan the process derived at its start."""
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.local_rank == 0)
-    plan = BatchPlan.derive(
-        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel
-    )
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
