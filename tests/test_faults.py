@@ -81,7 +81,7 @@ class DiskFullOnTheSecondWrite(engine_state.RecordingWriter):
 engine_state.RecordingWriter = DiskFullOnTheSecondWrite
 raw = TINY_RECIPE | {"output": {"dir": sys.argv[1]}, "checkpoint": {"every_steps": 4}}
 raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
-print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode="json"))))
+print("result: " + json.dumps(train_worker(validate_recipe(raw)).__dict__))
 """
 
 

@@ -39,3 +39,14 @@ def _die() -> None:
 def test_a_child_that_dies_is_reported_as_one_line():
     with pytest.raises(RuntimeError, match=r"checks before start died \(exit code 9\)"):
         call_in_fork(_die)
+
+
+def _killed() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_child_killed_by_a_signal_is_reported_with_the_signal():
+    with pytest.raises(RuntimeError, match=r"checks before start died \(signal 9\)"):
+        call_in_fork(_killed)

@@ -156,7 +156,7 @@ def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimi
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(validate_recipe(TINY_RECIPE | {"data": data}).model_dump(mode="json")))
     script = (
-        "import sys; from accord.launch import worker, worker_start; worker_start._import_what_the_run_builds(sys.argv[1]); "
+        "import sys; from accord.launch import worker, worker_start; from accord.recipe.schema import read_resolved_recipe; worker_start._import_what_the_run_builds(read_resolved_recipe(sys.argv[1])); "
         "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') if m in sys.modules))"
     )
     proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)

@@ -298,12 +298,7 @@ def _slurm(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.derive(
-        recipe.batch.global_batch_size,
-        recipe.batch.micro_batch_size,
-        args.nodes * per_node,
-        recipe.engine.sequence_parallel,
-    )
+    BatchPlan.for_recipe(recipe, args.nodes * per_node)  # the job's world, refused here rather than in the queue
     job = JobRequest(
         Path(args.recipe),
         tuple(args.overrides),

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from accord.errors import UserInputError
+
+if TYPE_CHECKING:
+    from accord.recipe.schema import Recipe
 
 
 class BatchPlanError(UserInputError):
@@ -20,6 +24,15 @@ class BatchPlan:
     micro_batch_size: int
     world_size: int
     sequence_parallel: int = 1
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe, processes: int) -> BatchPlan:
+        """The plan of `recipe`'s batch section on `processes` processes. Derived once per
+        process where a run starts and handed on from there (the launcher's checks, the
+        workers' RunSetup); raises BatchPlanError naming a split that does not work."""
+        return cls.derive(
+            recipe.batch.global_batch_size, recipe.batch.micro_batch_size, processes, recipe.engine.sequence_parallel
+        )
 
     @classmethod
     def derive(
@@ -60,6 +73,11 @@ class BatchPlan:
                 f"valid micro_batch_size values for {world_size} {unit}: {', '.join(map(str, divisors(per_rank)))}"
             )
         return cls(global_batch_size, micro, world_size)
+
+    @property
+    def processes(self) -> int:
+        """Every process of the run: the data-parallel groups × their sequence-parallel ranks."""
+        return self.world_size * self.sequence_parallel
 
     @property
     def per_rank(self) -> int:

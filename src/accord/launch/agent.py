@@ -9,13 +9,16 @@ import sys
 import tempfile
 import threading
 import uuid
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from accord.distributed import group as dist
 from accord.errors import AccordError, RunStopped, UserInputError
 from accord.launch.cluster import Topology, interface_towards, is_local_address
 from accord.recipe.schema import EngineConfig, Recipe
 from accord.stopping import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from accord.distributed.batch_plan import BatchPlan
 
 
 class PendingChecks(Protocol):
@@ -64,15 +67,20 @@ def starts_workers(cfg: EngineConfig, topology: Topology = Topology()) -> bool:
     return local_world_size(cfg) > 1 or topology.multi_node
 
 
-def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks | None = None) -> str:
+def run(
+    recipe: Recipe,
+    topology: Topology = Topology(),
+    checks: PendingChecks | None = None,
+    plan: BatchPlan | None = None,
+) -> str:
     """Train `recipe` here (outer launcher, or one process) or on freshly started local
     workers (joining the other nodes' when multi-node); returns how the run ended:
     completed | preempted | stopped.
 
     `checks`: the recipe's checks, still running; the workers start now and train only if
     they pass (else the checks' problems are raised as a UserInputError). Only where this
-    process starts the workers."""
-    data = recipe.model_dump(mode="json")
+    process starts the workers. `plan`: the batch plan this process derived already, for
+    training here (a worker process derives its own from the recipe it is handed)."""
     nproc = local_world_size(recipe.engine)
     if dist.outer_launcher() is None:
         _set_worker_environment(recipe.engine, nproc, topology)
@@ -80,7 +88,7 @@ def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks |
         from accord.launch.worker import train_worker  # this process is the (only) worker
 
         global _trained_here
-        status = train_worker(data)["status"]
+        status = train_worker(recipe, plan).status
         _trained_here = True
         return status
     if topology.hosts_rank_zero:
@@ -90,7 +98,7 @@ def run(recipe: Recipe, topology: Topology = Topology(), checks: PendingChecks |
             f"starting {nproc} worker{'s' if nproc != 1 else ''}…"
             + (f" (this node's of {topology.nnodes})" if topology.multi_node else "")
         )
-    return _launch_watched(recipe, json.dumps(data), nproc, topology, checks)
+    return _launch_watched(recipe, json.dumps(recipe.model_dump(mode="json")), nproc, topology, checks)
 
 
 def _launch_watched(

@@ -5,9 +5,9 @@ launcher itself never needs again while it watches the workers for hours."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -20,77 +20,32 @@ def call_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs) in a forked child: its return value, or its exception re-raised
     here. Runs in this process where fork does not exist. Only for a process that has
     started no threads of its own (fork copies the calling thread only)."""
-    return start_in_fork(fn, *args, **kwargs).result()
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return fn(*args, **kwargs)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, fn, args, kwargs), name="accord-checks")
+    child.start()
+    send.close()  # the child holds the only writer: its exit ends the read below
+    try:
+        payload = receive.recv_bytes()
+    except EOFError:
+        payload = None
+    finally:
+        receive.close()
+        child.join()
+    if payload is None:
+        raise RunStopped(
+            f"the checks before start died ({_describe(child.exitcode)}); run again, or report it with the recipe"
+        )
+    return unpack_outcome(payload)
 
 
-class Forked:
-    """A call running in a forked child; `result()` waits for it (from any thread)."""
-
-    def __init__(self, pid: int, read_end: int) -> None:
-        self._pid, self._read_end, self._reaped = pid, read_end, False
-
-    def result(self) -> Any:
-        with os.fdopen(self._read_end, "rb") as pipe:
-            payload = pipe.read()
-        _, status = os.waitpid(self._pid, 0)
-        self._reaped = True
-        if not payload:
-            raise RunStopped(
-                f"the checks before start died ({_describe(status)}); run again, or report it with the recipe"
-            )
-        return unpack_outcome(payload)
-
-    def cancel(self) -> None:
-        """Stop the child (its result() then raises RunStopped)."""
-        if not self._reaped:
-            try:
-                os.kill(self._pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-class _Done:
-    """The same interface where there is no fork: the call already ran here."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        try:
-            self._outcome = ("returned", fn(*args, **kwargs))
-        except Exception as e:  # noqa: BLE001 - re-raised by result(), as the child's would be
-            self._outcome = ("raised", e)
-
-    def result(self) -> Any:
-        outcome, value = self._outcome
-        if outcome == "raised":
-            raise value
-        return value
-
-    def cancel(self) -> None:
-        pass
-
-
-def start_in_fork(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Forked | _Done:
-    """Start fn(*args, **kwargs) in a forked child and return at once; the same conditions
-    as call_in_fork (fork before this process starts any thread)."""
-    if not hasattr(os, "fork"):
-        return _Done(fn, args, kwargs)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        _child(write_end, fn, args, kwargs)  # never returns
-    os.close(write_end)
-    return Forked(pid, read_end)
-
-
-def _child(write_end: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _child(send, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     code = 0
     try:
-        payload = packed_outcome(fn, *args, where="the forked child", **kwargs)
-        with os.fdopen(write_end, "wb") as pipe:
-            pipe.write(payload)
-    except BaseException:  # noqa: BLE001
+        send.send_bytes(packed_outcome(fn, *args, where="the forked child", **kwargs))
+    except BaseException:  # noqa: BLE001 - nothing sent: the parent reports the exit code
         code = 1
     finally:
         sys.stdout.flush()
@@ -120,7 +75,6 @@ def unpack_outcome(payload: bytes) -> Any:
     return value
 
 
-def _describe(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {os.WTERMSIG(status)}"
-    return f"exit code {os.waitstatus_to_exitcode(status)}"
+def _describe(exitcode: int | None) -> str:
+    # multiprocessing gives a child killed by a signal a negative exit code.
+    return f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"

@@ -16,16 +16,22 @@ from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
 
 
-def preflight(recipe: Recipe, world_size: int, writer: bool = True, share: NodeShare | None = None) -> list[str]:
+def preflight(
+    recipe: Recipe,
+    world_size: int,
+    writer: bool = True,
+    share: NodeShare | None = None,
+    plan: BatchPlan | None = None,
+) -> list[str]:
     """One line per problem (empty when the run can start). `writer`: this process (or its
-    node) will hold global rank 0, the one that writes the outputs."""
+    node) will hold global rank 0, the one that writes the outputs. `plan`: the batch plan a
+    run's start derived already (so it is sound); without one it is derived and checked here."""
     problems: list[str] = []
-    try:
-        BatchPlan.derive(
-            recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world_size, recipe.engine.sequence_parallel
-        )
-    except BatchPlanError as e:
-        problems.append(str(e))
+    if plan is None:
+        try:
+            BatchPlan.for_recipe(recipe, world_size)
+        except BatchPlanError as e:
+            problems.append(str(e))
     problems += check_model_source(recipe.model)
     if recipe.engine.sequence_parallel > 1 and not problems:
         problems += check_sequence_parallel(recipe)

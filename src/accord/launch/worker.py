@@ -7,12 +7,10 @@ the launcher how the run ended (see EXIT_CODES).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import traceback
-from typing import Any
 
 from accord.checkpoint.store import (
     CHECKPOINTS,
@@ -23,12 +21,13 @@ from accord.checkpoint.store import (
 )
 from accord.data.sources import DataError
 from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
 from accord.engine.device import select_device
 from accord.errors import UserInputError
 from accord.launch.host_memory import release_freed_memory
 from accord.observe import heartbeat
 from accord.output.folder import discard_earlier_run, prepare_output_dir
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import Recipe, read_resolved_recipe
 from accord.run.assemble import build_run, describe
 from accord.run.trainer import Trainer
 from accord.stopping import EXIT_CODES, RunResult, StartRefused, StopRequest, TrainingStopped
@@ -36,10 +35,13 @@ from accord.stopping import EXIT_CODES, RunResult, StartRefused, StopRequest, Tr
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0], encoding="utf-8") as f:
-        recipe_data = json.load(f)
+    return run_worker(read_resolved_recipe(argv[0]))
+
+
+def run_worker(recipe: Recipe, plan: BatchPlan | None = None) -> int:
+    """Train as this worker process; the exit code tells the launcher how the run ended."""
     try:
-        result = train_worker(recipe_data)
+        result = train_worker(recipe, plan)
     except BaseException:
         # A crash: report it, then leave at once. Interpreter teardown after a failed
         # collective can abort in C++ destructors (exit -6) and hide the real exit code.
@@ -47,17 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    return EXIT_CODES[result["status"]]
+    return EXIT_CODES[result.status]
 
 
-def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of one worker; `recipe_data` is a validated recipe's model_dump().
+def train_worker(recipe: Recipe, plan: BatchPlan | None = None) -> RunResult:
+    """Entry point of one worker: how the run ended (status completed | preempted | stopped);
+    an unexpected exception propagates so the launcher reports the failed rank.
 
-    Returns a RunResult as a dict (status completed | preempted | stopped); an unexpected
-    exception propagates so the launcher reports the failed rank.
-    """
-    recipe = Recipe.model_validate(recipe_data)
+    `plan`: the batch plan this process derived already; else derived here, for the world
+    size of the process group this worker joins."""
     info = dist.env_info()
+    if plan is None:
+        plan = BatchPlan.for_recipe(recipe, info.world_size)
     _quiet_libraries(info)
     if recipe.engine.release_host_memory and not release_freed_memory():
         dist.print0(
@@ -74,22 +77,22 @@ def train_worker(recipe_data: dict[str, Any]) -> dict[str, Any]:
     refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
     clean = False
     try:
-        result = _run(recipe, info, device, stop)
+        result = _run(recipe, plan, info, device, stop)
         clean = True
-        return result.__dict__
+        return result
     except TrainingStopped as e:
         # Every rank raises this together (the cause is agreed collectively), so the
         # shutdown can still be orderly.
         clean = True
         if info.leads_node:  # on every node, so each node's log says why it stopped
             print(f"accord: error: {e}", file=sys.stderr, flush=True)
-        return RunResult(e.status, -1, message=str(e)).__dict__
+        return RunResult(e.status, -1, message=str(e))
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
         dist.shutdown(clean=clean)
 
 
-def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
+def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
     restarted = dist.restart_count() > 0
     source = verified_resume_source(recipe, info, restarted=restarted)  # before anything is written
     out_dir = None
@@ -104,7 +107,7 @@ def _run(recipe: Recipe, info: dist.DistInfo, device, stop: StopRequest) -> RunR
     source = _node_folders(recipe, info, source, restarted)
     dist.print0("accord: loading model…")
     try:
-        run = build_run(recipe, info, device)
+        run = build_run(recipe, plan, info, device)
     except DataError as e:
         raise TrainingStopped(str(e)) from None
     except UserInputError as e:  # e.g. weights that do not fit the config: the same on every rank

@@ -24,6 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.recipe.schema import Recipe
 
 from accord.atomic import write_atomic
 
@@ -67,34 +72,46 @@ def main(argv: list[str] | None = None) -> int:
     watcher.start()
     from accord.distributed import group as dist
 
+    recipe = plan = None
     # Once: a restarted worker group finds the report of the checks that let the first one through.
     if report and not os.path.exists(report[0]) and dist.env_info().leads_node:
-        _check_and_report(recipe_path, report[0])  # before the rest: bad input is found sooner
+        recipe, plan = _read_and_plan(recipe_path)
+        _check_and_report(recipe, plan, report[0])  # before the rest: bad input is found sooner
     from accord.launch import worker  # the slow part, overlapping the checks
 
+    if recipe is None:
+        # Read only now: a worker told to abort at once never looks at the recipe.
+        recipe, plan = _read_and_plan(recipe_path)
     if not watcher.opened.is_set():
-        _import_what_the_run_builds(recipe_path)
+        _import_what_the_run_builds(recipe)
     # The imported libraries' objects (~400k) live as long as the process: kept out of the
     # collector's full scans from here on (one scan over them took 3.4 s at load 27 here).
     gc.freeze()
     watcher.opened.wait()
     watcher.join()
-    return worker.main([recipe_path])
+    return worker.run_worker(recipe, plan)
 
 
-def _check_and_report(recipe_path: str, report: str) -> None:
+def _read_and_plan(recipe_path: str) -> tuple[Recipe, BatchPlan]:
+    """The recipe the launcher wrote, validated once in this process, and its batch plan for
+    this run's world size (the launcher refused a split that does not work before it started
+    the workers)."""
+    from accord.distributed import group as dist
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.recipe.schema import read_resolved_recipe
+
+    recipe = read_resolved_recipe(recipe_path)
+    return recipe, BatchPlan.for_recipe(recipe, dist.env_info().world_size)
+
+
+def _check_and_report(recipe: Recipe, plan: BatchPlan, report: str) -> None:
     """Run the launcher's checks here, in the node's first worker (before the process group
     exists: the environment says this is global rank 0's node), and leave their outcome (the
     problems, or what they raised) in `report` for the launcher."""
-    import json
-
-    from accord.distributed import group as dist
     from accord.launch.forked import packed_outcome
     from accord.launch.preflight import preflight
-    from accord.recipe.schema import Recipe
 
-    recipe = Recipe.model_validate(json.loads(Path(recipe_path).read_text(encoding="utf-8")))
-    payload = packed_outcome(preflight, recipe, dist.env_info().world_size, where="local rank 0's checks")
+    payload = packed_outcome(preflight, recipe, plan.processes, plan=plan, where="local rank 0's checks")
     write_atomic(report, payload)  # the launcher never reads half
 
 
@@ -123,7 +140,7 @@ class WorkerChecks:
         self._cancelled.set()
 
 
-def _import_what_the_run_builds(recipe_path: str) -> None:
+def _import_what_the_run_builds(recipe: Recipe) -> None:
     """Import the recipe's task, model class and strategy, and datasets where the prepared
     data is read with it, while the checks run (each another second or more on a loaded
     machine). Best effort: the run itself reports what fails."""
@@ -134,22 +151,19 @@ def _import_what_the_run_builds(recipe_path: str) -> None:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         from accord.data.prepare import reads_datasets
-        from accord.recipe.schema import Recipe
         from accord.registry import STRATEGIES
         from accord.tasks import task_class
 
-        recipe = json.loads(Path(recipe_path).read_text(encoding="utf-8"))
-        validated = Recipe.model_validate(recipe)
-        if reads_datasets(validated, task_class(validated)):
+        if reads_datasets(recipe, task_class(recipe)):
             import datasets  # noqa: F401 - pandas & co.: imported once the run loads the data anyway
-        model, engine = recipe["model"], recipe["engine"]
-        if model.get("config"):
-            model_type = model["config"]["architecture"]
+        model = recipe.model
+        if model.config:
+            model_type = model.config["architecture"]
         else:
-            model_type = json.loads((Path(model["path"]) / "config.json").read_text(encoding="utf-8"))["model_type"]
+            model_type = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))["model_type"]
         name = model_type_to_module_name(model_type)
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        strategy_module = STRATEGIES[engine["strategy"]].split(":")[0]
+        strategy_module = STRATEGIES[recipe.engine.strategy].split(":")[0]
         if "deepspeed" not in strategy_module:  # DeepSpeed picks its accelerator at import: left to build_engine
             importlib.import_module(strategy_module)
     except Exception:  # noqa: BLE001 - a GGUF file, pkg: paths, remote code: imported when built

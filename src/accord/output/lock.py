@@ -4,9 +4,9 @@ The lock file holds the holder's host, pid, start time and run id. Every node of
 shares the run id, so the nodes of a run writing into a shared folder join the lock
 instead of refusing each other; a different run is refused with one line naming the holder.
 
-Created atomically (the whole file is written under a private name, then hard-linked to
-the lock's name, which fails when the name exists), so a reader never sees half a lock
-and two starters cannot both create it. A lock whose holder is dead is stale:
+Created with O_CREAT|O_EXCL, so two starters cannot both create it; the holder writes
+its line right after, and a reader that finds the file still empty or half-written reads
+it again a moment later. A lock whose holder is dead is stale:
 - on the same host, its pid is gone (or now belongs to a process started later);
 - on another host the pid cannot be checked, so the holder refreshes the file's mtime
   every HEARTBEAT_S seconds and a lock not refreshed for STALE_AFTER_S is stale (this
@@ -109,17 +109,11 @@ def acquire(out_dir: Path, run_id: str) -> RunLock:
     for _ in range(20):
         if _create(path, mine):
             return RunLock(path, mine, owner=True)
-        raw = _read_bytes(path)
-        holder = _parse(raw)
+        raw, holder = _written(path)
         if raw is None:
             continue  # removed meanwhile: try again
         if holder is None:
-            time.sleep(0.1)  # written by the fallback below and not complete yet
-            holder = _parse(_read_bytes(path))
-            if holder is None:
-                raise OutputLocked(
-                    f"output.dir: {path} is not a lock accord can read; if no run uses {out_dir}, delete it"
-                )
+            raise OutputLocked(f"output.dir: {path} is not a lock accord can read; if no run uses {out_dir}, delete it")
         reason = stale_reason(holder, path)
         if reason is None:
             if holder.run_id == run_id:
@@ -167,24 +161,25 @@ def _refusal(out_dir: Path, holder: LockInfo) -> str:
 
 def _create(path: Path, info: LockInfo) -> bool:
     """Create the lock holding `info`; False if a lock exists."""
-    text = json.dumps(asdict(info)) + "\n"
-    private = path.with_name(f"{path.name}.{info.pid}.{uuid.uuid4().hex[:8]}")
-    private.write_text(text)
     try:
-        os.link(private, path)
-        return True
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
-    except OSError:  # a file system without hard links: exclusive create (a reader may see it half-written)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return True
-    finally:
-        private.unlink(missing_ok=True)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(info)) + "\n")
+    return True
+
+
+def _written(path: Path, wait_s: float = 2.0) -> tuple[bytes | None, LockInfo | None]:
+    """The lock's bytes and holder, waiting up to `wait_s` for a lock just created to get its
+    line (holder None: a file that stays unreadable; bytes None: no lock any more)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        raw = _read_bytes(path)
+        holder = _parse(raw)
+        if raw is None or holder is not None or time.monotonic() > deadline:
+            return raw, holder
+        time.sleep(0.05)
 
 
 def _remove_if_unchanged(path: Path, raw: bytes) -> bool:

@@ -1,74 +1,36 @@
 """Put a run together, in one direction: tokenizer -> task -> prepared data -> rows and
 global order -> model (task hook, adapters) -> engine -> task setup. The result is a
-RunSetup that the Trainer only reads; nothing is set on the Trainer afterwards."""
+RunSetup (accord.run.setup) that the Trainer only reads; nothing is set on the Trainer afterwards."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from accord.data.order import GlobalOrder
-from accord.data.packing import Rows, training_rows
+from accord.data.packing import training_rows
 from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
-from accord.engine import Engine, build_engine
+from accord.engine import build_engine
 from accord.models.build import apply_lora, build_model, build_tokenizer
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe
+from accord.run.setup import ModelFacts, RunSetup
 from accord.tasks import build_task, groups_by_length
-from accord.tasks.base import Task
 from accord.tasks.sequence_shards import SequenceShards
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    name: str
-    num_params: int  # the whole model, counted before adapters and sharding
-    trainable: int
-    flops_per_token: float  # for MFU
-    peak_tflops: float | None  # one device's peak; None where unknown (no MFU then)
-
-
-@dataclass(frozen=True)
-class RunSetup:
-    """Everything a run is made of; every rank holds the same global plan (rows, order, plan)."""
-
-    recipe: Recipe
-    info: dist.DistInfo
-    tokenizer: Any
-    task: Task
-    train_data: Any  # datasets.Dataset of encoded examples (memory-mapped)
-    eval_data: Any | None
-    data_report: dict[str, int]
-    rows: Rows  # which examples form each row of the global order
-    order: GlobalOrder
-    plan: BatchPlan
-    total_steps: int
-    engine: Engine
-    model: ModelFacts
-    sequence: SequenceShards  # this rank's slice of each row (engine.sequence_parallel)
-
-    @property
-    def out_dir(self) -> Path:
-        return Path(self.recipe.output.dir)
-
-
-def build_run(recipe: Recipe, info: dist.DistInfo, device: torch.device) -> RunSetup:
+def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torch.device) -> RunSetup:
+    """The run of `recipe` on this rank; `plan` is the batch plan the process derived at its start."""
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait.
     data = prepare_data(recipe, tokenizer, task, preparer=info.leads_node)
-    plan = BatchPlan.derive(
-        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, info.world_size, recipe.engine.sequence_parallel
-    )
     rows = training_rows(data.train, task.row_capacity)
     grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)

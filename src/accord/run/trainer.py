@@ -1,4 +1,4 @@
-"""The training loop: step -> loop -> save. It reads a RunSetup (accord.run.assemble) and has no
+"""The training loop: step -> loop -> save. It reads a RunSetup (accord.run.setup) and has no
 strategy branches: the engine hides them. Every rank computes the same global plan (which
 rows form each global batch, how many targets it has), so the loss normaliser needs no
 communication."""
@@ -23,10 +23,10 @@ from accord.observe.memory import memory_record
 from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
 from accord.output.export import export_final
-from accord.run.assemble import RunSetup
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
 from accord.run.rollout_step import rollout_step
+from accord.run.setup import RunSetup
 from accord.stopping import RunResult, StopRequest
 
 
