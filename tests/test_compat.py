@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import sys
 
 import pytest
 
@@ -119,3 +120,101 @@ def test_a_missing_deepspeed_internal_is_one_line_naming_the_version():
     assert "\n" not in message
     assert "DeepSpeedZeroOptimizer has no attribute '_hp_optimizer_states_linked'" in message
     assert f"written for DeepSpeed {ds_compat.written_for()}" in message
+
+
+# ---------------------------------------------------------------- torch
+
+
+def test_torch_module_tables_are_what_the_module_uses():
+    import torch
+    from torch import nn
+
+    from accord.compat.torch import buffer_table, is_persistent_buffer, parameter_table
+
+    module = nn.Linear(2, 2)
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert set(parameter_table(module)) == {"weight", "bias"}
+    assert set(buffer_table(module)) == {"kept", "scratch"}
+    replacement = nn.Parameter(torch.ones(2, 2))
+    parameter_table(module)["weight"] = replacement
+    assert module.weight is replacement and dict(module.named_parameters())["weight"] is replacement
+    buffer_table(module)["kept"] = torch.ones(1)
+    assert module.kept.item() == 1.0
+    assert is_persistent_buffer(module, "kept") and not is_persistent_buffer(module, "scratch")
+    assert set(module.state_dict()) == {"weight", "bias", "kept"}
+
+
+def test_torch_calls_an_instance_forward_inside_the_module_hooks():
+    import torch
+    from torch import nn
+
+    from accord.compat.torch import replace_forward
+
+    module = nn.Linear(2, 2)
+    calls = []
+    module.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    module.register_forward_hook(lambda m, args, out: calls.append("post"))
+    replace_forward(module, lambda x: calls.append("forward") or x * 2)
+    assert torch.equal(module(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+    assert calls == ["pre", "forward", "post"]
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_places_a_dtensor_shard_and_hands_its_storage(one_rank_group):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from accord.compat.torch import local_offset
+
+    assert list(inspect.signature(compute_local_shape_and_global_offset).parameters)[:3] == [
+        "global_shape",
+        "mesh",
+        "placements",
+    ]
+    mesh = init_device_mesh("cpu", (1,))
+    tensor = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    assert local_offset(tensor) == (0, 0)
+    with torch.no_grad():  # models.weights writes the shard in place through to_local()
+        tensor.to_local().fill_(7.0)
+    assert torch.equal(tensor.full_tensor(), torch.full((3, 2), 7.0))
+
+
+def _lambda_lr(groups: int):
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+    optimizer = torch.optim.SGD([{"params": [p]} for p in params], lr=1.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+
+
+def test_torch_scheduler_last_lr_can_be_set():
+    from accord.compat.torch import set_last_lr
+
+    scheduler = _lambda_lr(2)
+    assert scheduler.get_last_lr() == [0.5, 0.5]
+    set_last_lr(scheduler, [0.25, 0.25])
+    assert scheduler.get_last_lr() == [0.25, 0.25]
+    assert scheduler.state_dict()["_last_lr"] == [0.25, 0.25]
+
+
+def test_torch_scheduler_state_lists_per_group_entries():
+    from accord.compat.torch import SCHEDULER_GROUP_KEYS
+
+    state = _lambda_lr(3).state_dict()
+    for key in SCHEDULER_GROUP_KEYS:
+        assert isinstance(state.get(key), list) and len(state[key]) == 3, f"LambdaLR's state has no per-group {key!r}"

@@ -18,8 +18,6 @@ worker's start import nothing more than before.
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from accord.errors import RunStopped
 
 
@@ -29,6 +27,8 @@ class IncompatibleLibrary(RunStopped):
 
 def installed_version(distribution: str) -> str:
     """The installed version of `distribution` (its package metadata; nothing imported)."""
+    from importlib import metadata  # only when an error is made: `import accord` does not pay for it
+
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
