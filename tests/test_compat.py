@@ -218,3 +218,80 @@ def test_torch_scheduler_state_lists_per_group_entries():
     state = _lambda_lr(3).state_dict()
     for key in SCHEDULER_GROUP_KEYS:
         assert isinstance(state.get(key), list) and len(state[key]) == 3, f"LambdaLR's state has no per-group {key!r}"
+
+
+@needs_deepspeed
+def test_deepspeed_ulysses_attention_takes_accords_settings_and_its_core_name(deepspeed_classes):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    accepted = set(inspect.signature(UlyssesSPAttentionHF.__init__).parameters)
+    settings = {"attn", "batch_size", "attn_head_count", "attn_head_size", "kv_head_count", "num_hidden_layers"}
+    settings |= {"process_group", "seq_length_is_variable", "disable_in_eval"}
+    assert settings <= accepted, f"UlyssesSPAttentionHF no longer takes {sorted(settings - accepted)}"
+    assert _assigns(UlyssesSPAttentionHF, "core_attn_implementation")
+    assert ".core_attn_implementation = core_attn_implementation" in inspect.getsource(
+        UlyssesSPAttentionHF.register_with_transformers
+    ), "DeepSpeed's register_with_transformers no longer names the core attention this way (ulysses_attention)"
+
+
+# ---------------------------------------------------------------- transformers
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    config.vocab_size = 32
+    return LlamaForCausalLM(config)
+
+
+def test_transformers_dispatches_attention_by_the_configs_implementation(tiny_llama):
+    import torch
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from accord.compat.transformers import attn_implementation, set_attn_implementation
+
+    config = tiny_llama.config
+    core = attn_implementation(config)
+    assert core == "sdpa"
+    calls = []
+
+    def counted(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append(module)
+        return ALL_ATTENTION_FUNCTIONS[core](module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register("accord_compat_canary", counted)
+    AttentionMaskInterface.register("accord_compat_canary", ALL_MASK_ATTENTION_FUNCTIONS[core])
+    set_attn_implementation(config, "accord_compat_canary")
+    try:
+        assert attn_implementation(config) == "accord_compat_canary"
+        with torch.no_grad():
+            tiny_llama(torch.tensor([[1, 2, 3]]))
+        assert len(calls) == 1, "the attention layer did not dispatch to the implementation its config names"
+    finally:
+        set_attn_implementation(config, core)
+
+
+def test_transformers_initialises_one_module_through_init_weights(tiny_llama):
+    import torch
+
+    from accord.compat.transformers import init_weights
+
+    layer = tiny_llama.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        layer.weight.zero_()
+    init = init_weights(tiny_llama)
+    assert list(inspect.signature(init).parameters) == ["module"]
+    init(layer)
+    assert layer.weight.abs().sum() > 0, "_init_weights(module) no longer initialises the module it is given"
+
+
+def test_transformers_names_the_blocks_not_to_split(tiny_llama):
+    from accord.compat.transformers import no_split_modules
+
+    assert no_split_modules(tiny_llama) == ["LlamaDecoderLayer"]

@@ -148,3 +148,16 @@ def reuse_fp32_partitions(fp32_parameters: bool) -> Iterator[None]:
         yield
     finally:
         Stage3._create_fp32_partitions = original
+
+
+def ulysses_attention(core: str, attn: Any, **settings: Any) -> Any:
+    """DeepSpeed's Ulysses attention around `attn`, the core attention transformers registers
+    as `core`, set up as DeepSpeed's register_with_transformers sets it up (it tells the
+    attention its core's name), without that function's replacing `core` in transformers'
+    global registry: accord registers the Ulysses attention under a name of its own."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    attention = UlyssesSPAttentionHF(attn=attn, **settings)
+    _internal(attention, "core_attn_implementation")
+    attention.core_attn_implementation = core
+    return attention

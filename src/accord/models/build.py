@@ -130,7 +130,7 @@ def build_model(
             **({"attn_implementation": attn} if attn else {}),
         )
     if folder is not None:
-        model.config._name_or_path = str(folder)
+        model.config.name_or_path = str(folder)
         if (folder / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
             from transformers import GenerationConfig
 

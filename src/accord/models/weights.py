@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from accord.compat.torch import buffer_table, is_persistent_buffer, local_offset, parameter_table
+from accord.compat.transformers import init_weights
 
 SOURCE_ATTRIBUTE = "accord_weights"
 
@@ -253,7 +254,7 @@ def _init_owners(model: nn.Module) -> dict[str, Callable[[nn.Module], None]]:
     nearest one above a module initialises it, as transformers' own init dispatches)."""
     from transformers import PreTrainedModel
 
-    return {name: m._init_weights for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    return {name: init_weights(m) for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
 
 
 def _owner(name: str, owners: dict[str, Callable[[nn.Module], None]]) -> Callable[[nn.Module], None] | None:
