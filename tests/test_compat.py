@@ -295,3 +295,26 @@ def test_transformers_names_the_blocks_not_to_split(tiny_llama):
     from accord.compat.transformers import no_split_modules
 
     assert no_split_modules(tiny_llama) == ["LlamaDecoderLayer"]
+
+
+# ---------------------------------------------------------------- gguf
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed")
+def test_gguf_name_map_is_looked_up_per_call_and_cached_while_converting():
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from accord.compat.gguf import one_name_map_per_layout
+
+    assert list(inspect.signature(gguf.get_tensor_name_map).parameters) == ["arch", "n_blocks"]
+    # transformers imports the function from gguf where it uses it, so the cached one is what it calls.
+    assert not hasattr(gguf_utils, "get_tensor_name_map"), "transformers now imports get_tensor_name_map once"
+    assert "from gguf import" in inspect.getsource(gguf_utils) and "get_tensor_name_map(" in inspect.getsource(
+        gguf_utils
+    )
+    plain = gguf.get_tensor_name_map
+    arch = gguf.MODEL_ARCH.LLAMA
+    with one_name_map_per_layout():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.get_tensor_name_map is plain
