@@ -318,3 +318,33 @@ def test_gguf_name_map_is_looked_up_per_call_and_cached_while_converting():
     with one_name_map_per_layout():
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert gguf.get_tensor_name_map is plain
+
+
+# ---------------------------------------------------------------- C library
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and Linux")
+def test_libc_mallopt_is_callable():
+    from accord.compat.libc import mallopt
+
+    assert mallopt(-6, 0), "glibc's mallopt is missing or refused M_PERTURB=0 (its default)"  # -6: M_PERTURB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_libc_madvise_drops_the_pages_of_a_private_mapping():
+    import ctypes
+    import mmap
+
+    from accord.compat.libc import madvise_dontneed
+
+    release = madvise_dontneed()
+    assert release is not None
+    pages = mmap.mmap(-1, 4 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages.write(b"\x01" * len(pages))
+    view = ctypes.c_char.from_buffer(pages)
+    try:
+        assert release(ctypes.addressof(view), len(pages))
+    finally:
+        del view
+    assert pages[:] == bytes(len(pages)), "an anonymous page dropped by MADV_DONTNEED reads back as zeros"
+    pages.close()
