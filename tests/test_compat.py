@@ -348,3 +348,19 @@ def test_libc_madvise_drops_the_pages_of_a_private_mapping():
         del view
     assert pages[:] == bytes(len(pages)), "an anonymous page dropped by MADV_DONTNEED reads back as zeros"
     pages.close()
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_datasets_keeps_a_fingerprint_and_an_indices_mapping():
+    from datasets import Dataset
+
+    from accord.compat.datasets import fingerprint, is_selection
+
+    ds = Dataset.from_dict({"text": ["a", "b", "c"]})
+    assert isinstance(fingerprint(ds), str) and fingerprint(ds)
+    assert fingerprint(ds.map(lambda row: {"n": len(row["text"])})) != fingerprint(ds)
+    assert not is_selection(ds)
+    assert is_selection(ds.select([0, 2]))
+    assert not is_selection(ds.select([0, 2]).flatten_indices())
