@@ -12,6 +12,10 @@ library, its installed version and what accord needed (IncompatibleLibrary), ins
 AttributeError deep in a run. tests/test_compat.py holds one cheap canary per reach-in, so
 an upgrade that breaks one fails there first.
 
+The modules: deepspeed (ZeRO internals, the ZeRO-3 fp32-partition method swap, the Ulysses
+attention's set-up), torch, transformers, gguf, datasets, and libc, whose calls are optional
+levers: where the C library lacks one, it says so and accord runs without it.
+
 Each module imports its library lazily (inside the functions), so `import accord` and a
 worker's start import nothing more than before.
 """
