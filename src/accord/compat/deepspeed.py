@@ -40,7 +40,7 @@ def untested_version() -> str | None:
     return None if WRITTEN_FOR[0] <= installed <= WRITTEN_FOR[1] else deepspeed.__version__
 
 
-def _internal(obj: Any, name: str) -> Any:
+def _internal(obj: Any, name: str, needed_by: str = "accord's DeepSpeed checkpointing") -> Any:
     """An attribute of DeepSpeed's internals, or the one-line error naming it and the version."""
     try:
         return getattr(obj, name)
@@ -51,7 +51,7 @@ def _internal(obj: Any, name: str) -> Any:
             "DeepSpeed",
             deepspeed.__version__,
             f"{type(obj).__name__} has no attribute {name!r}",
-            "accord's DeepSpeed checkpointing",
+            needed_by,
             written_for(),
             remedy="use engine.strategy=fsdp",
         ) from None
@@ -158,6 +158,6 @@ def ulysses_attention(core: str, attn: Any, **settings: Any) -> Any:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     attention = UlyssesSPAttentionHF(attn=attn, **settings)
-    _internal(attention, "core_attn_implementation")
+    _internal(attention, "core_attn_implementation", "engine.sequence_parallel")
     attention.core_attn_implementation = core
     return attention
