@@ -40,7 +40,9 @@ def untested_version() -> str | None:
     return None if WRITTEN_FOR[0] <= installed <= WRITTEN_FOR[1] else deepspeed.__version__
 
 
-def _internal(obj: Any, name: str, needed_by: str = "accord's DeepSpeed checkpointing") -> Any:
+def _internal(
+    obj: Any, name: str, needed_by: str = "accord's DeepSpeed checkpointing", remedy: str = "use engine.strategy=fsdp"
+) -> Any:
     """An attribute of DeepSpeed's internals, or the one-line error naming it and the version."""
     try:
         return getattr(obj, name)
@@ -53,7 +55,7 @@ def _internal(obj: Any, name: str, needed_by: str = "accord's DeepSpeed checkpoi
             f"{type(obj).__name__} has no attribute {name!r}",
             needed_by,
             written_for(),
-            remedy="use engine.strategy=fsdp",
+            remedy=remedy,
         ) from None
 
 
@@ -158,6 +160,6 @@ def ulysses_attention(core: str, attn: Any, **settings: Any) -> Any:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     attention = UlyssesSPAttentionHF(attn=attn, **settings)
-    _internal(attention, "core_attn_implementation", "engine.sequence_parallel")
+    _internal(attention, "core_attn_implementation", "engine.sequence_parallel", "set engine.sequence_parallel=1")
     attention.core_attn_implementation = core
     return attention
