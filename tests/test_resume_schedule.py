@@ -62,3 +62,23 @@ def test_resume_with_more_steps_says_and_applies_the_schedule(one_process_refere
         assert [logged[k] for k in (14, 15)] == pytest.approx(
             [lr * _cosine(k - 1 - 10, 5, warmup) for k in (14, 15)], abs=1e-12
         )
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_each_segment_of_a_resumed_schedule_is_the_engines_schedule_to_the_bit(schedule):
+    """One implementation of the schedule: a segment of a resumed run's schedule multiplies
+    the learning rate exactly as the scheduler an engine builds for that segment's length."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from accord.checkpoint.lr_on_resume import SegmentedSchedule
+    from accord.engine.optim import build_scheduler
+
+    cfg = SimpleNamespace(schedule=schedule, warmup_steps=3)
+    segmented = SegmentedSchedule([[0, 10], [10, 25]], schedule, cfg.warmup_steps)
+    for start, end in ((0, 10), (10, 25)):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        (engines,) = build_scheduler(optimizer, cfg, end - start).lr_lambdas
+        for step in range(start, end + 1 if end == 25 else end):
+            assert segmented(step) == engines(step - start), (schedule, step)

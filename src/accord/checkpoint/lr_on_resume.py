@@ -10,19 +10,22 @@ one segment (0, max_steps). On resume with another length, optim.extend chooses:
 - restart_decay: the segments so far are kept as they ran, and a new one from the resume step
   to the new max_steps warms up again to optim.lr and decays to the end.
 
-The segments travel inside the scheduler's own state (LambdaLR saves a callable object's
-attributes), so a later resume continues the same piecewise schedule.
+Each segment's multipliers are transformers' (engine.optim.schedule_multiplier, the function
+the engines' schedulers apply). The segments travel inside the scheduler's own state
+(LambdaLR saves a callable object's attributes), so a later resume continues the same
+piecewise schedule.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from accord.checkpoint.store import read_checkpoint_recipe
+from accord.compat.torch import set_last_lr
 from accord.distributed import group as dist
+from accord.engine.optim import schedule_multiplier
 from accord.recipe.schema import OptimConfig
 
 
@@ -36,19 +39,7 @@ class SegmentedSchedule:
 
     def __call__(self, step: int) -> float:
         start, end = next(s for s in reversed(self.segments) if s[0] <= step or s is self.segments[0])
-        return multiplier(self.schedule, step - start, end - start, self.warmup_steps)
-
-
-def multiplier(schedule: str, step: int, total: int, warmup: int) -> float:
-    """transformers' cosine / linear / constant_with_warmup multipliers, for one segment."""
-    if step < warmup:
-        return float(step) / float(max(1, warmup))
-    if schedule == "constant":
-        return 1.0
-    if schedule == "linear":
-        return max(0.0, float(total - step) / float(max(1, total - warmup)))
-    progress = float(step - warmup) / float(max(1, total - warmup))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 2.0 * 0.5 * progress)))
+        return schedule_multiplier(self.schedule, self.warmup_steps, end - start)(step - start)
 
 
 def saved_segments(folder: Path, planned_steps: int | None) -> list[list[int]] | None:
@@ -127,4 +118,4 @@ def _install(scheduler, fn: SegmentedSchedule | None) -> None:
     lrs = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    set_last_lr(scheduler, lrs)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from accord.atomic import replacing
+from accord.compat.datasets import is_selection
 from accord.data.columns import ColumnWriter, encode_columns
 from accord.data.mapped_pages import released_as_read
 from accord.data.nodeshare import NodeShare
@@ -179,7 +180,7 @@ def _rows(ds, start: int) -> dict[str, list]:
 
 def _text_bytes(ds) -> int | None:
     """Bytes of text in the split, for the bar's ETA (None where the rows are a selection)."""
-    if is_stream(ds) or getattr(ds, "_indices", None) is not None:
+    if is_stream(ds) or is_selection(ds):
         return None
     return int(ds.data.nbytes)
 

@@ -10,13 +10,12 @@ again is read back from the page cache. Linux only; elsewhere nothing is done.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-MADV_DONTNEED = 4  # Linux
+from accord.compat.libc import madvise_dontneed
+
 RELEASE_EVERY = 32  # work units between two releases (16 MB of text, 32,000 rows)
 
 T = TypeVar("T")
@@ -33,9 +32,9 @@ def arrow_files(ds) -> frozenset[str]:
 def release(paths: frozenset[str]) -> int:
     """Drop this process's resident pages of its read-only mappings of `paths`; returns how
     many mappings were released."""
-    if not paths or not sys.platform.startswith("linux"):
+    madvise = madvise_dontneed() if paths else None
+    if madvise is None:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
     released = 0
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         for line in maps:
@@ -44,7 +43,7 @@ def release(paths: frozenset[str]) -> int:
             if len(fields) < 6 or "w" in fields[1] or fields[5].rstrip("\n") not in paths:
                 continue
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
+            if madvise(start, end - start):
                 released += 1
     return released
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accord.compat.datasets import fingerprint as dataset_fingerprint
 from accord.data.chunks import default_workers, tokenise_share, write_shards
 from accord.data.columns import COLUMNS_META, ColumnShards
 from accord.data.nodeshare import NodeShare, claim_seal, node_share
@@ -236,7 +237,7 @@ def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
 
         # The fingerprint is given: datasets would otherwise try to hash the bar with the function.
         token = hashlib.sha256(
-            f"{ds._fingerprint}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()
+            f"{dataset_fingerprint(ds)}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()
         ).hexdigest()[:16]
         encoded = ds.map(encode, batched=True, desc=f"tokenize {split}", new_fingerprint=token)
     policy = recipe.data.truncation

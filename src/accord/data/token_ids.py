@@ -10,7 +10,7 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     it or is set up differently from what that call would set (truncation, padding, special
     tokens split), or whose class encodes its own way (a model's tokenizer that overrides the
     encoding step, e.g. CodeLlama's): the same ids either way."""
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     fast = getattr(backend, "encode_batch_fast", None)
     as_called = (
         fast is not None and _plain_encoding(type(tokenizer)) and backend.truncation is None and backend.padding is None

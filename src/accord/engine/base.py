@@ -127,8 +127,12 @@ class Engine(ABC):
 
 def _local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank stores for a tensor: a DTensor's local shard, a ZeRO-3 parameter's partition."""
-    local = getattr(tensor, "_local_tensor", None)
-    if local is None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            local = tensor.to_local()
+    else:
         local = getattr(tensor, "ds_tensor", None)
     if local is None:
         local = tensor

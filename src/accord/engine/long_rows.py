@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from accord.compat.torch import replace_forward
 from accord.engine.wrapping import enable_activation_checkpointing, layer_modules
 
 
@@ -65,7 +66,7 @@ def offload_saved_activations(model: nn.Module, pin_memory: bool) -> None:
         with HostSavedTensors(pin_memory):
             return plain(*args, **kwargs)
 
-    model.forward = forward  # an instance attribute: every wrapper (DDP, FSDP2, DeepSpeed) calls it
+    replace_forward(model, forward)  # every wrapper (DDP, FSDP2, DeepSpeed) calls it
 
 
 def mlp_tiles(setting: bool | int, max_length: int, model: nn.Module) -> int:
@@ -128,4 +129,4 @@ def _tile(mlp: nn.Module, tiles: int) -> None:
             [checkpoint(plain, piece, use_reentrant=False, preserve_rng_state=False) for piece in pieces], dim=-2
         )
 
-    mlp.forward = forward
+    replace_forward(mlp, forward)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import get_scheduler
@@ -44,9 +47,21 @@ def build_optimizer(
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    return get_scheduler(
-        _SCHEDULES[cfg.schedule],
-        optimizer,
-        num_warmup_steps=cfg.warmup_steps,
-        num_training_steps=total_steps,
-    )
+    """transformers' LambdaLR for optim.schedule over `total_steps` steps (warm-up first)."""
+    return _scheduler(optimizer, cfg.schedule, cfg.warmup_steps, total_steps)
+
+
+@functools.cache
+def schedule_multiplier(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The multiplier of the peak learning rate at each step that build_scheduler's LambdaLR
+    applies (transformers' own function, taken from a scheduler over a throwaway optimizer):
+    checkpoint.lr_on_resume computes a resumed run's schedule through it."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    (multiplier,) = _scheduler(probe, schedule, warmup_steps, total_steps).lr_lambdas
+    return multiplier
+
+
+def _scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return get_scheduler(_SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)

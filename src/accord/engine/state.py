@@ -48,6 +48,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from accord.compat.torch import SCHEDULER_GROUP_KEYS
+
 STATE_DIR = "state"
 SCHEDULE_FILE = "schedule.pt"
 MODEL, OPTIM = "model", "optim"
@@ -451,7 +453,7 @@ def _fit_groups(state: dict, groups: int) -> dict:
     """The scheduler's per-group lists for this optimizer's number of groups: strategies group
     differently (DeepSpeed ZeRO-3 flattens into one), and accord's groups share one learning
     rate schedule (they differ in weight decay only), so any entry stands for all."""
-    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+    for key in SCHEDULER_GROUP_KEYS:
         values = state.get(key)
         if isinstance(values, list) and values and len(values) != groups:
             state[key] = [values[0]] * groups

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from accord.compat.transformers import no_split_modules
+
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each layer's activations in backward (transformers' own per-layer
@@ -39,7 +41,7 @@ def layer_modules(model: nn.Module, class_name: str | None = None) -> list[nn.Mo
                 f"(its repeated blocks: {', '.join(sorted(_block_classes(model))) or 'none found'})"
             )
     else:
-        names = set(getattr(model, "_no_split_modules", None) or [])
+        names = set(no_split_modules(model))
         found = [m for m in modules if type(m).__name__ in names and m is not model]
         if not found:
             found = _largest_block_list(model)

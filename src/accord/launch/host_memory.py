@@ -13,22 +13,12 @@ not affected.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+from accord.compat.libc import M_MMAP_THRESHOLD, mallopt
 
 RELEASED_BLOCK_BYTES = 1 << 20  # blocks from 1 MiB up: tensors, not the interpreter's small objects
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def release_freed_memory() -> bool:
     """From now on, blocks of RELEASED_BLOCK_BYTES or more are returned when freed. False
     where the C library is not glibc (nothing changed)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, RELEASED_BLOCK_BYTES) == 1
+    return mallopt(M_MMAP_THRESHOLD, RELEASED_BLOCK_BYTES)

@@ -17,6 +17,7 @@ import transformers
 # model classes (transformers' modeling stack, ~1 s) are imported where models are built.
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from accord.compat.gguf import one_name_map_per_layout
 from accord.errors import UserInputError
 from accord.recipe.paths import resolve_path
 from accord.recipe.schema import BYTE_TOKENIZER, LoraConfig, ModelConfig, RopeScalingConfig
@@ -130,7 +131,7 @@ def build_model(
             **({"attn_implementation": attn} if attn else {}),
         )
     if folder is not None:
-        model.config._name_or_path = str(folder)
+        model.config.name_or_path = str(folder)
         if (folder / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
             from transformers import GenerationConfig
 
@@ -215,23 +216,6 @@ def adapter_saving() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = before
 
 
-@contextlib.contextmanager
-def _one_gguf_name_map_per_layout() -> Iterator[None]:
-    """transformers maps GGUF tensor names by asking gguf for the architecture's name map once
-    per submodule (~400 times for SmolLM2-135M, ~4 s of CPU, a fifth of the conversion); the map
-    depends only on (architecture, layers) and is only read, so one is built per layout here."""
-    import functools
-
-    import gguf
-
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(build)  # transformers imports it from gguf per call
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = build
-
-
 def convert_gguf(gguf: Path) -> Path:
     """A GGUF file (e.g. from a PyPI package) as a plain save_pretrained folder, converted
     once and cached: transformers reads GGUF only slowly (dequantising) and cannot save a
@@ -243,7 +227,7 @@ def convert_gguf(gguf: Path) -> Path:
         return folder
     from transformers import AutoModelForCausalLM
 
-    with _one_gguf_name_map_per_layout():
+    with one_name_map_per_layout():
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = loaded.config

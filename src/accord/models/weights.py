@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from accord.compat.torch import buffer_table, is_persistent_buffer, local_offset, parameter_table
+from accord.compat.transformers import init_weights
+
 SOURCE_ATTRIBUTE = "accord_weights"
 
 
@@ -82,7 +85,7 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Every parameter held by more than one module (tied embeddings), as (module, name) slots."""
     slots: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
     for module in model.modules():
-        for name, p in module._parameters.items():
+        for name, p in parameter_table(module).items():
             if p is not None:
                 slots[id(p)].append((module, name))
     return [s for s in slots.values() if len(s) > 1]
@@ -92,10 +95,10 @@ def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
     """to_empty replaces a meta parameter per slot; point every slot at the first again."""
     for slots in ties:
         first_module, first_name = slots[0]
-        shared = first_module._parameters[first_name]
+        shared = parameter_table(first_module)[first_name]
         for module, name in slots[1:]:
-            if module._parameters[name] is not shared:
-                module._parameters[name] = shared
+            if parameter_table(module)[name] is not shared:
+                parameter_table(module)[name] = shared
 
 
 @torch.no_grad()
@@ -120,7 +123,7 @@ def fill(model: nn.Module, source: WeightsSource, select: Callable[[str], bool] 
 
 def _direct_tensors(module: nn.Module, seen: set[int]) -> list[tuple[str, torch.Tensor, bool]]:
     out = []
-    for table, is_param in ((module._parameters, True), (module._buffers, False)):
+    for table, is_param in ((parameter_table(module), True), (buffer_table(module), False)):
         for key, t in table.items():
             if t is None or id(t) in seen:
                 continue
@@ -146,7 +149,7 @@ def _module_values(
     the checkpoint where it holds them, else initialised (the whole module's tensors once,
     in one bounded buffer). Keys in `skip` are only allocated (another rank provides them)."""
     full_name = lambda key: canonical_name(f"{name}.{key}" if name else key)  # noqa: E731
-    persistent = lambda key, is_param: is_param or key not in module._non_persistent_buffers_set  # noqa: E731
+    persistent = lambda key, is_param: is_param or is_persistent_buffer(module, key)  # noqa: E731
     stored = {}
     if checkpoint is not None:
         stored = {key: checkpoint.key_for(full_name(key)) for key, _, is_param in tensors if persistent(key, is_param)}
@@ -184,7 +187,7 @@ def materialize_each_parameter(model: nn.Module, convert: Callable[[nn.Parameter
     owners = _init_owners(model)
     slots: dict[int, list[tuple[dict, str]]] = defaultdict(list)
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        for table in (parameter_table(module), buffer_table(module)):
             for key, t in table.items():
                 if t is not None:
                     slots[id(t)].append((table, key))
@@ -215,13 +218,12 @@ def _initial_values(name, module, tensors, seed, owners) -> dict[str, torch.Tens
     """The module's own tensors, whole, on the CPU, initialised as transformers (or peft)
     initialises that module, from a generator seeded by (seed, module name)."""
     shadows = {key: torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu") for key, t, _ in tensors}
-    tables = {key: (module._parameters if is_param else module._buffers) for key, _, is_param in tensors}
+    params, buffers = parameter_table(module), buffer_table(module)
+    tables = {key: (params if is_param else buffers) for key, _, is_param in tensors}
     originals = {key: tables[key][key] for key in shadows}
     try:
         for key, shadow in shadows.items():
-            tables[key][key] = (
-                nn.Parameter(shadow, requires_grad=False) if tables[key] is module._parameters else shadow
-            )
+            tables[key][key] = nn.Parameter(shadow, requires_grad=False) if tables[key] is params else shadow
         torch.manual_seed(name_seed(seed, canonical_name(name)))
         _init_module(name, module, owners)
     finally:
@@ -252,7 +254,7 @@ def _init_owners(model: nn.Module) -> dict[str, Callable[[nn.Module], None]]:
     nearest one above a module initialises it, as transformers' own init dispatches)."""
     from transformers import PreTrainedModel
 
-    return {name: m._init_weights for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    return {name: init_weights(m) for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
 
 
 def _owner(name: str, owners: dict[str, Callable[[nn.Module], None]]) -> Callable[[nn.Module], None] | None:
@@ -269,10 +271,8 @@ def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tensor._local_tensor, tuple(offset)
+        with torch.no_grad():  # the local shard itself (to_local differentiates otherwise)
+            return tensor.to_local(), local_offset(tensor)
     return tensor.data, (0,) * tensor.dim()
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from accord.compat.transformers import attn_implementation
 from accord.distributed.batch_plan import BatchPlan, divisors
 from accord.engine.long_rows import mlp_tiles
 from accord.errors import UserInputError
@@ -154,9 +155,7 @@ def activations(
     element = 2 if precision in ("bf16", "fp16") else 4
     tokens = micro * -(-length // sequence_parallel)
     mask = (
-        micro * length * length
-        if sequence_parallel > 1 and "flash" not in (getattr(config, "_attn_implementation", None) or "")
-        else 0
+        micro * length * length if sequence_parallel > 1 and "flash" not in (attn_implementation(config) or "") else 0
     )
     per_layer = (8 * h + 4 * f / mlp_tiles) * element * tokens
     inputs = 0 if checkpointing == "offload" else layers * h * element * tokens

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from accord.compat.transformers import attn_implementation
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, token_loss_sum
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
@@ -25,7 +26,7 @@ class CausalLMTask(Task):
         self.plain_loss_reason: str | None = None
 
     def configure_model(self, model: nn.Module) -> None:
-        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.attn_implementation = attn_implementation(model.config) or "sdpa"
         self.plain_loss_reason = chunking_blocker(model, self.recipe)
         if self.plain_loss_reason is None:
             self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)

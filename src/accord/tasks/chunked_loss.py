@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from accord.compat.torch import replace_forward
 from accord.errors import UserInputError
 from accord.tasks.base import IGNORE
 
@@ -91,7 +92,7 @@ class TargetLogprobs:
         self.served: torch.Tensor | None = None
         self.checked = False
         self._plain = head.forward
-        head.forward = self._forward  # an instance attribute: module hooks still run around it
+        replace_forward(head, self._forward)  # module hooks still run around it
         head._accord_target_logprobs = self
 
     @classmethod

@@ -24,11 +24,11 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from accord.compat.deepspeed import reuse_fp32_partitions
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
@@ -84,7 +84,7 @@ class DeepSpeedEngine(Engine):
         groups = param_groups(model, recipe.optim)
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
-        with _fp32_partitions_reused(self.stage == 3 and self.precision != "fp16"):
+        with reuse_fp32_partitions(self.stage == 3 and self.precision != "fp16"):
             self._wrapped, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=groups, config=config, dist_init_required=False
             )
@@ -197,42 +197,6 @@ class DeepSpeedEngine(Engine):
         for engine in getattr(self, "_frozen", []):
             engine.destroy()
         self._wrapped.destroy()
-
-
-@contextlib.contextmanager
-def _fp32_partitions_reused(fp32_parameters: bool) -> Iterator[None]:
-    """ZeRO-3 over fp32 parameters (accord's fp32 and bf16 runs: bf16 is autocast) steps its
-    optimizer on the parameters' own flat fp32 partitions, as DeepSpeed means to where they
-    are already fp32 on its device, instead of an fp32 copy of them: 4 bytes per parameter
-    of the partition fewer, on the GPU or the host alike. DeepSpeed 0.19.8's test for that
-    compares the partition's `torch.device` with its device *name* (a string), which is never
-    equal, so it always copied; the test is made with a `torch.device` while the partitions
-    are created. The values are the same (the copy was exact), and so is every update: the
-    optimizer writes the partition the parameters are gathered from, which DeepSpeed's own
-    copy back after each step only repeats. Without the method (another DeepSpeed), nothing
-    is changed."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-
-    original = getattr(Stage3, "_create_fp32_partitions", None)
-    if not fp32_parameters or original is None:
-        yield
-        return
-
-    def create(optimizer: Any) -> None:
-        name = optimizer.device
-        if optimizer.offload_optimizer or not isinstance(name, str):
-            return original(optimizer)
-        optimizer.device = torch.device(name)
-        try:
-            return original(optimizer)
-        finally:
-            optimizer.device = name
-
-    Stage3._create_fp32_partitions = create
-    try:
-        yield
-    finally:
-        Stage3._create_fp32_partitions = original
 
 
 def _quiet_deepspeed(info: DistInfo) -> None:

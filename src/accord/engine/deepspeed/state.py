@@ -5,12 +5,10 @@ processes (DeepSpeed's own checkpoints are laid out by stage and world size).
 DeepSpeed's public helpers (deepspeed.utils.safe_get/set_full_*) read and write one
 parameter's whole weights and optimizer state, and under ZeRO-3 safe_set_local_* this rank's
 partition of them (with the ZeRO-3 parameter's own `ds_tensor`, `ds_status`, `partition` and
-`all_gather`, which DeepSpeed's partitioned parameters carry). What they leave out goes through attributes
-of DeepSpeed's internals: the base optimizer and the flat fp32 partitions it keys its state
-by, creating that state before the first update, relinking ZeRO-1/2's per-parameter views of
-it, and the fp16 loss scale. Those were read from DeepSpeed 0.16 to 0.19. Every one this run
-needs is looked up when the engine is built: a missing one stops the run there, naming the
-attribute and the installed version, instead of a checkpoint silently missing state.
+`all_gather`, which DeepSpeed's partitioned parameters carry). What they leave out (the base
+optimizer, the flat fp32 partitions it keys its state by, relinking ZeRO-1/2's views of that
+state, the fp16 loss scale) goes through accord.compat.deepspeed, which checks every internal
+this run needs when the engine is built.
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ from deepspeed.utils import (
     safe_set_local_fp32_param,
     safe_set_local_optimizer_state,
 )
-from packaging.version import Version
 from torch import nn
 
+from accord.compat import deepspeed as ds_compat
 from accord.distributed import group as dist
 from accord.engine.base import unique_entries
 from accord.engine.state import (
@@ -52,8 +50,6 @@ from accord.engine.state import (
 )
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
-# The DeepSpeed releases (major, minor) whose internals this module was written against.
-WRITTEN_FOR = ((0, 16), (0, 19))
 LOSS_SCALE_KEY = "deepspeed_loss_scale"  # in schedule.pt, for an fp16 run
 
 
@@ -69,20 +65,8 @@ class DeepSpeedState:
         self.group_names = group_names
         self._engine = engine
         self._zero = engine.optimizer  # DeepSpeed's ZeRO optimizer, around the base optimizer
-        self.base: torch.optim.Optimizer = _internal(engine, "basic_optimizer")  # holds the AdamW state
-        for name in self._needed():
-            _internal(self._zero, name)
-
-    def _needed(self) -> list[str]:
-        """The ZeRO optimizer's attributes this stage and precision use below."""
-        needed = (
-            ["fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"]
-            if self.stage == 3
-            else ["_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state"]
-        )
-        if self.precision == "fp16":
-            needed.append("loss_scale")
-        return needed
+        ds_compat.check_internals(engine, stage, precision)
+        self.base: torch.optim.Optimizer = ds_compat.base_optimizer(engine)  # holds the AdamW state
 
     # ------------------------------------------------------------------ save
 
@@ -135,7 +119,7 @@ class DeepSpeedState:
             else write_in_parts(states, folder)
         )
         if writer:
-            extra = {LOSS_SCALE_KEY: float(self._zero.loss_scale)} if self.precision == "fp16" else {}
+            extra = {LOSS_SCALE_KEY: ds_compat.loss_scale(self._zero)} if self.precision == "fp16" else {}
             save_schedule(folder, scheduler, None, **extra)
         return pending
 
@@ -245,7 +229,7 @@ class DeepSpeedState:
                     safe_set_full_optimizer_state(params[name], batch.pop(key).to(self.device), state_key)
         extra = load_schedule(folder, scheduler)
         if self.precision == "fp16" and LOSS_SCALE_KEY in extra:
-            self._zero.loss_scale = extra[LOSS_SCALE_KEY]
+            ds_compat.set_loss_scale(self._zero, extra[LOSS_SCALE_KEY])
 
     def _load_weights(self, values: dict[str, torch.Tensor]) -> None:
         """Whole tensors by name (a batch of them): buffers, and under ZeRO-1/2 the fp32
@@ -325,12 +309,13 @@ class DeepSpeedState:
     def _flat_params(self) -> list[torch.Tensor]:
         """The flat fp32 partitions that the base optimizer updates (its state's keys)."""
         if self.stage == 3:  # ZeRO-3 hands them to the base optimizer's groups only while it steps
-            flats = list(self._zero.fp32_partitioned_groups_flat)
+            flats = ds_compat.fp32_partitions(self._zero)
         else:
             flats = [p for group in self.base.param_groups for p in group["params"]]
         if not flats:
             raise RuntimeError(
-                f"DeepSpeed {deepspeed.__version__}: {type(self._zero).__name__} holds no fp32 partitions to load optimizer state into"
+                f"DeepSpeed {deepspeed.__version__}: {type(self._zero).__name__} holds no fp32 partitions "
+                "to load optimizer state into"
             )
         return flats
 
@@ -341,9 +326,7 @@ class DeepSpeedState:
         if self.stage != 3:
             return 0
         own = {
-            flat.untyped_storage().data_ptr()
-            for flat in _internal(self._zero, "fp16_partitioned_groups_flat")
-            if flat is not None
+            flat.untyped_storage().data_ptr() for flat in ds_compat.working_partitions(self._zero) if flat is not None
         }
         return sum(
             flat.numel() * flat.element_size()
@@ -359,34 +342,16 @@ class DeepSpeedState:
         such views: its helpers index the flat state directly.)"""
         if self.stage == 3:
             return
-        self._zero._hp_optimizer_states_linked = False
-        self._zero._lazy_init_hp_params_optimizer_state()
-
-
-def _internal(obj: Any, name: str) -> Any:
-    """An attribute of DeepSpeed's internals. Missing means a DeepSpeed this module was not
-    written for: stop, saying which attribute and which version."""
-    try:
-        return getattr(obj, name)
-    except AttributeError:
-        raise RuntimeError(
-            f"DeepSpeed {deepspeed.__version__}: {type(obj).__name__} has no attribute {name!r}, which accord's DeepSpeed "
-            f"checkpointing needs (written for DeepSpeed {_written_for()}); install such a DeepSpeed or use engine.strategy=fsdp"
-        ) from None
+        ds_compat.relink_optimizer_state(self._zero)
 
 
 def _warn_if_untested() -> None:
-    installed = Version(deepspeed.__version__).release[:2]
-    if not WRITTEN_FOR[0] <= installed <= WRITTEN_FOR[1]:
+    version = ds_compat.untested_version()
+    if version is not None:
         dist.print0(
-            f"accord: warning: DeepSpeed {deepspeed.__version__} is not one accord's DeepSpeed checkpointing was written for "
-            f"({_written_for()}); it checks the internals it needs and stops if one is missing"
+            f"accord: warning: DeepSpeed {version} is not one accord's DeepSpeed checkpointing was written for "
+            f"({ds_compat.written_for()}); it checks the internals it needs and stops if one is missing"
         )
-
-
-def _written_for() -> str:
-    (low_major, low_minor), (high_major, high_minor) = WRITTEN_FOR
-    return f"{low_major}.{low_minor} to {high_major}.{high_minor}.x"
 
 
 def _numel(param: nn.Parameter) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from accord.compat.deepspeed import ulysses_attention
+from accord.compat.transformers import attn_implementation, set_attn_implementation
 from accord.distributed.group import DistInfo
 from accord.errors import UserInputError
 
@@ -44,7 +46,7 @@ def check_sequence_parallel(recipe, config) -> list[str]:
             f"engine.sequence_parallel={n} must divide the model's {heads} attention heads (and its {kv_heads} key/value heads, "
             f"or be a multiple of them); use {', '.join(map(str, valid)) or 'none above 1'} or 1"
         ]
-    implementation = recipe.model.attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    implementation = recipe.model.attn_implementation or attn_implementation(config) or "sdpa"
     if implementation not in CORE_ATTENTION:
         return [
             f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; set engine.sequence_parallel=1"
@@ -62,7 +64,6 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
     if problems:
         raise UserInputError(problems[0])
     import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -77,9 +78,10 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
             group = made
     config = model.config
     text = config.get_text_config()
-    core = config._attn_implementation or "sdpa"
-    attention = UlyssesSPAttentionHF(
-        attn=ALL_ATTENTION_FUNCTIONS[core],
+    core = attn_implementation(config) or "sdpa"
+    attention = ulysses_attention(
+        core,
+        ALL_ATTENTION_FUNCTIONS[core],
         batch_size=micro_batch_size,
         attn_head_count=text.num_attention_heads,
         attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
@@ -89,7 +91,6 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
         seq_length_is_variable=True,
         disable_in_eval=True,  # evaluation and generation run whole rows on each rank
     )
-    attention.core_attn_implementation = core
 
     def ulysses(module, query, key, value, attention_mask, *args, **kwargs):
         return attention(module, query, key, value, attention_mask, *args, **kwargs)
@@ -99,6 +100,6 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
     # Evaluation builds the core attention's masks from 2D padding masks, as without sp;
     # training passes the row's 4D mask, which transformers hands through unchanged.
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[core])
-    config._attn_implementation = name
+    set_attn_implementation(config, name)
     if text is not config:
-        text._attn_implementation = name
+        set_attn_implementation(text, name)

@@ -1,0 +1,74 @@
+"""transformers internals accord uses.
+
+- the attention implementation a model's config selects (`config._attn_implementation`),
+  read by the tasks, the planner and sequence parallelism, and set by sequence parallelism
+  to the Ulysses attention it registers. transformers' public `set_attn_implementation`
+  also re-dispatches every sub-model (a vision tower too) and checks the modeling code:
+  accord sets the text model's config only, as it always has;
+- each model's `_init_weights` (models.weights initialises a meta-device model one module
+  at a time, as transformers' own initialisation dispatches to it);
+- a model's `_no_split_modules`, the blocks FSDP wraps one by one (engine.wrapping).
+
+Public API is used wherever it does the same: `config.name_or_path`, a fast tokenizer's
+`backend_tokenizer`, AttentionInterface / AttentionMaskInterface registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from accord.compat import incompatible
+
+WRITTEN_FOR = "5.24"
+
+
+def _missing(what: str, needed_by: str) -> Exception:
+    import transformers
+
+    return incompatible("transformers", transformers.__version__, what, needed_by, WRITTEN_FOR)
+
+
+def _is_config(config: Any) -> bool:
+    import transformers
+
+    return isinstance(config, transformers.PretrainedConfig)
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation `config` selects (None where it names none)."""
+    try:
+        return config._attn_implementation
+    except AttributeError:
+        if _is_config(config):
+            raise _missing(
+                f"{type(config).__name__} has no '_attn_implementation'", "accord's attention set-up"
+            ) from None
+        return None
+
+
+def set_attn_implementation(config: Any, name: str) -> None:
+    """Every attention layer built from `config` dispatches to the attention registered as `name`."""
+    from transformers import PretrainedConfig
+
+    setting = getattr(PretrainedConfig, "_attn_implementation", None)
+    if not isinstance(setting, property) or setting.fset is None:
+        raise _missing("PretrainedConfig._attn_implementation is no settable property", "engine.sequence_parallel")
+    config._attn_implementation = name
+
+
+def init_weights(model: Any) -> Callable[[Any], None]:
+    """The function that `model` (a PreTrainedModel) initialises one of its modules with."""
+    try:
+        return model._init_weights
+    except AttributeError:
+        raise _missing(f"{type(model).__name__} has no '_init_weights'", "accord's weight initialisation") from None
+
+
+def no_split_modules(model: Any) -> list[str]:
+    """The class names of the blocks `model` says must not be split (none: an empty list)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel) and not hasattr(type(model), "_no_split_modules"):
+        raise _missing("PreTrainedModel has no '_no_split_modules'", "accord's FSDP wrapping")
+    return list(getattr(model, "_no_split_modules", None) or [])
