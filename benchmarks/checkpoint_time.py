@@ -232,13 +232,15 @@ def main() -> None:
     params = results[0]["params"]
     state_gb = params * 12 / 1e9
     print(
-        f"Llama hidden {args.hidden} × {args.layers} layers: {params / 1e6:.0f}M parameters, checkpoint {state_gb:.2f} GB "
+        f"Llama hidden {args.hidden} × {args.layers} layers: {params / 1e6:.0f}M parameters, "
+        f"checkpoint {state_gb:.2f} GB "
         f"(fp32 weights + AdamW moments); fsdp on {args.processes} processes, {args.repeats} repeats, medians"
     )
     saves = [m for m in MODES if m in args.modes]
     if saves:
         print(
-            f"{'mode':<12} {'blocked s':>10} {'written s':>10} {'× ' + saves[0] + ' (blocked)':>24} {'peak RSS growth per rank MB':>28}"
+            f"{'mode':<12} {'blocked s':>10} {'written s':>10} {'× ' + saves[0] + ' (blocked)':>24} "
+            f"{'peak RSS growth per rank MB':>28}"
         )
     blocked_of = {}
     for mode in saves:
@@ -256,7 +258,8 @@ def main() -> None:
             max(results[r]["timings"][mode][i][3] for r in results) for i in range(args.repeats)
         )
         print(
-            f"{mode}: the manifest (each rank hashing its files, the gather, rank 0 writing it) took {hashing:.2f} s (slowest rank, median)"
+            f"{mode}: the manifest (each rank hashing its files, the gather, rank 0 writing it) "
+            f"took {hashing:.2f} s (slowest rank, median)"
         )
     for mode in [m for m in EXPORTS if m in args.modes]:
         done = max(results[r]["timings"][mode][0][1] for r in results)

@@ -215,8 +215,12 @@ def resume_seconds(recipe_path: Path) -> float:
     and the global order, fetch that step's global batch."""
     code = f"""
 import time; t = time.perf_counter()
-from accord.recipe.schema import load_recipe; from accord.models.build import build_tokenizer; from accord.tasks import build_task
-from accord.data.prepare import prepare_data; from accord.data.packing import training_rows; from accord.data.order import GlobalOrder
+from accord.recipe.schema import load_recipe
+from accord.models.build import build_tokenizer
+from accord.tasks import build_task
+from accord.data.prepare import prepare_data
+from accord.data.packing import training_rows
+from accord.data.order import GlobalOrder
 from accord.data.fetch import fetch
 r = load_recipe({str(recipe_path)!r}); tok = build_tokenizer(r.model); task = build_task(r, tok)
 t = time.perf_counter()
@@ -236,7 +240,12 @@ from accord.models.build import build_byte_tokenizer
 datasets.disable_progress_bars()
 tok = build_byte_tokenizer()
 ds = datasets.load_dataset("json", data_files={file!r}, split="train", cache_dir={cache!r})
-ds = ds.map(lambda b: {{k + "_ids": tok(b[k])["input_ids"] for k in ("prompt", "chosen", "rejected")}}, batched=True, num_proc=2, remove_columns=ds.column_names)
+ds = ds.map(
+    lambda b: {{k + "_ids": tok(b[k])["input_ids"] for k in ("prompt", "chosen", "rejected")}},
+    batched=True,
+    num_proc=2,
+    remove_columns=ds.column_names,
+)
 print(len(ds))
 """
 
@@ -265,11 +274,24 @@ datasets.disable_progress_bars()
 tok = build_byte_tokenizer()
 files = {files!r}
 if os.path.isdir(files[0]):
-    ds = datasets.load_dataset("text", data_files=sorted(glob.glob(files[0] + "/*.txt")), sample_by="document", split="train", cache_dir={str(folder / "hf")!r})
+    ds = datasets.load_dataset(
+        "text",
+        data_files=sorted(glob.glob(files[0] + "/*.txt")),
+        sample_by="document",
+        split="train",
+        cache_dir={str(folder / "hf")!r},
+    )
 else:
-    parts = [datasets.load_dataset("json", data_files=f, split="train", cache_dir={str(folder / "hf")!r}) for f in files]
+    parts = [
+        datasets.load_dataset("json", data_files=f, split="train", cache_dir={str(folder / "hf")!r}) for f in files
+    ]
     w = {weights!r}
-    ds = parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, probabilities=[x / sum(w) for x in w], seed=7, stopping_strategy="all_exhausted")
+    if len(parts) == 1:
+        ds = parts[0]
+    else:
+        ds = datasets.interleave_datasets(
+            parts, probabilities=[x / sum(w) for x in w], seed=7, stopping_strategy="all_exhausted"
+        )
 ds = ds.map(lambda b: tok(b["text"]), batched=True, num_proc=2, remove_columns=ds.column_names)
 ds = pack_dataset(ds, {BLOCK}, strategy="bfd", map_kwargs={{"num_proc": 2}})
 print(len(ds))
@@ -296,7 +318,8 @@ else:
     r = training_rows(train, None)
     batch = GlobalOrder(len(r), 16, 7).batch(int(0.9 * len(r)) // 16)
     _ = int(r.lengths[batch].sum()), float(r.lengths.mean())
-print(json.dumps({"MB": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, "s": time.perf_counter() - t}))
+mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+print(json.dumps({"MB": mb, "s": time.perf_counter() - t}))
 """
 
 

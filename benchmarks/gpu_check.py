@@ -248,7 +248,8 @@ def check(args: argparse.Namespace, folder: Path) -> None:
         return
     results = []
     print(
-        f"device: {torch.cuda.get_device_name(0)}; model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens"
+        f"device: {torch.cuda.get_device_name(0)}; "
+        f"model: Llama {MODEL['hidden_size']}x{MODEL['num_hidden_layers']}, rows of {SEQ} tokens"
     )
     header = f"{'run':24} {'wall s':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'planned GiB':>11} {'loss':>7}"
     print(header)

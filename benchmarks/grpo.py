@@ -237,7 +237,8 @@ def main() -> None:
     print(f"{'contender':<18} {'procs':>5} {'s':>7} {'prompts/s':>10} {'tok/s':>8} {'RSS GiB':>8} {'reward':>7}")
     for r in results:
         print(
-            f"{r['contender']:<18} {r['processes']:5d} {r['seconds']:7.1f} {r['prompts_per_s']:10.2f} {r['completion_tokens_per_s']:8.1f} {r['peak_rss_gib']:8.2f} {r['last_step_reward']:7.3f}"
+            f"{r['contender']:<18} {r['processes']:5d} {r['seconds']:7.1f} {r['prompts_per_s']:10.2f} "
+            f"{r['completion_tokens_per_s']:8.1f} {r['peak_rss_gib']:8.2f} {r['last_step_reward']:7.3f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

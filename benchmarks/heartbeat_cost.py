@@ -78,7 +78,8 @@ def main() -> None:
         ("tick() (eval batches), on", tick, 1),
     ]
     print(
-        f"step of the reference model: {step * 1e3:.1f} ms (median of {args.steps - 2}); accumulation {args.accumulation}"
+        f"step of the reference model: {step * 1e3:.1f} ms (median of {args.steps - 2}); "
+        f"accumulation {args.accumulation}"
     )
     print(f"{'call':32} {'ns/call':>8} {'calls/step':>10} {'share of a step':>16}")
     for name, ns, calls in rows:

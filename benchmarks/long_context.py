@@ -397,7 +397,8 @@ def main_longest(args) -> None:
         results = {name: future.result() for name, future in futures.items()}
     common = min(best for best, _ in results.values())
     print(
-        f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB, per process) | tokens/s at {common} tokens |"
+        f"| contender | longest row under {args.cap_gib:g} GiB | peak RSS there (MiB, per process) "
+        f"| tokens/s at {common} tokens |"
     )
     print("|---|---|---|---|")
     for name, (best, probes) in results.items():
@@ -467,7 +468,10 @@ def main_chunks(args) -> None:
         f"Llama hidden 256, 4 layers, vocabulary {args.vocab}; pretraining on one row; fp32 on the CPU, "
         f"{args.threads} threads; peak RSS of the whole process (MiB), and what the steps added over the built model"
     )
-    header = f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} {'tokens/s':>9} {'tok/CPU-s':>9} {'loss':>8}"
+    header = (
+        f"{'row length':>10} {'loss_chunk_size':>15} {'peak RSS':>9} {'step adds':>9} "
+        f"{'tokens/s':>9} {'tok/CPU-s':>9} {'loss':>8}"
+    )
     print(header)
     print("-" * len(header))
     for length in args.lengths:
@@ -496,12 +500,14 @@ def main_chunks(args) -> None:
             )
             if proc.returncode != 0:
                 print(
-                    f"{length:>10} {chunk:>15} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+                    f"{length:>10} {chunk:>15} failed: "
+                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
                 )
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             print(
-                f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} {r['tokens_per_s']:>9.0f} "
+                f"{length:>10} {chunk:>15} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['built_mib']:>9.0f} "
+                f"{r['tokens_per_s']:>9.0f} "
                 f"{r['tokens_per_cpu_s']:>9.0f} {r['loss']:>8.4f}",
                 flush=True,
             )

@@ -189,19 +189,22 @@ def main() -> None:
         print(f"{strategy:8} {world:>5} {baseline:>9.2f} " + " ".join(cells) + f" {worst_total / budget:>12.2f}x")
     print("GiB; 'max' is the largest rank's peak up to the end of the phase, 'total' the sum over ranks;")
     print(
-        f"'vs state+base' is the largest host total over 1.3 x the unsharded state ({state_gib:.2f} GiB) plus world x baseline (target <= 1.00x)."
+        f"'vs state+base' is the largest host total over 1.3 x the unsharded state ({state_gib:.2f} GiB) "
+        "plus world x baseline (target <= 1.00x)."
     )
     for strategy, world, _, _, out in rows:
         wait = checkpoint_wait(out)
         if wait:
             print(
-                f"{strategy} x{world}: the checkpoint blocked training {wait[0]:.1f} s = {wait[0] / wait[1]:.1f} x the step before it ({wait[1]:.1f} s)"
+                f"{strategy} x{world}: the checkpoint blocked training {wait[0]:.1f} s = "
+                f"{wait[0] / wait[1]:.1f} x the step before it ({wait[1]:.1f} s)"
             )
     for strategy in args.strategies:
         by_world = {w: max(max(v) for v in f.values()) for s, w, _, f, _ in rows if s == strategy}
         if 2 in by_world and 4 in by_world:
             print(
-                f"{strategy}: largest rank's peak at world 4 / world 2 = {by_world[4] / by_world[2]:.2f} (target <= 0.60)"
+                f"{strategy}: largest rank's peak at world 4 / world 2 = {by_world[4] / by_world[2]:.2f} "
+                "(target <= 0.60)"
             )
 
 

@@ -109,7 +109,8 @@ def measure_all(folder: Path, args: argparse.Namespace) -> None:
     columns = [*STAGES, "first step", "exit", "CPU s"]
     header = f"{'contender':22} {'proc':>4} " + " ".join(f"{c:>15}" for c in columns) + f" {'first step range':>17}"
     print(
-        f"seconds from the command's start, median of {args.repeat} (load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})"
+        f"seconds from the command's start, median of {args.repeat} "
+        f"(load average at the start: {load_at_start:.1f}, at the end: {os.getloadavg()[0]:.1f})"
     )
     print(header)
     print("-" * len(header))

@@ -433,7 +433,10 @@ def held_out_loss(folder: Path, model_dir: Path) -> float:
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'contender':28} {'proc':>4} {'useful tok/s':>12} {'vs accord':>9} {'total tok/s':>11} {'peak RSS GiB':>12} {'start->step1 s':>14} {'eval loss':>9}"
+    header = (
+        f"{'contender':28} {'proc':>4} {'useful tok/s':>12} {'vs accord':>9} {'total tok/s':>11} "
+        f"{'peak RSS GiB':>12} {'start->step1 s':>14} {'eval loss':>9}"
+    )
     print(header)
     print("-" * len(header))
     for processes in sorted({r["processes"] for r in results}):
@@ -445,7 +448,8 @@ def print_table(results: list[dict]) -> None:
                 continue
             ratio = r["useful_tokens_per_s"] / base["useful_tokens_per_s"] if base else math.nan
             print(
-                f"{r['name']:28} {processes:>4} {r['useful_tokens_per_s']:>12,.0f} {ratio:>8.2f}x {r['total_tokens_per_s']:>11,.0f} "
+                f"{r['name']:28} {processes:>4} {r['useful_tokens_per_s']:>12,.0f} {ratio:>8.2f}x "
+                f"{r['total_tokens_per_s']:>11,.0f} "
                 f"{r['peak_rss_gib']:>12.2f} {r['start_to_first_step_s']:>14.1f} {r['eval_loss']:>9.3f}"
             )
 

@@ -141,7 +141,8 @@ def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
     task.configure_model(build_model(recipe.model, tokenizer, recipe.seed, meta=True))
     assert task.logprobs is None
     assert task.describe() == [
-        "loss: over whole logits (not chunked: the model rescales its logits after the output layer (logits_scaling=2.0))"
+        "loss: over whole logits "
+        "(not chunked: the model rescales its logits after the output layer (logits_scaling=2.0))"
     ]
 
 

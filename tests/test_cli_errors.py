@@ -87,7 +87,8 @@ def test_a_missing_run_output_names_the_run_to_train_first(tiny_recipe, tmp_path
     proc = run_accord_here("train", tiny_recipe, "model.config=null", f"model.path={missing}", HERE)
     assert_clean_error(
         proc,
-        f"model.path: folder not found: {missing} (the final model of an accord run: train the recipe whose output.dir is {missing.parent} first)",
+        f"model.path: folder not found: {missing} "
+        f"(the final model of an accord run: train the recipe whose output.dir is {missing.parent} first)",
     )
 
 
@@ -168,7 +169,8 @@ def test_what_the_machine_lacks_is_checked_before_start_not_in_the_recipe(tiny_r
         )
         assert_clean_error(
             proc,
-            "engine.precision=fp16 with engine.strategy=zero2 (DeepSpeed) needs a GPU: DeepSpeed has no fp16 on the CPU",
+            "engine.precision=fp16 with engine.strategy=zero2 (DeepSpeed) needs a GPU: "
+            "DeepSpeed has no fp16 on the CPU",
         )
 
 

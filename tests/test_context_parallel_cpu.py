@@ -41,8 +41,8 @@ def test_torch_context_parallel_has_no_cpu_attention_path(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert (
-        "refused: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered."
-        in lines
+        "refused: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+        "does not have a sharding strategy registered." in lines
     )
     assert "_scaled_dot_product_flash_attention has a CPU kernel: False" in lines
     assert "_scaled_dot_product_efficient_attention has a CPU kernel: False" in lines

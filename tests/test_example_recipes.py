@@ -86,7 +86,9 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert (out / "final" / "config.json").is_file() and any((out / "final").glob("model*.safetensors"))
 
 
-@pytest.mark.slow  # two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's, the missing-start line test_recipe's
+# Two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's,
+# the missing-start line test_recipe's.
+@pytest.mark.slow
 def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
     """The shipped two-stage chain, shortened: addition-sft writes the final model that
     grpo-addition starts from (model.path pointed at it, as the recipe does with its own

@@ -410,11 +410,13 @@ TRL_LONG_CONTEXT_CONFIGS = {
     [
         (
             "context_parallel_2gpu",
-            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), which accord does not support yet; set it to 1",
+            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(torch backend\), "
+            r"which accord does not support yet; set it to 1",
         ),
         (
             "alst_ulysses_4gpu",
-            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), which accord does not support yet",
+            r"^accelerate config: parallelism_config_cp_size=2 asks for context parallelism \(deepspeed backend\), "
+            r"which accord does not support yet",
         ),
     ],
 )
@@ -442,7 +444,8 @@ def test_trl_ulysses_sp_size_config_becomes_engine_sequence_parallel_and_accord_
     assert (merged.engine.sequence_parallel, merged.engine.strategy) == (2, "zero3")
     with pytest.raises(
         RecipeError,
-        match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 2 processes, 1 data-parallel groups of 2",
+        match=r"data-parallel size of 2 \(parallelism_config\) but accord runs 2 processes, "
+        r"1 data-parallel groups of 2",
     ):
         reconcile(recipe, dict(settings), world_size=2)
     with pytest.raises(
@@ -476,7 +479,8 @@ def test_data_parallel_sizes_are_accepted_when_they_are_the_world():
     hybrid = env | {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}
     with pytest.raises(
         RecipeError,
-        match=r"parallelism_config_dp_replicate_size=2 with parallelism_config_dp_shard_size=2 asks for hybrid sharding",
+        match=r"parallelism_config_dp_replicate_size=2 with parallelism_config_dp_shard_size=2 "
+        r"asks for hybrid sharding",
     ):
         accelerate_settings(hybrid)
 

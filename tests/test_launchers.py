@@ -187,7 +187,10 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
     }
-    watching = "import time; from accord.launch import refusal_relay; refusal_relay.watch(); print('watching', flush=True); time.sleep(60)"
+    watching = (
+        "import time; from accord.launch import refusal_relay; refusal_relay.watch(); "
+        "print('watching', flush=True); time.sleep(60)"
+    )
     node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
     assert node1.stdout.readline().strip() == "watching"
     for name, value in (env | {"RANK": "0"}).items():

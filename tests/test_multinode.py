@@ -198,14 +198,17 @@ def test_two_nodes_stopped_by_sigterm_resume_to_the_one_node_result(namespaces, 
 
     recipe, reference = single
     outs = [tmp_path / "out0", tmp_path / ("out1" if folders == "node-local" else "out0")]
-    args = lambda rank, *more: [
-        "train",
-        str(recipe),
-        "engine.processes=1",
-        "checkpoint.every_steps=2",
-        f"output.dir={outs[rank]}",
-        *more,
-    ]  # noqa: E731
+
+    def args(rank, *more):
+        return [
+            "train",
+            str(recipe),
+            "engine.processes=1",
+            "checkpoint.every_steps=2",
+            f"output.dir={outs[rank]}",
+            *more,
+        ]
+
     # The checkpoint of step 2 is held open for 5 s on every rank: the signal comes mid-run however fast the machine is.
     pause = {"ACCORD_FAULTS": "checkpoint_pause_at_step=2,checkpoint_pause_s=5"}
     nodes = [

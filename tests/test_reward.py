@@ -88,7 +88,8 @@ def test_the_pair_loss_equals_a_bare_torch_loss_over_each_text_scored_alone(tmp_
     torch.testing.assert_close(ours_grads, bare_grads, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # importing TRL and building its trainer costs seconds; the bare-torch check above is the default tier's
+# Importing TRL and building its trainer costs seconds; the bare-torch check above is the default tier's.
+@pytest.mark.slow
 def test_the_pair_loss_equals_trl_reward_trainers_on_the_same_batch(tmp_path):
     """TRL's own collator lays out the same batch, and RewardTrainer.compute_loss (the mean
     over pairs) equals accord's summed pair loss divided by the pair count."""
@@ -164,9 +165,11 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
     ]
     task.recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
     prepared = prepare_data(task.recipe, tokenizer, task, preparer=True)
-    render = lambda messages: tokenizer(
-        tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False
-    )["input_ids"]  # noqa: E731
+
+    def render(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     examples = list(prepared.train) + list(prepared.eval)
     by_answer = {tuple(e["chosen_input_ids"]): e for e in examples}
     for row in rows:

@@ -60,7 +60,8 @@ def test_a_model_without_rope_is_refused_in_one_line():
     }
     with pytest.raises(
         UserInputError,
-        match=r"^model.rope_scaling: a bert model has no rotary position embeddings \(RoPE\) .*; drop model.rope_scaling$",
+        match=r"^model.rope_scaling: a bert model has no rotary position embeddings \(RoPE\) "
+        r".*; drop model.rope_scaling$",
     ):
         build_model(
             ModelConfig(config=bert, tokenizer="byte", rope_scaling={"rope_type": "linear", "factor": 2.0}),

@@ -255,16 +255,25 @@ torch.manual_seed(0)
 alone = LlamaForCausalLM(config)  # plain transformers, one document at a time
 packed = LlamaForCausalLM(config)
 packed.load_state_dict(alone.state_dict())
-docs = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 6)]  # 20 tokens: 3 documents
+# 20 tokens: 3 documents
+docs = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 6)]
 loss_alone = sum(causal_token_loss(alone(input_ids=d[None]).logits, d[None])[0] for d in docs)
 loss_alone.backward()
 
-recipe = SimpleNamespace(task="sft", engine=SimpleNamespace(sequence_parallel=world), model=SimpleNamespace(attn_implementation=None))
-install_ulysses(recipe, packed, DistInfo(rank=rank, local_rank=rank, world_size=world, local_world_size=world), micro_batch_size=1)
+recipe = SimpleNamespace(
+    task="sft", engine=SimpleNamespace(sequence_parallel=world), model=SimpleNamespace(attn_implementation=None)
+)
+info = DistInfo(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+install_ulysses(recipe, packed, info, micro_batch_size=1)
 ids = torch.cat(docs)[None]
 labels = torch.cat([torch.cat([torch.tensor([IGNORE]), d[1:]]) for d in docs])[None]  # no target across documents
 lengths = [[len(d) for d in docs]]
-batch = {"input_ids": ids, "labels": labels, "position_ids": packed_position_ids(lengths, 20), "attention_mask": block_causal_mask(lengths, 20, False)}
+batch = {
+    "input_ids": ids,
+    "labels": labels,
+    "position_ids": packed_position_ids(lengths, 20),
+    "attention_mask": block_causal_mask(lengths, 20, False),
+}
 task = CausalLMTask.__new__(CausalLMTask)
 task.logprobs = None
 out = task.loss(packed, SequenceShards(world, rank, "sdpa").shard(batch))
@@ -276,8 +285,10 @@ for g in grads.values():
     dist.all_reduce(g)
 if rank == 0:
     reference = dict(alone.named_parameters())
-    print(json.dumps({"loss": abs(loss.item() - loss_alone.item()), "grad": max((grads[n] - reference[n].grad).abs().max().item() for n in grads)}))
-# As accord's workers leave (accord.distributed.group.shutdown, exit_after_shutdown): no static-destructor abort at exit.
+    grad = max((grads[n] - reference[n].grad).abs().max().item() for n in grads)
+    print(json.dumps({"loss": abs(loss.item() - loss_alone.item()), "grad": grad}))
+# As accord's workers leave (accord.distributed.group.shutdown, exit_after_shutdown):
+# no static-destructor abort at exit.
 from accord.distributed.group import exit_after_shutdown, shutdown
 shutdown()
 exit_after_shutdown(0)

@@ -156,7 +156,9 @@ for job in json.loads(sys.argv[1]):  # in order: the first one's peak is measure
     for _ in range(job["steps"]):
         with engine.sync_context(True):
             logits = engine.train_model(input_ids=mine).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1), reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1), reduction="sum"
+            )
         engine.backward(loss, ids[:, 1:].numel())
         engine.step()
     state = gathered(engine) if job["gather"] else {}

@@ -198,7 +198,8 @@ def test_a_truncated_shard_or_another_tokenizers_shard_is_one_line_and_exit_2(tm
     assert len(err) == 1 and f"{tokens}: truncated" in err[0]
 
 
-@pytest.mark.slow  # two training runs; test_packed_shard_rows_give_every_world_size_the_same_global_batches is the default sibling
+# Two training runs; test_packed_shard_rows_give_every_world_size_the_same_global_batches is the default sibling.
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_packed_weighted_mixture_resumed_from_2_processes_on_1_ends_as_the_uninterrupted_run(tmp_path):
     from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses

@@ -98,8 +98,8 @@ def test_the_first_worker_checks_the_data_and_a_refusal_stops_the_run_quietly_wr
     said = [line for line in proc.stderr.splitlines() if line.startswith("accord: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (
-        said[-1]
-        == "accord: error: only 3 training rows (8 examples packed into rows of 32 tokens) but batch.global_batch_size=32; lower the global batch or add data"
+        said[-1] == "accord: error: only 3 training rows (8 examples packed into rows of 32 tokens) "
+        "but batch.global_batch_size=32; lower the global batch or add data"
     )
     assert said.index("accord: starting 2 workers…") < said.index("accord: preparing data…")  # checked in a worker
     assert "Traceback" not in proc.stderr and "accord: loading model…" not in said, proc.stderr[-3000:]
@@ -156,8 +156,11 @@ def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimi
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(validate_recipe(TINY_RECIPE | {"data": data}).model_dump(mode="json")))
     script = (
-        "import sys; from accord.launch import worker, worker_start; from accord.recipe.schema import read_resolved_recipe; worker_start._import_what_the_run_builds(read_resolved_recipe(sys.argv[1])); "
-        "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') if m in sys.modules))"
+        "import sys; from accord.launch import worker, worker_start; "
+        "from accord.recipe.schema import read_resolved_recipe; "
+        "worker_start._import_what_the_run_builds(read_resolved_recipe(sys.argv[1])); "
+        "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') "
+        "if m in sys.modules))"
     )
     proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)
     assert proc.stdout.split("\n")[-2] == "['accord.engine.ddp', 'accord.tasks.sft']", proc.stderr[-3000:]

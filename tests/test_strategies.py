@@ -308,7 +308,10 @@ for strategy in sys.argv[1:]:
         engine = build_engine(recipe, model, DistInfo(), torch.device("cpu"), BatchPlan.derive(8, 8, 1), 10)
         engine.module.train()
         saved = []
-        with engine.sync_context(True), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+        with (
+            engine.sync_context(True),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t),
+        ):
             loss = engine.train_model(input_ids=torch.randint(0, 200, (2, 12))).logits.float().sum()
         engine.backward(loss, 1)
         engine.step()

@@ -82,7 +82,8 @@ class _StopInLoss(_NaNLoss):  # delegates like _NaNLoss; only `loss` at the chos
             self._stopped = True  # once: continued to dump its stacks, it must not stop again
             how = "sleeping" if _faults().get("stop_by_sleeping") else "stopping this process (SIGSTOP)"
             print(
-                f"accord: [fault injection] {how} in the forward pass of step {self._at_step} at unix time {time.time():.3f}",
+                f"accord: [fault injection] {how} in the forward pass of step {self._at_step} "
+                f"at unix time {time.time():.3f}",
                 flush=True,
             )
             if _faults().get("stop_by_sleeping"):

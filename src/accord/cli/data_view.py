@@ -56,7 +56,8 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
         rows = training_rows(train, task.row_capacity)
         fill = rows.lengths.sum() / (len(rows) * recipe.data.max_length)
         lines.append(
-            f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, {100 * fill:.1f}% filled"
+            f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, "
+            f"{100 * fill:.1f}% filled"
         )
     else:
         lines.append("packing: off (one example per row)")

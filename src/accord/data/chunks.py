@@ -69,7 +69,8 @@ def write_shards(
     )
     if writer.examples == 0:
         raise DataError(
-            f"no {split} examples left after data.truncation={recipe.data.truncation} (data.max_length={recipe.data.max_length})"
+            f"no {split} examples left after data.truncation={recipe.data.truncation} "
+            f"(data.max_length={recipe.data.max_length})"
         )
     writer.close(tokenizer_id, {"split": split})
     return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
@@ -356,7 +357,8 @@ def _join_examples(work: Path, writer: ShardWriter | ColumnWriter, task, recipe,
         for k in np.flatnonzero(targets == 0):
             if not over[k]:
                 raise DataError(
-                    f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); fix or remove it"
+                    f"{row_origin(_row(ds, row + int(k)))}: this example has no target tokens (nothing to train on); "
+                    "fix or remove it"
                 )
             keep[k] = False
         if over.any() and first_over is None:

@@ -107,7 +107,7 @@ def write_rows(train, capacity: int, folder: Path) -> None:
     with contextlib.ExitStack() as stack:
         for f in files.values():
             stack.enter_context(f)
-        for start, ids, sizes in _windows(lengths, capacity, PACK_WINDOW):
+        for _start, ids, sizes in _windows(lengths, capacity, PACK_WINDOW):
             row_of = np.repeat(np.arange(len(sizes)), sizes)
             files["members.bin"].write(ids.tobytes())
             files["starts.bin"].write((members + np.cumsum(sizes)).astype(np.int64).tobytes())

@@ -138,13 +138,15 @@ def read_meta(path: Path, tokenizer_id: str | None) -> dict:
         raise DataError(f"{path}: missing or unreadable; delete {folder.parent} to prepare the data again") from None
     if tokenizer_id is not None and meta.get("tokenizer") != tokenizer_id:
         raise DataError(
-            f"{folder}: these token shards were prepared with another tokenizer; delete {folder.parent} to prepare the data again"
+            f"{folder}: these token shards were prepared with another tokenizer; "
+            f"delete {folder.parent} to prepare the data again"
         )
     for name, size in meta["bytes"].items():
         actual = (folder / name).stat().st_size if (folder / name).exists() else -1
         if actual != size:
             raise DataError(
-                f"{folder / name}: truncated or damaged ({max(actual, 0)} bytes, expected {size}); delete {folder.parent} to prepare the data again"
+                f"{folder / name}: truncated or damaged ({max(actual, 0)} bytes, expected {size}); "
+                f"delete {folder.parent} to prepare the data again"
             )
     return meta
 

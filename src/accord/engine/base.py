@@ -122,7 +122,9 @@ class Engine(ABC):
         }
 
     def close(self) -> None:
-        """Release what the strategy holds (hooks, buffers); called on every rank."""
+        """Release what the strategy holds (hooks, buffers); called on every rank. A concrete
+        no-op here, not abstract: strategies that hold nothing need not override it."""
+        return None
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

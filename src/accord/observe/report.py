@@ -201,7 +201,8 @@ def summary(records: list[dict], recipe: dict) -> list[tuple[str, str]]:
         rows.append(
             (
                 "run",
-                f"{recipe.get('task', '?')} on {source}, {engine.get('strategy', '?')}, precision {engine.get('precision', '?')}, "
+                f"{recipe.get('task', '?')} on {source}, {engine.get('strategy', '?')}, "
+                f"precision {engine.get('precision', '?')}, "
                 f"global batch {batch.get('global_batch_size', '?')}",
             )
         )
@@ -237,7 +238,8 @@ def summary(records: list[dict], recipe: dict) -> list[tuple[str, str]]:
 def _html(out_dir: Path, records: list[dict], recipe: dict, images: list[tuple[str, Path]]) -> str:
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary(records, recipe))
     figures = "".join(
-        f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
+        f'<figure><img alt="{html.escape(title)}" '
+        f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
         f"<figcaption>{html.escape(title)}</figcaption></figure>"
         for title, path in images
     )
@@ -248,7 +250,8 @@ def _html(out_dir: Path, records: list[dict], recipe: dict, images: list[tuple[s
         "<style>body{font-family:sans-serif;max-width:1300px;margin:1.5em auto;padding:0 1em}"
         ".top{display:flex;gap:2em;align-items:flex-start;flex-wrap:wrap}"
         "figure{display:inline-block;margin:.3em}figure img{width:600px}figcaption{text-align:center;color:#555}"
-        "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.3em .7em;text-align:left;vertical-align:top}"
+        "table{border-collapse:collapse}"
+        "th,td{border:1px solid #ccc;padding:.3em .7em;text-align:left;vertical-align:top}"
         "pre{background:#f6f6f6;padding:.6em;max-height:26em;overflow:auto;font-size:85%}</style></head><body>"
         f"<h1>accord report: {html.escape(str(out_dir))}</h1>"
         f"<div class='top'><div><h2>summary</h2><table>{rows}</table></div>"

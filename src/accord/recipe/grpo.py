@@ -86,7 +86,8 @@ class GRPOConfig(BaseModel):
     beta: float = Field(
         0.04,
         ge=0,
-        description="Weight of the KL penalty to the reference (the starting model; adapters off under LoRA); 0: no reference.",
+        description="Weight of the KL penalty to the reference (the starting model; adapters off under LoRA); "
+        "0: no reference.",
     )
     epsilon: float = Field(
         0.2, gt=0, lt=1, description="Clipping range of the probability ratio: [1 - epsilon, 1 + epsilon]."
@@ -94,5 +95,6 @@ class GRPOConfig(BaseModel):
     num_iterations: int = Field(
         1,
         ge=1,
-        description="Optimizer steps per generation batch (each step reuses the batch's completions; ratios against the policy that generated them).",
+        description="Optimizer steps per generation batch (each step reuses the batch's completions; "
+        "ratios against the policy that generated them).",
     )

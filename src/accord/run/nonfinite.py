@@ -49,6 +49,7 @@ class NonFiniteGuard:
             if loss_bad or (not math.isfinite(entry.grad_norm) and not self.handles_overflow):
                 what = f"loss {entry.loss}" if loss_bad else f"gradient norm {entry.grad_norm}"
                 raise TrainingStopped(
-                    f"step {entry.stats.step}: {what} is not finite; stopping (train.on_nonfinite=skip skips such updates "
+                    f"step {entry.stats.step}: {what} is not finite; stopping "
+                    "(train.on_nonfinite=skip skips such updates "
                     f"instead; a lower optim.lr or max_grad_norm often helps). {self.intact_note()}"
                 )

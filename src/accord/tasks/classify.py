@@ -39,7 +39,8 @@ class ClassifyTask(Task):
             if ds is not None and "label" not in ds.column_names:
                 present = [c for c in ds.column_names if not c.startswith("__")]
                 raise DataError(
-                    f"classify data: missing field 'label' (fields present: {', '.join(present)}); rename with fields: {{label: <column>}}"
+                    f"classify data: missing field 'label' (fields present: {', '.join(present)}); "
+                    "rename with fields: {label: <column>}"
                 )
         self.pair = "text_pair" in train.column_names
         self.labels, self.ids = label_set(train, eval_ds, self.given)
@@ -54,7 +55,8 @@ class ClassifyTask(Task):
                 for k, value in enumerate(values):
                     if value is None or str(value) not in self.ids:
                         raise DataError(
-                            f"{row_origin(ds[start + k])}: label {value!r} is not in the label set {_shown(self.labels, self.ids)} (classify.labels)"
+                            f"{row_origin(ds[start + k])}: label {value!r} is not in the label set "
+                            f"{_shown(self.labels, self.ids)} (classify.labels)"
                         )
         return train, eval_ds
 

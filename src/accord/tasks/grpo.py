@@ -69,7 +69,8 @@ class GRPOTask(Task):
         self.cfg = recipe.grpo
         if self.cfg.max_new_tokens >= self.max_length:
             raise UserInputError(
-                f"grpo.max_new_tokens={self.cfg.max_new_tokens} leaves no room for the prompt in data.max_length={self.max_length}; "
+                f"grpo.max_new_tokens={self.cfg.max_new_tokens} leaves no room for the prompt "
+                f"in data.max_length={self.max_length}; "
                 "raise data.max_length or lower grpo.max_new_tokens"
             )
         self.rewards = RewardFunctions(self.cfg)  # imports callables, checks reward models: one line each
@@ -109,7 +110,8 @@ class GRPOTask(Task):
                 if missing:
                     present = [c for c in ds.column_names if not c.startswith("__")]
                     raise DataError(
-                        f"grpo.rewards: exact_match reads column {missing[0]!r}, which the data lacks (fields present: {', '.join(present)})"
+                        f"grpo.rewards: exact_match reads column {missing[0]!r}, which the data lacks "
+                        f"(fields present: {', '.join(present)})"
                     )
             checked.append(ds)
         return tuple(checked)
@@ -161,7 +163,8 @@ class GRPOTask(Task):
     def describe(self) -> list[str]:
         c = self.cfg
         return [
-            f"grpo: {c.group_size} completions per prompt, up to {c.max_new_tokens} tokens; rewards {', '.join(self.rewards.names)}; "
+            f"grpo: {c.group_size} completions per prompt, up to {c.max_new_tokens} tokens; "
+            f"rewards {', '.join(self.rewards.names)}; "
             f"beta {c.beta:g}, epsilon {c.epsilon:g}, {c.num_iterations} step(s) per generation batch"
         ]
 

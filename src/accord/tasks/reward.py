@@ -61,7 +61,8 @@ class RewardTask(Task):
         if missing:
             present = ", ".join(c for c in ds.column_names if not c.startswith("__"))
             raise DataError(
-                f"{row_origin(ds[0])}: chat preference rows need `chosen` and `rejected` conversations (fields present: {present})"
+                f"{row_origin(ds[0])}: chat preference rows need `chosen` and `rejected` conversations "
+                f"(fields present: {present})"
             )
 
         def split(row):
@@ -72,7 +73,8 @@ class RewardTask(Task):
                     for m in value
                 ):
                     raise DataError(
-                        f"{row_origin(row)}: `{name}` must be a list of {{role, content}} messages, like the first row's"
+                        f"{row_origin(row)}: `{name}` must be a list of {{role, content}} messages, "
+                        "like the first row's"
                     )
             prompt = row.get("prompt") or []
             head = render(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""

@@ -94,7 +94,8 @@ class RewardFunctions:
             values = scorer(group)
             if len(values) != len(group.completions):
                 raise RewardFailed(
-                    f"reward {name} returned {len(values)} values for {len(group.completions)} completions ({_origin(group)})"
+                    f"reward {name} returned {len(values)} values for {len(group.completions)} completions "
+                    f"({_origin(group)})"
                 )
             bad = [v for v in values if not isinstance(v, (int, float)) or not math.isfinite(v)]
             if bad:
@@ -152,7 +153,8 @@ def check_reward_model(path: str, where: str) -> None:
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise UserInputError(
             f"{where}: {path} is not a sequence classifier (architectures {architectures or 'unknown'}); "
-            "a reward model is an AutoModelForSequenceClassification folder with num_labels=1 (e.g. the final/ of task: reward)"
+            "a reward model is an AutoModelForSequenceClassification folder with num_labels=1 "
+            "(e.g. the final/ of task: reward)"
         )
     if config.num_labels != 1:
         raise UserInputError(f"{where}: {path} has {config.num_labels} outputs; a reward model has one (num_labels=1)")

@@ -73,7 +73,8 @@ class SFTTask(CausalLMTask):
 
     def describe(self) -> list[str]:
         return super().describe() + [
-            f"warning: {count} {'training' if split == 'train' else 'eval'} example(s) have an empty completion, so only "
+            f"warning: {count} {'training' if split == 'train' else 'eval'} example(s) "
+            "have an empty completion, so only "
             f"the EOS token is a target (first: {first}); fill them in or remove them if that is not intended"
             for split, (count, first) in self.empty_completions.items()
         ]
