@@ -21,7 +21,8 @@ import accord
 from conftest import TINY_RECIPE
 
 result = accord.train(TINY_RECIPE, {"train.max_steps": 3, "output.dir": sys.argv[1]}, processes=2)
-print("result: " + json.dumps({"status": result.status, "output_dir": str(result.output_dir), "final": str(result.final)}))
+summary = {"status": result.status, "output_dir": str(result.output_dir), "final": str(result.final)}
+print("result: " + json.dumps(summary))
 """
 
 

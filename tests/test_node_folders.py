@@ -37,10 +37,14 @@ def _node_local_checkpoint(folder, this_folder: int):
 
 def test_a_missing_file_another_node_wrote_is_named_with_its_rank_host_and_folder(tmp_path):
     folder = _node_local_checkpoint(tmp_path / "step-000004", this_folder=0)
-    line = f"resume: {folder / 'state' / '__3_0.distcp'} is missing: the checkpoint is damaged; resume from an earlier one (resume=PATH)"
+    line = (
+        f"resume: {folder / 'state' / '__3_0.distcp'} is missing: the checkpoint is damaged; "
+        "resume from an earlier one (resume=PATH)"
+    )
     named = nodefolders._named(line, folder)
     assert named.startswith(
-        f"resume: {folder / 'state' / '__3_0.distcp'} is missing here: rank 3 wrote it into /disk/out1/checkpoints/step-000004"
+        f"resume: {folder / 'state' / '__3_0.distcp'} is missing here: rank 3 wrote it into "
+        "/disk/out1/checkpoints/step-000004"
     )
     assert "node 1 (host node-b)" in named and "\n" not in named
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from accord.errors import UserInputError
 from accord.recipe.schema import Recipe, apply_override, load_recipe, validate_recipe
@@ -28,16 +28,18 @@ from accord.recipe.schema import Recipe, apply_override, load_recipe, validate_r
 if TYPE_CHECKING:
     from accord.planner.estimate import StrategyPlan
 
-RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Recipe]
-Overrides = Union[Mapping[str, Any], Sequence[str], str, None]
+RecipeLike = str | os.PathLike | Mapping[str, Any] | Recipe
+Overrides = Mapping[str, Any] | Sequence[str] | str | None
 
 
 @dataclass(frozen=True)
 class TrainResult:
     """How a training run ended."""
 
-    status: str  # completed | preempted (stopped on request, checkpointed) | stopped (could not go on; the reason is on stderr)
-    # | refused (bad input the workers found before writing anything, e.g. no checkpoint verifies; the reason is on stderr)
+    # completed | preempted (stopped on request, checkpointed) | stopped (could not go on; the reason is on stderr)
+    # | refused (bad input the workers found before writing anything, e.g. no checkpoint verifies; the reason is
+    # on stderr)
+    status: str
     output_dir: Path
     message: str = ""  # preempted: where the run can continue from
 

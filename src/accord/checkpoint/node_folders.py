@@ -130,8 +130,9 @@ def describe(layout: Layout) -> str | None:
     if layout.kind == SHARED:
         return f"output.dir {layout.folders[0]['dir']} is shared by all {len(layout.folders[0]['nodes'])} nodes"
     return (
-        f"each node writes its own output.dir ({len(layout.folders)} folders): checkpoints hold every node's part in that "
-        f"node's folder, the final model and metrics are written on node 0 only ({layout.folders[0]['dir']})"
+        f"each node writes its own output.dir ({len(layout.folders)} folders): checkpoints hold every node's part "
+        "in that node's folder, the final model and metrics are written on node 0 only "
+        f"({layout.folders[0]['dir']})"
     )
 
 
@@ -266,8 +267,9 @@ def _named(line: str, folder: Path) -> str:
     if owner is None:
         return line
     return (
-        f"resume: {folder / rel} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} on node "
-        f"{owner['nodes'][0]} (host {owner['host']}); resume with that node taking part, or copy its files into {folder}"
+        f"resume: {folder / rel} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} "
+        f"on node {owner['nodes'][0]} (host {owner['host']}); resume with that node taking part, or copy its files "
+        f"into {folder}"
     )
 
 

@@ -180,8 +180,8 @@ def _seal(
     state: TrainingState, recipe: Recipe, root: Path, final: Path, tmp: Path, manifest: dict[str, Any], leader: int = 0
 ) -> None:
     """The folder's leader (rank 0 where one folder is shared), once every rank's files are in
-    `tmp` and `manifest` holds their entries: record them, mark it COMPLETE, rename it into place, point `latest` at it, and only then prune
-    older checkpoints."""
+    `tmp` and `manifest` holds their entries: record them, mark it COMPLETE, rename it into place,
+    point `latest` at it, and only then prune older checkpoints."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state) | {"saved_at": time.time()}, indent=1))
     (tmp / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
     nodefolders.record(tmp)  # layout.json first: the manifest covers it
@@ -491,8 +491,10 @@ def order_change(folder: Path, recipe: Recipe) -> str | None:
     if same_order(saved, recipe.data.shuffle, grouped):
         return None
     return (
-        f"resume: {folder} was written in another data order ({saved or 'the stored permutation of checkpoints that do not record their order'}; "
-        f"this accord shuffles with {order_version(recipe.data.shuffle, grouped)}), so the steps after it would see other examples; "
+        f"resume: {folder} was written in another data order "
+        f"({saved or 'the stored permutation of checkpoints that do not record their order'}; "
+        f"this accord shuffles with {order_version(recipe.data.shuffle, grouped)}), "
+        "so the steps after it would see other examples; "
         f"finish that run with the accord that wrote it, or start a new run in another output.dir"
     )
 

@@ -115,11 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser(
         "doctor",
-        help="check this machine or cluster before a long run: versions, paths, GPUs, disk, network, bandwidth, equivalence",
+        help="check this machine or cluster before a long run: versions, paths, GPUs, disk, network, bandwidth, "
+        "equivalence",
         description="Run on every node like accord train. Prints one line per check with a verdict (ok, warn, FAIL): "
         "every node's accord/torch/transformers/DeepSpeed versions and view of the recipe's model and data, GPUs and "
-        "CUDA_VISIBLE_DEVICES, free disk for the checkpoints, the interface towards the master, an all-reduce bandwidth "
-        "per pair of nodes, and a 2-step run on all processes against 1 process (equal to 1e-5). Exit 1 if a line failed.",
+        "CUDA_VISIBLE_DEVICES, free disk for the checkpoints, the interface towards the master, "
+        "an all-reduce bandwidth per pair of nodes, and a 2-step run on all processes against 1 process "
+        "(equal to 1e-5). Exit 1 if a line failed.",
     )
     _recipe_arguments(doctor)
     doctor.add_argument("--no-self-test", action="store_true", help="skip the 2-step equivalence run")
@@ -316,7 +318,8 @@ def _slurm(args: argparse.Namespace) -> int:
     Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # SLURM opens its log there at job start
     out.chmod(0o755)
     print(
-        f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); submit with: sbatch {out}"
+        f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); "
+        f"submit with: sbatch {out}"
     )
     return 0
 

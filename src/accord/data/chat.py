@@ -89,7 +89,8 @@ def _text(content: Any, where: str) -> Any:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise DataError(
-                f"{where}: a message content part of type {kind!r}: only text parts ({{type: text, text: ...}}) can be trained on"
+                f"{where}: a message content part of type {kind!r}: only text parts ({{type: text, text: ...}}) "
+                "can be trained on"
             )
         texts.append(part["text"])
     return "\n".join(texts)

@@ -49,7 +49,8 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     path, fmt, files = locate_files(source)
     if source.document != "file" and fmt != "text":
         raise DataError(
-            f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits text files; this source is {fmt} (set format: text for plain text)"
+            f"{path}: document: {source.document if isinstance(source.document, str) else 'separator'} splits "
+            f"text files; this source is {fmt} (set format: text for plain text)"
         )
     _check_text_encoding(files, fmt, source.encoding)
     datasets.disable_progress_bars()
@@ -98,7 +99,10 @@ def _not_found(source: SourceConfig) -> str:
         else ""
     )
     if re.fullmatch(r"[\w.-]+/[\w.-]+", source.path) and not Path(source.path).suffix:
-        where += "; accord reads local files only (no hub downloads): save a hub dataset once with datasets' save_to_disk and point to that folder"
+        where += (
+            "; accord reads local files only (no hub downloads): save a hub dataset once with datasets' "
+            "save_to_disk and point to that folder"
+        )
     return f"data source {source.path!r} not found ({where})"
 
 
@@ -107,13 +111,15 @@ def _candidates(path: Path, glob: str | None) -> list[Path]:
     if path.is_file():
         if glob is not None:
             raise DataError(
-                f"{path}: glob: {glob!r} selects files in a folder, and this source is a file; drop glob or give the folder"
+                f"{path}: glob: {glob!r} selects files in a folder, and this source is a file; "
+                "drop glob or give the folder"
             )
         return [path]
     files = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
     if glob is not None and not files:
         raise DataError(
-            f'{path}: glob: {glob!r} matches no files in this folder; check the pattern (e.g. "**/*.md" for every .md file below it)'
+            f"{path}: glob: {glob!r} matches no files in this folder; "
+            'check the pattern (e.g. "**/*.md" for every .md file below it)'
         )
     return files
 
@@ -303,7 +309,8 @@ def check_columns(ds, required: tuple[str, ...], where: str):
         for i, value in _values(ds, field):
             if not isinstance(value, str):
                 raise DataError(
-                    f"{_where(ds, i, where)}: field {field!r} must be a string (got {type(value).__name__} {value!r:.40})"
+                    f"{_where(ds, i, where)}: field {field!r} must be a string "
+                    f"(got {type(value).__name__} {value!r:.40})"
                 )
     return ds
 

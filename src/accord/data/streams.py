@@ -9,8 +9,9 @@ counts and random access come from the shards written. Rows get the same `__sour
 so a bad row still stops preparation with one line naming it.
 
 Only sft, pretrain and dpo take streams: the others read their whole table before
-tokenising (classify its label set, reward its row format, grpo its raw rows). `eval_fraction` needs random access; a streamed
-`data.eval` is read into Arrow for sft (its generation metrics read raw rows).
+tokenising (classify its label set, reward its row format, grpo its raw rows).
+`eval_fraction` needs random access; a streamed `data.eval` is read into Arrow for sft
+(its generation metrics read raw rows).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def check_task(cfg: DataConfig, task) -> None:
     if has_streams(cfg) and not task.takes_streams:
         raise DataError(
             f"task {task.name}: a streamed data source (streaming: true or function:) is read once, in order, "
-            f"which only sft, pretrain and dpo take (this task reads its whole table first); read this source without streaming"
+            "which only sft, pretrain and dpo take (this task reads its whole table first); "
+            "read this source without streaming"
         )
 
 
@@ -108,7 +110,8 @@ def _from_function(target: str, role: str):
         return result.to_iterable_dataset()
     if not hasattr(result, "__iter__") or isinstance(result, (str, bytes, dict)):
         raise DataError(
-            f"{role}.function: {target} returned {type(result).__name__}; return a datasets IterableDataset or an iterable of row dicts"
+            f"{role}.function: {target} returned {type(result).__name__}; "
+            "return a datasets IterableDataset or an iterable of row dicts"
         )
     # A plain iterable may be one-shot (a generator): each walk calls the function again.
     return datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"target": target})
@@ -184,7 +187,8 @@ def checked(ds, fields: tuple[str, ...], where: str, check: Callable[[BatchRows]
             if field not in batch:
                 present = [c for c in batch if not c.startswith("__")]
                 raise DataError(
-                    f"{where}: missing field {field!r} (fields present: {', '.join(present)}); rename with fields: {{{field}: <column>}}"
+                    f"{where}: missing field {field!r} (fields present: {', '.join(present)}); "
+                    f"rename with fields: {{{field}: <column>}}"
                 )
             values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in batch[field]]
             for i, value in enumerate(values):

@@ -45,7 +45,8 @@ class BatchPlan:
         if world_size % sequence_parallel:
             raise BatchPlanError(
                 f"engine.sequence_parallel={sequence_parallel} does not divide the {world_size} processes; "
-                f"use one of {', '.join(map(str, divisors(world_size)))} (or run on a multiple of {sequence_parallel} processes)"
+                f"use one of {', '.join(map(str, divisors(world_size)))} "
+                f"(or run on a multiple of {sequence_parallel} processes)"
             )
         unit = (
             "processes"

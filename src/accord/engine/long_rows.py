@@ -100,13 +100,15 @@ def tile_mlps(model: nn.Module, tiles: int) -> None:
     config = getattr(model, "config", None)
     if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise ValueError(
-            f"engine.tiled_mlp: {type(model).__name__} has mixture-of-experts MLPs, which accord does not tile; set engine.tiled_mlp=false"
+            f"engine.tiled_mlp: {type(model).__name__} has mixture-of-experts MLPs, which accord does not tile; "
+            "set engine.tiled_mlp=false"
         )
     layers = layer_modules(model)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     if not layers or any(not isinstance(m, nn.Module) for m in mlps):
         raise ValueError(
-            f"engine.tiled_mlp: {type(model).__name__}'s decoder layers have no `mlp` module to tile; set engine.tiled_mlp=false"
+            f"engine.tiled_mlp: {type(model).__name__}'s decoder layers have no `mlp` module to tile; "
+            "set engine.tiled_mlp=false"
         )
     for mlp in mlps:
         _tile(mlp, tiles)

@@ -20,6 +20,9 @@ from accord.stopping import PREEMPTED_EXIT_CODE
 if TYPE_CHECKING:
     from accord.distributed.batch_plan import BatchPlan
 
+# The default where no topology is given: this node alone (Topology is frozen, so one instance serves all).
+LOCAL_TOPOLOGY = Topology()
+
 
 class PendingChecks(Protocol):
     """The checks still running (in local rank 0's worker: accord.launch.worker_start.WorkerChecks):
@@ -53,14 +56,14 @@ def local_world_size(cfg: EngineConfig) -> int:
     return cfg.processes
 
 
-def planned_world_size(cfg: EngineConfig, topology: Topology = Topology()) -> int:
+def planned_world_size(cfg: EngineConfig, topology: Topology = LOCAL_TOPOLOGY) -> int:
     """The world size the run will have, known before anything starts."""
     if dist.outer_launcher() is not None:
         return dist.env_info().world_size
     return topology.nnodes * local_world_size(cfg)
 
 
-def starts_workers(cfg: EngineConfig, topology: Topology = Topology()) -> bool:
+def starts_workers(cfg: EngineConfig, topology: Topology = LOCAL_TOPOLOGY) -> bool:
     """Whether this process launches worker processes (else it is the worker itself)."""
     if dist.outer_launcher() is not None:
         return False
@@ -69,7 +72,7 @@ def starts_workers(cfg: EngineConfig, topology: Topology = Topology()) -> bool:
 
 def run(
     recipe: Recipe,
-    topology: Topology = Topology(),
+    topology: Topology = LOCAL_TOPOLOGY,
     checks: PendingChecks | None = None,
     plan: BatchPlan | None = None,
 ) -> str:
@@ -124,7 +127,8 @@ def _launch_watched(
                 else "engine.max_restarts=0"
             )
             raise HangDetected(
-                f"the run hung and its workers were stopped ({restarts}); --resume continues from the latest checkpoint, if one was written"
+                f"the run hung and its workers were stopped ({restarts}); "
+                "--resume continues from the latest checkpoint, if one was written"
             ) from None
 
 
@@ -312,7 +316,7 @@ def _run_agent(config, worker_args: list[str]) -> str:
     return "completed"
 
 
-def run_module(module: str, args: list[str], cfg: EngineConfig, topology: Topology = Topology()) -> None:
+def run_module(module: str, args: list[str], cfg: EngineConfig, topology: Topology = LOCAL_TOPOLOGY) -> None:
     """`python -m MODULE ARGS` as this node's workers, meeting the other nodes' as training's
     workers do (accord doctor's probe); WorkerFailed when one fails."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -64,7 +64,8 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None) -> RunResult:
     _quiet_libraries(info)
     if recipe.engine.release_host_memory and not release_freed_memory():
         dist.print0(
-            "accord: warning: engine.release_host_memory: this C library is not glibc's; host memory is managed as usual"
+            "accord: warning: engine.release_host_memory: this C library is not glibc's; "
+            "host memory is managed as usual"
         )
     stop = StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)

@@ -150,8 +150,8 @@ def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
         return
     if not getattr(config, "rope_parameters", None):
         raise UserInputError(
-            f"model.rope_scaling: a {config.model_type} model has no rotary position embeddings (RoPE) that transformers "
-            f"can scale; drop model.rope_scaling"
+            f"model.rope_scaling: a {config.model_type} model has no rotary position embeddings (RoPE) "
+            "that transformers can scale; drop model.rope_scaling"
         )
     settings = {"rope_type": scaling.rope_type, "factor": scaling.factor}
     if scaling.rope_type == "yarn":

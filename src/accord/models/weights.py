@@ -307,9 +307,9 @@ class Checkpoint:
             have = self._shape(key)
             if have != want:
                 raise UserInputError(
-                    f"model.path: {self.folder / self._stored[key]} holds {key} of shape {list(have)}, but the model "
-                    f"its config.json describes wants {list(want)}: the weights and config.json come from different models; "
-                    f"re-save the folder with save_pretrained"
+                    f"model.path: {self.folder / self._stored[key]} holds {key} of shape {list(have)}, "
+                    f"but the model its config.json describes wants {list(want)}: the weights and config.json "
+                    "come from different models; re-save the folder with save_pretrained"
                 )
 
     def _shape(self, key: str) -> tuple[int, ...]:
@@ -354,7 +354,8 @@ def weight_files(folder: Path) -> list[str]:
                 return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise UserInputError(
-                    f"model.path: {index} is not a weights index ({type(e).__name__}: {e}); re-save the folder with save_pretrained"
+                    f"model.path: {index} is not a weights index ({type(e).__name__}: {e}); "
+                    "re-save the folder with save_pretrained"
                 ) from None
         if (folder / weights).exists():
             return [weights]
@@ -387,7 +388,8 @@ def check_weight_files(folder: Path) -> list[str]:
         except Exception as e:  # safetensors, zipfile and pickle raise many kinds; all mean "unreadable"
             reason = " ".join(str(e).split())[:200]
             problems.append(
-                f"model.path: {path} cannot be read ({reason}); is it truncated (an interrupted copy or download)? copy it again"
+                f"model.path: {path} cannot be read ({reason}); is it truncated (an interrupted copy or download)? "
+                "copy it again"
             )
     return problems
 

@@ -86,9 +86,11 @@ def describe(run: RunSetup) -> list[str]:
     layout = "packed rows" if run.task.packing else "rows"
     used = len(run.eval_data) if run.eval_data is not None else 0
     lines = [
-        f"{run.task.name} on {facts.name} ({params}), {recipe.engine.strategy} on {run.engine.device.type}, precision {recipe.engine.precision}",
+        f"{run.task.name} on {facts.name} ({params}), {recipe.engine.strategy} on {run.engine.device.type}, "
+        f"precision {recipe.engine.precision}",
         f"batch {run.plan.describe()}",
-        f"{report['train_examples']} training examples in {len(run.rows)} {layout} ({run.order.steps_per_epoch} steps per epoch), "
+        f"{report['train_examples']} training examples in {len(run.rows)} {layout} "
+        f"({run.order.steps_per_epoch} steps per epoch), "
         f"{report['eval_examples']} held out"
         + (f" ({used} used)" if run.eval_data is not None and used < report["eval_examples"] else "")
         + f"; {run.total_steps} steps",
@@ -99,8 +101,9 @@ def describe(run: RunSetup) -> list[str]:
     if report.get("train_over_length"):
         policy = recipe.data.truncation
         lines.append(
-            f"{report['train_over_length']} training examples were longer than data.max_length={recipe.data.max_length} "
-            f"({'dropped' if policy == 'drop' else 'truncated'}; {report['train_dropped']} left out in all)"
+            f"{report['train_over_length']} training examples were longer than "
+            f"data.max_length={recipe.data.max_length} ({'dropped' if policy == 'drop' else 'truncated'}; "
+            f"{report['train_dropped']} left out in all)"
         )
     warning = held_out_warning(recipe.data.eval_fraction, int(run.rows.lengths.sum()), report.get("eval_tokens", 0))
     return [f"accord: {line}" for line in lines + ([warning] if warning else []) + run.task.describe()]

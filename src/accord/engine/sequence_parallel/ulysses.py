@@ -29,7 +29,8 @@ def check_sequence_parallel(recipe, config) -> list[str]:
         return []
     if recipe.task not in TASKS:
         return [
-            f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; set engine.sequence_parallel=1"
+            f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; "
+            "set engine.sequence_parallel=1"
         ]
     if config is None:
         return []  # not known before the model is built (a GGUF file): checked again in the worker
@@ -43,13 +44,15 @@ def check_sequence_parallel(recipe, config) -> list[str]:
     if heads % n or (kv_heads % n and n % kv_heads):
         valid = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
         return [
-            f"engine.sequence_parallel={n} must divide the model's {heads} attention heads (and its {kv_heads} key/value heads, "
-            f"or be a multiple of them); use {', '.join(map(str, valid)) or 'none above 1'} or 1"
+            f"engine.sequence_parallel={n} must divide the model's {heads} attention heads "
+            f"(and its {kv_heads} key/value heads, or be a multiple of them); "
+            f"use {', '.join(map(str, valid)) or 'none above 1'} or 1"
         ]
     implementation = recipe.model.attn_implementation or attn_implementation(config) or "sdpa"
     if implementation not in CORE_ATTENTION:
         return [
-            f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; set engine.sequence_parallel=1"
+            f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; "
+            "set engine.sequence_parallel=1"
         ]
     return []
 
