@@ -60,7 +60,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     )
     from accord.launch.agent import Interrupted, planned_world_size, run, starts_workers
     from accord.launch.cluster import resolve_topology
-    from accord.launch.forked import call_in_fork
+    from accord.launch.fork_call import call_in_fork
     from accord.launch.worker_start import WorkerChecks
 
     topology = resolve_topology(

@@ -108,7 +108,7 @@ def _check_and_report(recipe: Recipe, plan: BatchPlan, report: str) -> None:
     """Run the launcher's checks here, in the node's first worker (before the process group
     exists: the environment says this is global rank 0's node), and leave their outcome (the
     problems, or what they raised) in `report` for the launcher."""
-    from accord.launch.forked import packed_outcome
+    from accord.launch.fork_call import packed_outcome
     from accord.launch.preflight import preflight
 
     payload = packed_outcome(preflight, recipe, plan.processes, plan=plan, where="local rank 0's checks")
@@ -127,7 +127,7 @@ class WorkerChecks:
 
     def result(self) -> list[str]:
         from accord.errors import RunStopped
-        from accord.launch.forked import unpack_outcome
+        from accord.launch.fork_call import unpack_outcome
 
         assert self.report is not None, "the launcher sets the report's path before the workers start"
         while not os.path.exists(self.report):

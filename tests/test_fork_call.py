@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from accord.launch.forked import call_in_fork
+from accord.launch.fork_call import call_in_fork
 from accord.recipe.schema import RecipeError
 
 
