@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from accord import registry
 from accord.recipe.section import Section
 
 PROCESS_GROUP_TIMEOUT_S = 600
@@ -15,7 +16,8 @@ PROCESS_GROUP_TIMEOUT_S = 600
 class EngineConfig(Section):
     """Where and how the model runs: processes, devices, strategy, precision."""
 
-    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
+    # A name registered in accord.registry.STRATEGIES (built-in or added with accord.register_strategy).
+    strategy: str = Field(
         "ddp",
         description="Distributed strategy: ddp (every rank holds everything), fsdp (PyTorch FSDP2: parameters, "
         "gradients and optimizer state sharded per decoder layer), zero1 / zero2 / zero3 (DeepSpeed ZeRO: optimizer "
@@ -99,6 +101,13 @@ class EngineConfig(Section):
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "
         "auto: DeepSpeed when it is installed, else torch.",
     )
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        if value not in registry.STRATEGIES:
+            raise ValueError(registry.unknown_name("engine.strategy", "strategy", value, registry.STRATEGIES))
+        return value
 
     @field_validator("hang_timeout_s")
     @classmethod

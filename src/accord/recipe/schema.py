@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from accord import registry
 from accord.errors import UserInputError
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
@@ -327,11 +328,6 @@ class TrainConfig(Section):
         return self
 
 
-# How long a collective may wait before torch's process group gives up (accord.distributed.group.init).
-# The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward", "grpo"]
-
-
 class TaskClassConfig(Section):
     """A task defined outside accord: a subclass of accord.tasks.base.Task."""
 
@@ -420,7 +416,8 @@ class Recipe(Section):
 
     seed: int = Field(0, description="Seeds model init, data order and every random choice.")
     model: ModelConfig
-    task: TaskName | TaskClassConfig = Field(
+    # A name registered in accord.registry.TASKS (built-in or added with accord.register_task).
+    task: str | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
         "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside accord.",
@@ -441,6 +438,13 @@ class Recipe(Section):
         description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
         "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
     )
+
+    @field_validator("task")
+    @classmethod
+    def _registered_task(cls, value: str | TaskClassConfig) -> str | TaskClassConfig:
+        if isinstance(value, str) and value not in registry.TASKS:
+            raise ValueError(registry.unknown_name("task", "task", value, registry.TASKS))
+        return value
 
     @model_validator(mode="after")
     def _context_parallel(self) -> Recipe:
