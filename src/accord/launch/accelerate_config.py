@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from accord import registry
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine.deepspeed.config import deepspeed_file_settings, deepspeed_settings
 from accord.recipe.schema import Recipe, RecipeError, validate_recipe
@@ -209,10 +210,11 @@ def accelerate_config(
     }
     if num_machines > 1:
         config |= {"main_process_ip": main_process_ip, "main_process_port": main_process_port}
-    if engine.strategy.startswith("zero"):
+    strategy = registry.strategy(engine.strategy)
+    if strategy.deepspeed:
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {
-            "zero_stage": int(engine.strategy[-1]),
+            "zero_stage": strategy.zero_stage,
             "gradient_accumulation_steps": plan.grad_accum,
             "gradient_clipping": recipe.optim.max_grad_norm if recipe.optim.max_grad_norm is not None else 0.0,
             "offload_optimizer_device": "cpu" if engine.offload != "none" else "none",
@@ -236,7 +238,7 @@ def accelerate_config(
     if engine.sequence_parallel > 1:
         # accelerate's ALST form (TRL's alst_ulysses configs): sp on the deepspeed backend,
         # the rest of the world data-parallel, sharded or replicated as the strategy does.
-        sharded = engine.strategy != "ddp"
+        sharded = strategy.shards
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": 1 if sharded else plan.world_size,
             "parallelism_config_dp_shard_size": plan.world_size if sharded else 1,

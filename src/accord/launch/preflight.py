@@ -216,16 +216,12 @@ def check_devices(cfg: EngineConfig) -> list[str]:
 
 def check_deepspeed(cfg: EngineConfig) -> list[str]:
     """A zero strategy that needs DeepSpeed has it here, and does not ask it for fp16 on the CPU."""
-    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available, runs_deepspeed
     from accord.engine.device import wants_cuda
 
-    needs_deepspeed = cfg.strategy in ("zero2", "zero3") or (
-        cfg.strategy == "zero1" and (cfg.zero1_implementation == "deepspeed" or cfg.offload != "none")
-    )
-    # zero1_implementation=auto takes DeepSpeed where it is installed.
-    uses_deepspeed = needs_deepspeed or (
-        cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available()
-    )
+    # What it needs wherever it runs, and what it runs on here (zero1 may fall back to torch).
+    needs_deepspeed = runs_deepspeed(cfg.strategy, cfg, installed=False)
+    uses_deepspeed = runs_deepspeed(cfg.strategy, cfg)
     if needs_deepspeed and not deepspeed_available():
         what = f"engine.strategy={cfg.strategy}" + (
             f" with engine.offload={cfg.offload}" if cfg.offload != "none" else ""

@@ -142,19 +142,26 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_options(self) -> EngineConfig:
-        zero = self.strategy.startswith("zero")
-        if self.offload != "none" and not zero:
+        spec = registry.strategy(self.strategy)
+        if self.offload != "none" and "optimizer" not in spec.offloads:
             raise ValueError(
-                f"engine.offload={self.offload} needs a DeepSpeed strategy (engine.strategy=zero1, zero2 or zero3); "
-                f"{self.strategy} keeps everything on the device"
+                f"engine.offload={self.offload} needs a DeepSpeed strategy "
+                f"(engine.strategy={_offloading('optimizer')}); {self.strategy} keeps everything on the device"
             )
-        if self.offload == "optimizer+params" and self.strategy != "zero3":
+        if self.offload == "optimizer+params" and self.offload not in spec.offloads:
             raise ValueError(
-                f"engine.offload=optimizer+params needs engine.strategy=zero3 (only ZeRO-3 shards the parameters); "
-                f"with {self.strategy} use engine.offload=optimizer"
+                f"engine.offload=optimizer+params needs engine.strategy={_offloading(self.offload)} "
+                f"(only ZeRO-3 shards the parameters); with {self.strategy} use engine.offload=optimizer"
             )
-        if self.strategy == "zero1" and self.zero1_implementation == "torch" and self.offload != "none":
+        if spec.torch_fallback and self.zero1_implementation == "torch" and self.offload != "none":
             raise ValueError(
-                "engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) cannot offload"
+                "engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) "
+                "cannot offload"
             )
         return self
+
+
+def _offloading(level: str) -> str:
+    """The registered strategies that can offload `level`, as a sentence lists them."""
+    names = [name for name, spec in registry.STRATEGIES.items() if level in spec.offloads]
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
