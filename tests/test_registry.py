@@ -90,6 +90,23 @@ def test_a_registered_name_validates_here_and_in_the_processes_started_from_here
     assert proc.returncode == 0 and proc.stdout.split() == ["MySFT", "my_ddp"], proc.stderr[-2000:]
 
 
+def test_a_registered_task_has_the_traits_of_its_class_not_of_its_name(clean_registry):
+    """What the planner and sequence parallelism ask of a task (its loss is chunked, its rows
+    may be split) comes from its class: an sft subclass plans and splits as sft does."""
+    from accord.engine.sequence_parallel.ulysses import check_sequence_parallel
+    from accord.planner.estimate import meta_model, plan
+    from user_extensions import MySFT
+
+    accord.register_task("my_sft", MySFT)
+    chunked = {"train": {"max_steps": 1, "loss_chunk_size": 7}}
+    sft, mine = (validate_recipe(TINY_RECIPE | chunked | {"task": task}) for task in ("sft", "my_sft"))
+    whole = validate_recipe(TINY_RECIPE | {"train": {"max_steps": 1, "loss_chunk_size": 0}})
+    assert task_class(mine).chunked_loss
+    assert plan(mine, 2)[0][0].activations == plan(sft, 2)[0][0].activations < plan(whole, 2)[0][0].activations
+    split = mine.model_copy(update={"engine": mine.engine.model_copy(update={"sequence_parallel": 2})})
+    assert check_sequence_parallel(split, meta_model(mine).config) == []
+
+
 def _defined_in(module: str, qualname: str) -> type:
     from accord.tasks.sft import SFTTask
 

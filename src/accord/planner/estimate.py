@@ -21,6 +21,7 @@ from accord.engine.memory import Footprint, MemoryModel
 from accord.errors import UserInputError
 from accord.recipe.schema import Recipe
 from accord.registry import load_object
+from accord.tasks import task_class
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
 PHASES = ("build", "train", "checkpoint", "export", "resume")
@@ -156,9 +157,9 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel
     )
     model = meta_model(recipe)
-    # The built-in causal-LM tasks chunk their loss (train.loss_chunk_size); others hold whole logits.
+    # Tasks that chunk their loss (train.loss_chunk_size) hold chunk-sized logits; others whole ones.
     loss_chunk = 0
-    if recipe.task in ("sft", "pretrain", "dpo") and chunking_blocker(model, recipe) is None:
+    if task_class(recipe).chunked_loss and chunking_blocker(model, recipe) is None:
         positions = batch.micro_batch_size * recipe.data.max_length
         loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
     # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
