@@ -107,6 +107,33 @@ def test_a_registered_task_has_the_traits_of_its_class_not_of_its_name(clean_reg
     assert check_sequence_parallel(split, meta_model(mine).config) == []
 
 
+def test_a_strategy_registered_like_a_zero_stage_has_its_traits(clean_registry):
+    """The recipe's checks, accord config and DeepSpeed's config ask the traits, not the name."""
+    import torch
+
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.engine.deepspeed.config import deepspeed_config
+    from accord.launch.accelerate_config import accelerate_config
+
+    accord.register_strategy("my_zero3", "accord.engine.deepspeed.engine:build", like="zero3")
+    accord.register_strategy("my_plain", "accord.engine.ddp:build")
+    engine = TINY_RECIPE["engine"] | {"strategy": "my_zero3", "offload": "optimizer+params"}
+    recipe = validate_recipe(TINY_RECIPE | {"engine": engine})
+    assert deepspeed_config(recipe, BatchPlan.derive(32, 8, 2), torch.device("cpu"))["zero_optimization"]["stage"] == 3
+    config = accelerate_config(recipe, 2)
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
+    with pytest.raises(
+        RecipeError, match=r"needs a DeepSpeed strategy \(engine.strategy=zero1, zero2, zero3 or my_zero3\)"
+    ):
+        validate_recipe(TINY_RECIPE | {"engine": engine | {"strategy": "my_plain"}})
+    assert (
+        accelerate_config(
+            validate_recipe(TINY_RECIPE | {"engine": engine | {"strategy": "my_plain", "offload": "none"}}), 2
+        )["distributed_type"]
+        == "MULTI_GPU"
+    )
+
+
 def _defined_in(module: str, qualname: str) -> type:
     from accord.tasks.sft import SFTTask
 

@@ -67,9 +67,8 @@ class Strategy:
 
     def offload_for(self, asked: str) -> str:
         """The most of engine.offload=`asked` this strategy can carry out."""
-        return max(
-            (level for level in self.offloads if OFFLOADS.index(level) <= OFFLOADS.index(asked)), key=OFFLOADS.index
-        )
+        levels = [level for level in self.offloads if OFFLOADS.index(level) <= OFFLOADS.index(asked)]
+        return max(levels, key=OFFLOADS.index, default="none")
 
 
 # In the order `accord plan` lists and recommends them: least communication first.
