@@ -75,7 +75,7 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("ddp", "accord.engine.ddp:build", memory="accord.engine.ddp:MEMORY"),
+        Strategy("ddp", "accord.engine.ddp:build", memory="accord.engine.memory:DDP"),
         Strategy(
             "zero1",
             "accord.engine.zero1:build",
@@ -83,7 +83,7 @@ STRATEGIES: dict[str, Strategy] = {
             zero_stage=1,
             torch_fallback=True,
             offloads=OFFLOADS[:2],
-            memory="accord.engine.zero1:MEMORY",
+            memory="accord.engine.deepspeed.memory:ZERO1",
         ),
         Strategy(
             "zero2",
@@ -110,7 +110,7 @@ STRATEGIES: dict[str, Strategy] = {
             shards_params=True,
             shards_grads=True,
             shards_optimizer=True,
-            memory="accord.engine.fsdp:MEMORY",
+            memory="accord.engine.memory:FSDP",
         ),
     )
 }

@@ -12,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine.long_rows import apply_memory_levers
-from accord.engine.memory import WEIGHT, Footprint, adam_bytes
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.models.weights import materialize
 from accord.recipe.schema import Recipe
@@ -51,33 +50,3 @@ def _no_buffer_sync_per_forward() -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
-
-
-class DDPMemory:
-    """Every rank holds everything: fp32 parameters, their gradients and AdamW's state.
-
-    Built: DDP allocates its gradient buckets (gradients are views into them) when it wraps
-    the model. Resumed: the optimizer state is created by a zero step (its gradients already
-    in the buckets) and the checkpoint read into it one tensor at a time."""
-
-    def state(self, model: nn.Module, world: int, precision: str, offload: str) -> dict[str, float]:
-        params = list(model.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        trained = sum(p.numel() for p in trainable)
-        return {
-            "params": WEIGHT * sum(p.numel() for p in params),
-            "grads": WEIGHT * trained,
-            "optimizer": adam_bytes(trained, len(trainable)),
-            "master": 0.0,
-        }
-
-    def phases(self, footprint: Footprint) -> dict[str, float]:
-        f = footprint
-        buckets = f.grads if f.world > 1 else 0.0  # one process: no DDP
-        build = f.params + buckets
-        train = f.params + f.grads + f.optimizer + max(f.activations, f.update)
-        resume = build + f.optimizer + (f.grads - buckets) + f.largest  # measured: the zero step adds nothing more
-        return f.peaks(build, train, resume)
-
-
-MEMORY = DDPMemory()

@@ -8,7 +8,6 @@ are gathered only while it runs. The same code runs on GPU (NCCL) and CPU (gloo)
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
@@ -18,7 +17,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine.long_rows import apply_memory_levers
-from accord.engine.memory import WEIGHT, Footprint, adam_bytes
 from accord.engine.precision import DTYPES
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import ensure_process_group, layer_modules
@@ -78,41 +76,3 @@ class FSDPEngine(TorchUpdateEngine):
         # every rank in between (+4 bytes per parameter: measured +0.15 GiB per rank on a
         # 38M model at world 2, i.e. more than the rank's shard of the weights and moments).
         return contextlib.nullcontext()
-
-
-class FSDPMemory:
-    """Parameters, gradients and AdamW's state sharded per tensor: rank 0 holds the first
-    chunk of dim 0 of each (torch.chunk, as FSDP2 shards), and gathers layers while training.
-
-    Built: on the meta device, each module initialised or loaded whole, one at a time
-    (accord.models.weights). Resumed: the optimizer state created by a zero step (with
-    gradients) and the checkpoint read into it one tensor at a time."""
-
-    def state(self, model: nn.Module, world: int, precision: str, offload: str) -> dict[str, float]:
-        params = list(model.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        shard = sum(_chunk0(p, world) for p in trainable)
-        return {
-            "params": WEIGHT * sum(_chunk0(p, world) for p in params),
-            "grads": WEIGHT * shard,
-            "optimizer": adam_bytes(shard, len(trainable)),
-            "master": 0.0,
-        }
-
-    def phases(self, footprint: Footprint) -> dict[str, float]:
-        f = footprint
-        build = f.params + f.module_buffer
-        train = f.params + f.grads + f.optimizer + f.master + max(f.activations + f.gathered, f.update)
-        resume = build + f.optimizer + f.master + f.grads + f.largest
-        return f.peaks(build, train, resume)
-
-
-def _chunk0(p: torch.Tensor, world: int) -> int:
-    """Elements of rank 0's FSDP2 shard: torch.chunk along dim 0."""
-    if p.dim() == 0:
-        return p.numel()
-    rows = math.ceil(p.shape[0] / world)
-    return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
-
-
-MEMORY = FSDPMemory()

@@ -1,5 +1,7 @@
 """What a strategy holds per rank, for `accord plan`: each registered strategy names its
-MemoryModel (accord.registry.Strategy.memory), which the strategy's engine module defines.
+MemoryModel (accord.registry.Strategy.memory): DDP's and FSDP2's here, DeepSpeed ZeRO's in
+accord.engine.deepspeed.memory. They sit beside the engines, not inside their modules, which
+import the optimizer and transformers' schedules (seconds) that planning never needs.
 
 A memory model answers two questions about rank 0 (which holds the largest share):
 - state: bytes of parameters, gradients, optimizer state and master copy, given the model's
@@ -13,11 +15,13 @@ element and one step count per tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from accord.recipe.schema import Recipe
@@ -132,3 +136,69 @@ class MemoryModel(Protocol):
     def phases(self, footprint: Footprint) -> dict[str, float]:
         """Each phase's peak on rank 0 (Footprint.peaks)."""
         ...
+
+
+class DDPMemory:
+    """Every rank holds everything: fp32 parameters, their gradients and AdamW's state.
+
+    Built: DDP allocates its gradient buckets (gradients are views into them) when it wraps
+    the model. Resumed: the optimizer state is created by a zero step (its gradients already
+    in the buckets) and the checkpoint read into it one tensor at a time."""
+
+    def state(self, model: nn.Module, world: int, precision: str, offload: str) -> dict[str, float]:
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        trained = sum(p.numel() for p in trainable)
+        return {
+            "params": WEIGHT * sum(p.numel() for p in params),
+            "grads": WEIGHT * trained,
+            "optimizer": adam_bytes(trained, len(trainable)),
+            "master": 0.0,
+        }
+
+    def phases(self, footprint: Footprint) -> dict[str, float]:
+        f = footprint
+        buckets = f.grads if f.world > 1 else 0.0  # one process: no DDP
+        build = f.params + buckets
+        train = f.params + f.grads + f.optimizer + max(f.activations, f.update)
+        resume = build + f.optimizer + (f.grads - buckets) + f.largest  # measured: the zero step adds nothing more
+        return f.peaks(build, train, resume)
+
+
+class FSDPMemory:
+    """Parameters, gradients and AdamW's state sharded per tensor: rank 0 holds the first
+    chunk of dim 0 of each (torch.chunk, as FSDP2 shards), and gathers layers while training.
+
+    Built: on the meta device, each module initialised or loaded whole, one at a time
+    (accord.models.weights). Resumed: the optimizer state created by a zero step (with
+    gradients) and the checkpoint read into it one tensor at a time."""
+
+    def state(self, model: nn.Module, world: int, precision: str, offload: str) -> dict[str, float]:
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        shard = sum(_chunk0(p, world) for p in trainable)
+        return {
+            "params": WEIGHT * sum(_chunk0(p, world) for p in params),
+            "grads": WEIGHT * shard,
+            "optimizer": adam_bytes(shard, len(trainable)),
+            "master": 0.0,
+        }
+
+    def phases(self, footprint: Footprint) -> dict[str, float]:
+        f = footprint
+        build = f.params + f.module_buffer
+        train = f.params + f.grads + f.optimizer + f.master + max(f.activations + f.gathered, f.update)
+        resume = build + f.optimizer + f.master + f.grads + f.largest
+        return f.peaks(build, train, resume)
+
+
+def _chunk0(p: torch.Tensor, world: int) -> int:
+    """Elements of rank 0's FSDP2 shard: torch.chunk along dim 0."""
+    if p.dim() == 0:
+        return p.numel()
+    rows = math.ceil(p.shape[0] / world)
+    return min(rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
+
+
+DDP = DDPMemory()
+FSDP = FSDPMemory()

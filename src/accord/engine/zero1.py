@@ -11,11 +11,8 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine import runs_deepspeed
 from accord.engine.base import Engine
-from accord.engine.ddp import MEMORY as ddp_memory
 from accord.engine.ddp import DDPEngine
 from accord.engine.deepspeed import engine as deepspeed_engine
-from accord.engine.deepspeed.memory import ZeroMemory
-from accord.engine.memory import Footprint
 from accord.engine.zero_torch import TorchZeroEngine
 from accord.recipe.schema import Recipe
 
@@ -34,16 +31,3 @@ def build(
     if info.world_size == 1:
         return DDPEngine(model, recipe, info, device, total_steps)  # one process: nothing to shard
     return TorchZeroEngine(model, recipe, info, device, total_steps)
-
-
-class Zero1Memory(ZeroMemory):
-    """ZeRO-1's state in the plan whichever runs it; torch's ZeroRedundancyOptimizer over DDP
-    builds, trains and checkpoints as DDP does."""
-
-    def phases(self, footprint: Footprint) -> dict[str, float]:
-        if runs_deepspeed(footprint.strategy, footprint.recipe.engine):
-            return super().phases(footprint)
-        return ddp_memory.phases(footprint)
-
-
-MEMORY = Zero1Memory(1)

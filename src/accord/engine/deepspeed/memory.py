@@ -1,4 +1,5 @@
-"""What DeepSpeed ZeRO holds per rank, for `accord plan` (accord.engine.memory).
+"""What DeepSpeed ZeRO holds per rank, for `accord plan` (accord.engine.memory): the memory
+models of zero1, zero2 and zero3.
 
 Parameters in fp32 (bf16 is autocast, as under DDP/FSDP) or fp16 (DeepSpeed's loss-scaled
 fp16 mode); AdamW state and an fp32 master partition of each flat parameter group (weights
@@ -110,5 +111,22 @@ def _reduce_bucket(model: nn.Module) -> int:
     return width * width if width else 500_000_000
 
 
+class Zero1Memory(ZeroMemory):
+    """ZeRO-1's state in the plan whichever runs it; torch's ZeroRedundancyOptimizer over DDP
+    (accord.engine.runs_deepspeed decides) builds, trains and checkpoints as DDP does."""
+
+    def __init__(self):
+        super().__init__(1)
+
+    def phases(self, footprint: Footprint) -> dict[str, float]:
+        from accord.engine import runs_deepspeed
+        from accord.engine.memory import DDP
+
+        if runs_deepspeed(footprint.strategy, footprint.recipe.engine):
+            return super().phases(footprint)
+        return DDP.phases(footprint)
+
+
+ZERO1 = Zero1Memory()
 ZERO2 = ZeroMemory(2)
 ZERO3 = ZeroMemory(3)
