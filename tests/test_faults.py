@@ -132,7 +132,7 @@ engine_state.RecordingWriter = ZipWriterOnAFullDisk
 shutil.disk_usage = disk_usage
 raw = TINY_RECIPE | {"output": {"dir": sys.argv[1]}, "checkpoint": {"every_steps": 4}}
 raw["engine"] = TINY_RECIPE["engine"] | {"processes": 1}
-print("result: " + json.dumps(train_worker(validate_recipe(raw).model_dump(mode="json"))))
+print("result: " + json.dumps(train_worker(validate_recipe(raw)).__dict__))
 """
 
 

@@ -1,4 +1,5 @@
-"""The task and strategy registries: the recipe's choices and the tables agree, and a task
+"""The task and strategy registries: a recipe accepts exactly the registered names, a task or
+strategy registered from user code trains (its workers resolve the name too), and a task
 written outside accord trains through `task: {class: module:Class}`."""
 
 from __future__ import annotations
@@ -6,35 +7,223 @@ from __future__ import annotations
 import copy
 import json
 import os
-import typing
+import sys
+import types
 
 import pytest
 
+import accord
 from accord import registry
 from accord.errors import UserInputError
-from accord.recipe.schema import EngineConfig, TaskName, validate_recipe
+from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks import task_class
-from conftest import TINY_RECIPE, assert_ok, run_accord, write_recipe
+from conftest import REPO, TINY_RECIPE, accord_env, assert_ok, run_accord, run_process, write_recipe
 
 
-def test_recipe_task_names_are_the_registered_tasks():
-    assert set(typing.get_args(TaskName)) == set(registry.TASKS)
-
-
-def test_recipe_strategies_are_the_registered_strategies():
-    assert set(typing.get_args(EngineConfig.model_fields["strategy"].annotation)) == set(registry.STRATEGIES)
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Registrations made by the test are gone after it (the tables and the handed-over copy)."""
+    monkeypatch.setattr(registry, "TASKS", dict(registry.TASKS))
+    monkeypatch.setattr(registry, "STRATEGIES", dict(registry.STRATEGIES))
+    monkeypatch.delenv(registry.HANDED_OVER, raising=False)
 
 
 @pytest.mark.parametrize("name", sorted(registry.TASKS))
-def test_every_registered_task_resolves_to_a_task_class(name):
+def test_every_registered_task_validates_and_resolves_to_a_task_class(name):
     recipe = validate_recipe(TINY_RECIPE | {"task": name})
-    assert task_class(recipe).name == name
+    assert task_class(recipe).name == name and task_class(name) is task_class(recipe)
 
 
 @pytest.mark.parametrize("name", sorted(registry.STRATEGIES))
-def test_every_registered_strategy_factory_imports(name):
+def test_every_registered_strategy_validates_and_its_factory_imports(name):
     pytest.importorskip("deepspeed") if name in ("zero2", "zero3") else None
-    assert callable(registry.load_object(registry.STRATEGIES[name], f"engine.strategy {name}"))
+    recipe = validate_recipe(TINY_RECIPE | {"engine": TINY_RECIPE["engine"] | {"strategy": name}})
+    assert recipe.engine.strategy == name
+    assert callable(registry.load_object(registry.STRATEGIES[name].factory, f"engine.strategy {name}"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"task": "sfft"},
+            "recipe: task: unknown task 'sfft'; did you mean sft? (registered tasks: sft, pretrain, classify, dpo, "
+            "reward, grpo; add one with accord.register_task)",
+        ),
+        (
+            {"engine": {"strategy": "zero4"}},
+            "recipe: engine.strategy: unknown strategy 'zero4'; did you mean zero3? (registered strategies: ddp, "
+            "zero1, zero2, zero3, fsdp; add one with accord.register_strategy)",
+        ),
+        (
+            {"engine": {"strategy": "megatron"}},
+            "recipe: engine.strategy: unknown strategy 'megatron' (registered strategies: ddp, zero1, zero2, zero3, "
+            "fsdp; add one with accord.register_strategy)",
+        ),
+    ],
+)
+def test_an_unregistered_name_is_one_line_with_the_registered_ones(change, message):
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe(TINY_RECIPE | change)
+    assert str(caught.value) == message
+
+
+def test_a_registered_name_validates_here_and_in_the_processes_started_from_here(clean_registry):
+    from user_extensions import MySFT, build_my_ddp
+
+    raw = TINY_RECIPE | {"task": "my_sft", "engine": TINY_RECIPE["engine"] | {"strategy": "my_ddp"}}
+    with pytest.raises(RecipeError, match="unknown task 'my_sft'"):
+        validate_recipe(raw)
+    accord.register_task("my_sft", MySFT)
+    accord.register_strategy("my_ddp", build_my_ddp, like="ddp")
+    recipe = accord.load_recipe(raw)
+    assert accord.task_class("my_sft") is MySFT and task_class(recipe) is MySFT
+    assert registry.STRATEGIES["my_ddp"].factory == "user_extensions:build_my_ddp"
+    assert registry.strategy("my_ddp").memory == registry.STRATEGIES["ddp"].memory
+    # A fresh interpreter started from here (as the workers are) knows both names.
+    code = (
+        "import json, sys; from accord.recipe.schema import validate_recipe; from accord.tasks import task_class;"
+        "r = validate_recipe(json.loads(sys.argv[1])); print(task_class(r).__name__, r.engine.strategy)"
+    )
+    env = accord_env() | {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_process([sys.executable, "-c", code, json.dumps(raw)], env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["MySFT", "my_ddp"], proc.stderr[-2000:]
+
+
+def test_a_registered_task_has_the_traits_of_its_class_not_of_its_name(clean_registry):
+    """What the planner and sequence parallelism ask of a task (its loss is chunked, its rows
+    may be split) comes from its class: an sft subclass plans and splits as sft does."""
+    from accord.engine.sequence_parallel.ulysses import check_sequence_parallel
+    from accord.planner.estimate import meta_model, plan
+    from user_extensions import MySFT
+
+    accord.register_task("my_sft", MySFT)
+    chunked = {"train": {"max_steps": 1, "loss_chunk_size": 7}}
+    sft, mine = (validate_recipe(TINY_RECIPE | chunked | {"task": task}) for task in ("sft", "my_sft"))
+    whole = validate_recipe(TINY_RECIPE | {"train": {"max_steps": 1, "loss_chunk_size": 0}})
+    assert task_class(mine).chunked_loss
+    assert plan(mine, 2)[0][0].activations == plan(sft, 2)[0][0].activations < plan(whole, 2)[0][0].activations
+    split = mine.model_copy(update={"engine": mine.engine.model_copy(update={"sequence_parallel": 2})})
+    assert check_sequence_parallel(split, meta_model(mine).config) == []
+
+
+def test_a_strategy_registered_like_a_zero_stage_has_its_traits(clean_registry):
+    """The recipe's checks, accord config and DeepSpeed's config ask the traits, not the name."""
+    import torch
+
+    from accord.distributed.batch_plan import BatchPlan
+    from accord.engine.deepspeed.config import deepspeed_config
+    from accord.launch.accelerate_config import accelerate_config
+
+    accord.register_strategy("my_zero3", "accord.engine.deepspeed.engine:build", like="zero3")
+    accord.register_strategy("my_plain", "accord.engine.ddp:build")
+    engine = TINY_RECIPE["engine"] | {"strategy": "my_zero3", "offload": "optimizer+params"}
+    recipe = validate_recipe(TINY_RECIPE | {"engine": engine})
+    assert deepspeed_config(recipe, BatchPlan.derive(32, 8, 2), torch.device("cpu"))["zero_optimization"]["stage"] == 3
+    config = accelerate_config(recipe, 2)
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
+    with pytest.raises(
+        RecipeError, match=r"needs a DeepSpeed strategy \(engine.strategy=zero1, zero2, zero3 or my_zero3\)"
+    ):
+        validate_recipe(TINY_RECIPE | {"engine": engine | {"strategy": "my_plain"}})
+    assert (
+        accelerate_config(
+            validate_recipe(TINY_RECIPE | {"engine": engine | {"strategy": "my_plain", "offload": "none"}}), 2
+        )["distributed_type"]
+        == "MULTI_GPU"
+    )
+
+
+def _defined_in(module: str, qualname: str) -> type:
+    from accord.tasks.sft import SFTTask
+
+    cls = types.new_class(qualname.rpartition(".")[2], (SFTTask,))
+    cls.__module__, cls.__qualname__ = module, qualname
+    return cls
+
+
+@pytest.mark.parametrize(
+    ("register", "message"),
+    [
+        (
+            lambda: accord.register_task("mine", _defined_in("__main__", "Mine")),
+            "register_task('mine'): Mine is defined in the script being run (__main__), which the worker processes "
+            "cannot import; move it into a module on PYTHONPATH and import it from there",
+        ),
+        (
+            lambda: accord.register_task("mine", _defined_in("pkg.mod", "make.<locals>.Mine")),
+            "register_task('mine'): make.<locals>.Mine is defined inside a function, which the worker processes "
+            "cannot import; define it at the top level of a module",
+        ),
+        (
+            lambda: accord.register_task("mine", dict),
+            "register_task('mine'): dict is not a subclass of accord.tasks.base.Task",
+        ),
+        (
+            lambda: accord.register_task("sft", _defined_in("pkg.mod", "Mine")),
+            "register_task('sft'): sft is a built-in task; choose another name",
+        ),
+        (
+            lambda: accord.register_strategy("mine", "pkg.mod:build", like="dpp"),
+            "engine.strategy: unknown strategy 'dpp'; did you mean ddp? (registered strategies: ddp, zero1, zero2, "
+            "zero3, fsdp; add one with accord.register_strategy)",
+        ),
+        (
+            lambda: accord.register_strategy("mine", "pkg.mod:build", shards_everything=True),
+            "register_strategy('mine'): unknown trait shards_everything (traits: memory, offloads, shards_grads, "
+            "shards_optimizer, shards_params, torch_fallback, zero_stage)",
+        ),
+    ],
+)
+def test_what_the_workers_could_not_resolve_is_refused_in_one_line(clean_registry, register, message):
+    with pytest.raises(UserInputError) as caught:
+        register()
+    assert str(caught.value) == message
+    assert "mine" not in registry.TASKS and "mine" not in registry.STRATEGIES
+
+
+# A user's program: it registers a task and a strategy from its package (tests/user_extensions.py),
+# plans and trains a recipe that names them, through the API (2 worker processes).
+TRAIN_REGISTERED = """
+import json, sys
+import accord
+from conftest import TINY_RECIPE
+from user_extensions import MySFT, build_my_ddp
+
+accord.register_task("my_sft", MySFT)
+accord.register_strategy("my_ddp", build_my_ddp, like="ddp")
+recipe = accord.load_recipe(TINY_RECIPE, {"task": "my_sft", "engine.strategy": "my_ddp"})
+plan = accord.plan(recipe, gpus=2)
+result = accord.train(recipe, {"train.max_steps": 2, "train.log_every": 1, "output.dir": sys.argv[1]}, processes=2)
+rows = {row.strategy: row.as_dict() for row in plan.rows}
+print("result: " + json.dumps({"status": result.status, "plan": rows}))
+"""
+
+
+@pytest.mark.distributed
+def test_a_registered_task_and_strategy_train_through_the_api(tmp_path):
+    out, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = accord_env() | {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "ACCORD_TEST_STRATEGY_MARKS": str(marks),
+    }
+    proc = run_process([sys.executable, "-c", TRAIN_REGISTERED, str(out)], cwd=REPO / "tests", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("result: "))[8:])
+    assert result["status"] == "completed"
+    # The strategy planned as the one it is like, listed after the built-in ones.
+    assert list(result["plan"]) == ["ddp", "zero1", "zero2", "zero3", "fsdp", "my_ddp"]
+    assert result["plan"]["my_ddp"] | {"strategy": "ddp"} == result["plan"]["ddp"]
+    # Each worker built its engine with the registered factory, and trained with the task's loss.
+    assert sorted(p.name for p in marks.iterdir()) == ["rank0", "rank1"]
+    assert {p.read_text() for p in marks.iterdir()} == {"my_ddp"}
+    assert "my-sft on LlamaForCausalLM" in proc.stderr
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["my_sft_targets"] == pytest.approx(1.0) for r in train)
+    written = (out / "recipe.yaml").read_text()
+    assert "task: my_sft" in written and "strategy: my_ddp" in written
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,23 @@
 """The names a recipe may choose from for `task` and `engine.strategy`, and where each lives.
 
 Entries are `module:attribute` strings, imported only when a run uses them, so reading a
-recipe never imports a model or a strategy. The recipe's choices are checked against these
-tables (tests/test_registry.py); user code adds tasks through `task: {class: pkg.mod:Cls}`
-or `register_task`, and strategies through `register_strategy`.
+recipe never imports a model or a strategy. The recipe accepts exactly the names registered
+here: the built-in ones below, and those user code adds with `register_task` /
+`register_strategy` (or a task written as `task: {class: pkg.mod:Cls}`).
+
+A strategy is registered with its traits (what it shards, whether it runs on DeepSpeed,
+what it can offload) and its memory model for `accord plan`: the recipe's checks, the
+preflight, `accord config` and the planner ask these instead of comparing names.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
+import json
+import os
+from dataclasses import dataclass
 
 from accord.errors import UserInputError
 
@@ -22,25 +31,212 @@ TASKS: dict[str, str] = {
     "grpo": "accord.tasks.grpo:GRPOTask",
 }
 
-# name -> "module:factory"; a factory takes (recipe, model, info, device, plan, total_steps)
-# and returns an Engine.
-STRATEGIES: dict[str, str] = {
-    "ddp": "accord.engine.ddp:build",
-    "fsdp": "accord.engine.fsdp:build",
-    "zero1": "accord.engine.zero1:build",
-    "zero2": "accord.engine.deepspeed.engine:build",
-    "zero3": "accord.engine.deepspeed.engine:build",
+# What engine.offload may ask, least first.
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One `engine.strategy`: where its engine is built, and what it is."""
+
+    name: str
+    # "module:function" taking (recipe, model, info, device, plan, total_steps) and returning an Engine.
+    factory: str
+    shards_params: bool = False
+    shards_grads: bool = False
+    shards_optimizer: bool = False
+    # The DeepSpeed ZeRO stage it runs as (None: not DeepSpeed).
+    zero_stage: int | None = None
+    # Runs as torch's ZeroRedundancyOptimizer over DDP instead of DeepSpeed when DeepSpeed is
+    # absent or engine.zero1_implementation says torch (accord.engine.runs_deepspeed decides).
+    torch_fallback: bool = False
+    # The engine.offload levels it can run (DeepSpeed ZeRO-Offload).
+    offloads: tuple[str, ...] = ("none",)
+    # "module:attribute" of its accord.engine.memory.MemoryModel (None: left out of `accord plan`).
+    memory: str | None = None
+
+    @property
+    def deepspeed(self) -> bool:
+        """Whether it can run on DeepSpeed (zero1 may run on torch instead: runs_deepspeed)."""
+        return self.zero_stage is not None
+
+    @property
+    def shards(self) -> bool:
+        """Whether each rank holds a share of something rather than all of it."""
+        return self.shards_params or self.shards_grads or self.shards_optimizer
+
+    def offload_for(self, asked: str) -> str:
+        """The most of engine.offload=`asked` this strategy can carry out."""
+        levels = [level for level in self.offloads if OFFLOADS.index(level) <= OFFLOADS.index(asked)]
+        return max(levels, key=OFFLOADS.index, default="none")
+
+
+# In the order `accord plan` lists and recommends them: least communication first.
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("ddp", "accord.engine.ddp:build", memory="accord.engine.memory:DDP"),
+        Strategy(
+            "zero1",
+            "accord.engine.zero1:build",
+            shards_optimizer=True,
+            zero_stage=1,
+            torch_fallback=True,
+            offloads=OFFLOADS[:2],
+            memory="accord.engine.deepspeed.memory:ZERO1",
+        ),
+        Strategy(
+            "zero2",
+            "accord.engine.deepspeed.engine:build",
+            shards_grads=True,
+            shards_optimizer=True,
+            zero_stage=2,
+            offloads=OFFLOADS[:2],
+            memory="accord.engine.deepspeed.memory:ZERO2",
+        ),
+        Strategy(
+            "zero3",
+            "accord.engine.deepspeed.engine:build",
+            shards_params=True,
+            shards_grads=True,
+            shards_optimizer=True,
+            zero_stage=3,
+            offloads=OFFLOADS,
+            memory="accord.engine.deepspeed.memory:ZERO3",
+        ),
+        Strategy(
+            "fsdp",
+            "accord.engine.fsdp:build",
+            shards_params=True,
+            shards_grads=True,
+            shards_optimizer=True,
+            memory="accord.engine.memory:FSDP",
+        ),
+    )
 }
+
+_BUILT_IN = {"task": frozenset(TASKS), "strategy": frozenset(STRATEGIES)}
+
+# Registrations reach the worker processes through the environment. Every way accord's
+# workers start (torch's elastic agent spawning them, torchrun or srun started from this
+# process, a fork) inherits it, and nothing between the user's call and the workers has to
+# carry them: the recipe keeps the name the user wrote (`task: my_sft` in recipe.yaml and in
+# every checkpoint), and this module reads them back when a worker imports it.
+HANDED_OVER = "ACCORD_REGISTERED"
 
 
 def register_task(name: str, target: str | type) -> None:
-    """Make `task: NAME` resolve to a Task class (or its `module:Class` path)."""
-    TASKS[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    """Make `task: NAME` resolve to a Task subclass (or its `module:Class` path), here and in
+    the worker processes this process starts."""
+    if isinstance(target, type):
+        from accord.tasks.base import Task
+
+        if not issubclass(target, Task):
+            raise UserInputError(
+                f"register_task({name!r}): {target.__qualname__} is not a subclass of accord.tasks.base.Task"
+            )
+    _check_new(name, "task")
+    TASKS[name] = _importable(target, f"register_task({name!r})")
+    _hand_over()
 
 
-def register_strategy(name: str, target: str) -> None:
-    """Make `engine.strategy: NAME` resolve to an engine factory at `module:function`."""
-    STRATEGIES[name] = target
+def register_strategy(name: str, target: str | object, *, like: str | None = None, **traits: object) -> None:
+    """Make `engine.strategy: NAME` resolve to an engine factory (or its `module:function`
+    path), here and in the worker processes this process starts.
+
+    like: a registered strategy whose traits and memory model this one shares (e.g. a factory
+    wrapping ddp's: like="ddp"); without it the strategy shards nothing, runs without
+    DeepSpeed and is left out of `accord plan`. traits: Strategy fields to set (shards_params,
+    zero_stage, offloads, memory, ...)."""
+    _check_new(name, "strategy")
+    factory = _importable(target, f"register_strategy({name!r})")
+    base = Strategy(name, factory) if like is None else strategy(like)
+    fields = {f.name for f in dataclasses.fields(Strategy)} - {"name", "factory"}
+    unknown = sorted(set(traits) - fields)
+    if unknown:
+        raise UserInputError(
+            f"register_strategy({name!r}): unknown trait {', '.join(unknown)} (traits: {', '.join(sorted(fields))})"
+        )
+    if "offloads" in traits:
+        traits["offloads"] = tuple(traits["offloads"])  # type: ignore[arg-type]
+    STRATEGIES[name] = dataclasses.replace(base, name=name, factory=factory, **traits)  # type: ignore[arg-type]
+    _hand_over()
+
+
+def strategy(name: str) -> Strategy:
+    """The registered strategy `name`; an unknown name is one line with a did-you-mean."""
+    if name not in STRATEGIES:
+        raise UserInputError(unknown_name("engine.strategy", "strategy", name, STRATEGIES))
+    return STRATEGIES[name]
+
+
+def unknown_name(key: str, kind: str, name: object, names: dict) -> str:
+    """One line for a name that is not registered: the closest registered one and all of them."""
+    close = difflib.get_close_matches(str(name), list(names), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    plural = {"task": "tasks", "strategy": "strategies"}[kind]
+    return (
+        f"{key}: unknown {kind} {name!r}{hint} (registered {plural}: {', '.join(names)}; "
+        f"add one with accord.register_{kind})"
+    )
+
+
+def _check_new(name: str, kind: str) -> None:
+    """A user's name is a new one (registering it again replaces it); a built-in keeps its meaning."""
+    if not isinstance(name, str) or not name:
+        raise UserInputError(f"register_{kind}({name!r}): the name must be a non-empty string")
+    if name in _BUILT_IN[kind]:
+        raise UserInputError(f"register_{kind}({name!r}): {name} is a built-in {kind}; choose another name")
+
+
+def _importable(target: str | object, what: str) -> str:
+    """`module:attribute` for a class or function the workers can import by that path; a
+    string is taken as that path already (checked when a run uses it)."""
+    if isinstance(target, str):
+        if ":" not in target:
+            raise UserInputError(f"{what}: {target!r} should be module:attribute, e.g. my_package.tasks:MyTask")
+        return target
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if module is None or qualname is None:
+        raise UserInputError(f"{what}: expected a class, a function or a module:attribute path, got {target!r}")
+    if module == "__main__":
+        raise UserInputError(
+            f"{what}: {qualname} is defined in the script being run (__main__), which the worker processes cannot "
+            f"import; move it into a module on PYTHONPATH and import it from there"
+        )
+    if "<locals>" in qualname:
+        raise UserInputError(
+            f"{what}: {qualname} is defined inside a function, which the worker processes cannot import; "
+            f"define it at the top level of a module"
+        )
+    return f"{module}:{qualname}"
+
+
+def _hand_over() -> None:
+    """The user's registrations, in the environment the workers inherit (HANDED_OVER)."""
+    os.environ[HANDED_OVER] = json.dumps(
+        {
+            "tasks": {name: path for name, path in TASKS.items() if name not in _BUILT_IN["task"]},
+            "strategies": {
+                name: dataclasses.asdict(spec) for name, spec in STRATEGIES.items() if name not in _BUILT_IN["strategy"]
+            },
+        }
+    )
+
+
+def _take_over() -> None:
+    """The registrations of the process that started this one (HANDED_OVER)."""
+    text = os.environ.get(HANDED_OVER)
+    if not text:
+        return
+    handed = json.loads(text)
+    for name, path in handed.get("tasks", {}).items():
+        TASKS.setdefault(name, path)
+    for name, fields in handed.get("strategies", {}).items():
+        STRATEGIES.setdefault(name, Strategy(**(fields | {"offloads": tuple(fields["offloads"])})))
+
+
+_take_over()
 
 
 def load_object(path: str, what: str) -> object:

@@ -2,7 +2,7 @@
 
 The only layer that knows which strategy wraps the model; the trainer calls the same few
 methods (sync_context, autocast, backward, step) whatever the strategy. Strategies are
-found by name in accord.registry.STRATEGIES.
+found by name in accord.registry.STRATEGIES, which also says what each one is.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accord.registry import STRATEGIES, load_object
+from accord import registry
+from accord.registry import load_object
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from accord.distributed.batch_plan import BatchPlan
     from accord.distributed.group import DistInfo
     from accord.engine.base import Engine
+    from accord.recipe.engine import EngineConfig
     from accord.recipe.schema import Recipe
 
     EngineFactory = Callable[[Recipe, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
@@ -42,6 +44,22 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def runs_deepspeed(strategy: str, cfg: EngineConfig, installed: bool | None = None) -> bool:
+    """Whether `strategy` runs on DeepSpeed under the recipe's engine section: a DeepSpeed
+    strategy does, but one with a torch fallback (zero1) runs torch's ZeroRedundancyOptimizer
+    over DDP when engine.zero1_implementation says torch, or says auto and DeepSpeed is not
+    installed; offloading always needs DeepSpeed (the recipe refuses it with torch).
+    `installed`: whether DeepSpeed is installed (default: look here)."""
+    spec = registry.strategy(strategy)
+    if not spec.deepspeed:
+        return False
+    if not spec.torch_fallback or cfg.offload != "none" or cfg.zero1_implementation == "deepspeed":
+        return True
+    if cfg.zero1_implementation == "torch":
+        return False
+    return deepspeed_available() if installed is None else installed
+
+
 def build_engine(
     recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> Engine:
@@ -56,7 +74,7 @@ def build_engine(
 
         install_ulysses(recipe, model, info, plan.micro_batch_size)
     factory: EngineFactory = load_object(
-        STRATEGIES[recipe.engine.strategy], f"engine.strategy={recipe.engine.strategy}"
+        registry.strategy(recipe.engine.strategy).factory, f"engine.strategy={recipe.engine.strategy}"
     )
     engine = factory(recipe, model, info, device, plan, total_steps)
     if recipe.engine.compile:
@@ -64,4 +82,4 @@ def build_engine(
     return engine
 
 
-__all__ = ["Engine", "build_engine", "deepspeed_available"]
+__all__ = ["Engine", "build_engine", "deepspeed_available", "runs_deepspeed"]

@@ -9,18 +9,18 @@ from torch import nn
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
-from accord.engine import deepspeed_available
+from accord.engine import runs_deepspeed
 from accord.engine.base import Engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.deepspeed import engine as deepspeed_engine
 from accord.engine.zero_torch import TorchZeroEngine
-from accord.recipe.schema import EngineConfig, Recipe
+from accord.recipe.schema import Recipe
 
 
 def build(
     recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> Engine:
-    if not _uses_torch(recipe.engine):
+    if runs_deepspeed(recipe.engine.strategy, recipe.engine):
         return deepspeed_engine.build(recipe, model, info, device, plan, total_steps)
     why = (
         "as asked (engine.zero1_implementation=torch)"
@@ -31,10 +31,3 @@ def build(
     if info.world_size == 1:
         return DDPEngine(model, recipe, info, device, total_steps)  # one process: nothing to shard
     return TorchZeroEngine(model, recipe, info, device, total_steps)
-
-
-def _uses_torch(cfg: EngineConfig) -> bool:
-    """Offloading needs DeepSpeed (the recipe refuses it with the torch implementation)."""
-    return cfg.offload == "none" and (
-        cfg.zero1_implementation == "torch" or (cfg.zero1_implementation == "auto" and not deepspeed_available())
-    )

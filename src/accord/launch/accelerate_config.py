@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from accord import registry
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine.deepspeed.config import deepspeed_file_settings, deepspeed_settings
 from accord.recipe.schema import Recipe, RecipeError, validate_recipe
@@ -51,7 +52,8 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
         settings["engine.strategy"] = "fsdp"
         if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
             raise RecipeError(
-                "accelerate config: fsdp_offload_params is not supported by accord's fsdp; use a zero3 strategy with offload"
+                "accelerate config: fsdp_offload_params is not supported by accord's fsdp; use a zero3 strategy with "
+                "offload"
             )
         if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":
             settings["engine.activation_checkpointing"] = True
@@ -98,8 +100,10 @@ def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
     shard = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
     if replicate > 1 and shard > 1:
         raise RecipeError(
-            f"accelerate config: parallelism_config_dp_replicate_size={replicate} with parallelism_config_dp_shard_size={shard} "
-            f"asks for hybrid sharding, which accord does not support; keep one of them (accord shards or replicates over all ranks)"
+            f"accelerate config: parallelism_config_dp_replicate_size={replicate} with "
+            f"parallelism_config_dp_shard_size={shard} "
+            "asks for hybrid sharding, which accord does not support; keep one of them (accord shards or replicates "
+            "over all ranks)"
         )
     if max(replicate, shard) > 1:
         settings["parallelism.data_parallel"] = max(replicate, shard)
@@ -120,7 +124,8 @@ def accelerate_warnings(env: dict[str, str] | None = None) -> list[str]:
             else ""
         )
         lines.append(
-            f"accelerate config has fsdp_version: 1, but accord runs FSDP2 (fully_shard, each decoder layer fully sharded){detail}; "
+            "accelerate config has fsdp_version: 1, but accord runs FSDP2 (fully_shard, each decoder layer fully "
+            f"sharded){detail}; "
             f"set fsdp_version: 2 to silence this"
         )
     return lines
@@ -209,10 +214,11 @@ def accelerate_config(
     }
     if num_machines > 1:
         config |= {"main_process_ip": main_process_ip, "main_process_port": main_process_port}
-    if engine.strategy.startswith("zero"):
+    strategy = registry.strategy(engine.strategy)
+    if strategy.deepspeed:
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {
-            "zero_stage": int(engine.strategy[-1]),
+            "zero_stage": strategy.zero_stage,
             "gradient_accumulation_steps": plan.grad_accum,
             "gradient_clipping": recipe.optim.max_grad_norm if recipe.optim.max_grad_norm is not None else 0.0,
             "offload_optimizer_device": "cpu" if engine.offload != "none" else "none",
@@ -236,7 +242,7 @@ def accelerate_config(
     if engine.sequence_parallel > 1:
         # accelerate's ALST form (TRL's alst_ulysses configs): sp on the deepspeed backend,
         # the rest of the world data-parallel, sharded or replicated as the strategy does.
-        sharded = engine.strategy != "ddp"
+        sharded = strategy.shards
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": 1 if sharded else plan.world_size,
             "parallelism_config_dp_shard_size": plan.world_size if sharded else 1,

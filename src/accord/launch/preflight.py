@@ -65,7 +65,8 @@ def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> li
         where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
         reason = " ".join(str(e).split())[:300]
         return [
-            f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: {type(e).__name__}: {reason}"
+            f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: "
+            f"{type(e).__name__}: {reason}"
         ]
     try:
         task = build_task(recipe, tokenizer)
@@ -122,7 +123,8 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
                 hint = (
                     f" (the final model of {writer}: run `accord train {writer}` first)"
                     if writer
-                    else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)"
+                    else f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} "
+                    "first)"
                 )
             problems.append(f"model.path: folder not found: {folder}{hint}")
         elif not (folder / "config.json").is_file():
@@ -174,7 +176,8 @@ def check_sequence_parallel(recipe: Recipe) -> list[str]:
 
     if not deepspeed_available():
         return [
-            f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is not installed: {INSTALL_DEEPSPEED}"
+            f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is "
+            f"not installed: {INSTALL_DEEPSPEED}"
         ]
     if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
         return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
@@ -218,7 +221,8 @@ def check_devices(cfg: EngineConfig) -> list[str]:
         return []
     if not cuda:
         return [
-            f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or use a GPU machine"
+            f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or "
+            "use a GPU machine"
         ]
     import torch
 
@@ -231,16 +235,12 @@ def check_devices(cfg: EngineConfig) -> list[str]:
 
 def check_deepspeed(cfg: EngineConfig) -> list[str]:
     """A zero strategy that needs DeepSpeed has it here, and does not ask it for fp16 on the CPU."""
-    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
+    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available, runs_deepspeed
     from accord.engine.device import wants_cuda
 
-    needs_deepspeed = cfg.strategy in ("zero2", "zero3") or (
-        cfg.strategy == "zero1" and (cfg.zero1_implementation == "deepspeed" or cfg.offload != "none")
-    )
-    # zero1_implementation=auto takes DeepSpeed where it is installed.
-    uses_deepspeed = needs_deepspeed or (
-        cfg.strategy == "zero1" and cfg.zero1_implementation == "auto" and deepspeed_available()
-    )
+    # What it needs wherever it runs, and what it runs on here (zero1 may fall back to torch).
+    needs_deepspeed = runs_deepspeed(cfg.strategy, cfg, installed=False)
+    uses_deepspeed = runs_deepspeed(cfg.strategy, cfg)
     if needs_deepspeed and not deepspeed_available():
         what = f"engine.strategy={cfg.strategy}" + (
             f" with engine.offload={cfg.offload}" if cfg.offload != "none" else ""

@@ -163,7 +163,7 @@ def _import_what_the_run_builds(recipe: Recipe) -> None:
             model_type = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))["model_type"]
         name = model_type_to_module_name(model_type)
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        strategy_module = STRATEGIES[recipe.engine.strategy].split(":")[0]
+        strategy_module = STRATEGIES[recipe.engine.strategy].factory.split(":")[0]
         if "deepspeed" not in strategy_module:  # DeepSpeed picks its accelerator at import: left to build_engine
             importlib.import_module(strategy_module)
     except Exception:  # noqa: BLE001 - a GGUF file, pkg: paths, remote code: imported when built

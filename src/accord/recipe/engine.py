@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from accord import registry
 from accord.recipe.section import Section
 
 PROCESS_GROUP_TIMEOUT_S = 600
@@ -15,7 +16,8 @@ PROCESS_GROUP_TIMEOUT_S = 600
 class EngineConfig(Section):
     """Where and how the model runs: processes, devices, strategy, precision."""
 
-    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
+    # A name registered in accord.registry.STRATEGIES (built-in or added with accord.register_strategy).
+    strategy: str = Field(
         "ddp",
         description="Distributed strategy: ddp (every rank holds everything), fsdp (PyTorch FSDP2: parameters, "
         "gradients and optimizer state sharded per decoder layer), zero1 / zero2 / zero3 (DeepSpeed ZeRO: optimizer "
@@ -30,15 +32,18 @@ class EngineConfig(Section):
     max_restarts: int = Field(
         0,
         ge=0,
-        description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes from the latest checkpoint.",
+        description="When a worker dies or hangs, restart the whole local group up to this many times; it resumes "
+        "from the latest checkpoint.",
     )
     # Well under the process-group timeout (PROCESS_GROUP_TIMEOUT_S): past that, torch ends the
     # run itself without saying which rank was stuck or where.
     hang_timeout_s: float | None = Field(
         300.0,
-        description="Hang watchdog (accord's launcher): when no rank made progress for this many seconds, name the stuck "
+        description="Hang watchdog (accord's launcher): when no rank made progress for this many seconds, name the "
+        "stuck "
         "rank(s), dump every rank's stacks into output.dir/hang-<time>/ and stop the workers (restarted under "
-        "engine.max_restarts). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); null: off.",
+        "engine.max_restarts). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); "
+        "null: off.",
     )
     deepspeed_config: str | None = Field(
         None,
@@ -61,13 +66,17 @@ class EngineConfig(Section):
     release_host_memory: bool = Field(
         False,
         description="Return host memory to the OS as soon as a tensor of 1 MiB or more is freed (glibc's malloc with a "
-        "fixed mmap threshold, as MALLOC_MMAP_THRESHOLD_=1048576 does). On CPU runs under fsdp or zero3 a rank's peak RSS "
-        "then follows its live tensors (measured: about half) for about a third more CPU time (see docs/memory-and-plan.md); a GPU's memory is not affected.",
+        "fixed mmap threshold, as MALLOC_MMAP_THRESHOLD_=1048576 does). On CPU runs under fsdp or zero3 a rank's peak "
+        "RSS "
+        "then follows its live tensors (measured: about half) for about a third more CPU time (see "
+        "docs/memory-and-plan.md); a GPU's memory is not affected.",
     )
     activation_checkpointing: bool | Literal["offload"] = Field(
         False,
-        description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more compute); "
-        "offload: also keep what checkpointing saves (each layer's input) in host memory until backward (pinned on GPU; "
+        description="Recompute each layer's activations in backward instead of storing them (less memory, ~1/3 more "
+        "compute); "
+        "offload: also keep what checkpointing saves (each layer's input) in host memory until backward (pinned on "
+        "GPU; "
         "on a CPU run the same as true).",
     )
     tiled_mlp: bool | int = Field(
@@ -90,7 +99,8 @@ class EngineConfig(Section):
     sequence_parallel: int = Field(
         1,
         ge=1,
-        description="Ulysses sequence parallelism: each row's tokens are split over groups of this many ranks, attention "
+        description="Ulysses sequence parallelism: each row's tokens are split over groups of this many ranks, "
+        "attention "
         "exchanges sequence shards for head shards (all-to-all); the world is data-parallel x this. Must divide the "
         "number of processes and the model's attention heads (sft and pretrain).",
     )
@@ -100,12 +110,20 @@ class EngineConfig(Section):
         "auto: DeepSpeed when it is installed, else torch.",
     )
 
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        if value not in registry.STRATEGIES:
+            raise ValueError(registry.unknown_name("engine.strategy", "strategy", value, registry.STRATEGIES))
+        return value
+
     @field_validator("hang_timeout_s")
     @classmethod
     def _hang_timeout_below_group_timeout(cls, value: float | None) -> float | None:
         if value is not None and not 1 <= value < PROCESS_GROUP_TIMEOUT_S:
             raise ValueError(
-                f"engine.hang_timeout_s={value:g} must be at least 1 and below {PROCESS_GROUP_TIMEOUT_S} s (the process-group "
+                f"engine.hang_timeout_s={value:g} must be at least 1 and below {PROCESS_GROUP_TIMEOUT_S} s (the "
+                "process-group "
                 "timeout, after which torch stops the run without naming the stuck rank); null turns the watchdog off"
             )
         return value
@@ -133,19 +151,26 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_options(self) -> EngineConfig:
-        zero = self.strategy.startswith("zero")
-        if self.offload != "none" and not zero:
+        spec = registry.strategy(self.strategy)
+        if self.offload != "none" and "optimizer" not in spec.offloads:
             raise ValueError(
-                f"engine.offload={self.offload} needs a DeepSpeed strategy (engine.strategy=zero1, zero2 or zero3); "
-                f"{self.strategy} keeps everything on the device"
+                f"engine.offload={self.offload} needs a DeepSpeed strategy "
+                f"(engine.strategy={_offloading('optimizer')}); {self.strategy} keeps everything on the device"
             )
-        if self.offload == "optimizer+params" and self.strategy != "zero3":
+        if self.offload == "optimizer+params" and self.offload not in spec.offloads:
             raise ValueError(
-                f"engine.offload=optimizer+params needs engine.strategy=zero3 (only ZeRO-3 shards the parameters); "
-                f"with {self.strategy} use engine.offload=optimizer"
+                f"engine.offload=optimizer+params needs engine.strategy={_offloading(self.offload)} "
+                f"(only ZeRO-3 shards the parameters); with {self.strategy} use engine.offload=optimizer"
             )
-        if self.strategy == "zero1" and self.zero1_implementation == "torch" and self.offload != "none":
+        if spec.torch_fallback and self.zero1_implementation == "torch" and self.offload != "none":
             raise ValueError(
-                "engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) cannot offload"
+                "engine.offload needs DeepSpeed: torch's ZeroRedundancyOptimizer (engine.zero1_implementation=torch) "
+                "cannot offload"
             )
         return self
+
+
+def _offloading(level: str) -> str:
+    """The registered strategies that can offload `level`, as a sentence lists them."""
+    names = [name for name, spec in registry.STRATEGIES.items() if level in spec.offloads]
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from accord import registry
 from accord.errors import UserInputError
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
@@ -35,13 +36,15 @@ class RopeScalingConfig(Section):
 
     rope_type: Literal["linear", "dynamic", "yarn"] = Field(
         ...,
-        description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; yarn: YaRN.",
+        description="linear: positions divided by factor; dynamic: NTK scaling that grows past the original length; "
+        "yarn: YaRN.",
     )
     factor: float = Field(..., ge=1.0, description="How many times the original context to reach (e.g. 4.0).")
     original_max_position_embeddings: int | None = Field(
         None,
         gt=0,
-        description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes factor × this).",
+        description="yarn: the context the model was trained on (default: its max_position_embeddings, which becomes "
+        "factor × this).",
     )
 
 
@@ -94,7 +97,8 @@ class GeneratedData(Section):
         most = addition_capacity(self.max_digits)
         if self.train_examples + self.eval_examples > most:
             raise ValueError(
-                f"data.generate: {self.train_examples} train + {self.eval_examples} eval examples asked for, but at most {most} distinct "
+                f"data.generate: {self.train_examples} train + {self.eval_examples} eval examples asked for, but at "
+                f"most {most} distinct "
                 f"sums of numbers up to {self.max_digits} digits are drawn; raise max_digits or ask for fewer"
             )
         return self
@@ -293,7 +297,8 @@ class TrainConfig(Section):
     )
     eval_on_start: bool = Field(
         False,
-        description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve on).",
+        description="Also evaluate before the first step of a fresh run (the baseline the later evaluations improve "
+        "on).",
     )
     eval_micro_batch_size: int = Field(32, gt=0, description="Sequences per forward pass during evaluation.")
     eval_limit: int | None = Field(
@@ -318,7 +323,8 @@ class TrainConfig(Section):
     loss_chunk_size: int | Literal["auto"] = Field(
         "auto",
         description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
-        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole logits); "
+        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
+        "logits); "
         "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
         "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
     )
@@ -335,11 +341,6 @@ class TrainConfig(Section):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of train.max_steps or train.epochs")
         return self
-
-
-# How long a collective may wait before torch's process group gives up (accord.distributed.group.init).
-# The built-in tasks (accord.registry.TASKS maps each to its class; a test keeps the two equal).
-TaskName = Literal["sft", "pretrain", "classify", "dpo", "reward", "grpo"]
 
 
 class TaskClassConfig(Section):
@@ -374,7 +375,8 @@ class DPOConfig(Section):
     )
     precompute_reference: bool = Field(
         False,
-        description="Compute the reference log-probabilities once before training instead of running the reference every step.",
+        description="Compute the reference log-probabilities once before training instead of running the reference "
+        "every step.",
     )
 
 
@@ -389,12 +391,14 @@ class LoraConfig(Section):
     )
     merge_on_export: bool = Field(
         True,
-        description="Save the final model with the adapters merged in (loadable without peft); the adapter is saved too.",
+        description="Save the final model with the adapters merged in (loadable without peft); the adapter is saved "
+        "too.",
     )
 
 
 class CheckpointConfig(Section):
-    """When to write checkpoints (always also at the end), how many to keep, and whether to write them in the background."""
+    """When to write checkpoints (always also at the end), how many to keep, and whether to write them in the
+    background."""
 
     model_config = ConfigDict(
         extra="forbid", validate_default=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
@@ -438,10 +442,13 @@ class Recipe(Section):
 
     seed: int = Field(0, description="Seeds model init, data order and every random choice.")
     model: ModelConfig
-    task: TaskName | TaskClassConfig = Field(
+    # A name registered in accord.registry.TASKS (built-in or added with accord.register_task).
+    task: str | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside accord.",
+        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; "
+        "online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside "
+        "accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -459,6 +466,13 @@ class Recipe(Section):
         description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
         "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
     )
+
+    @field_validator("task")
+    @classmethod
+    def _registered_task(cls, value: str | TaskClassConfig) -> str | TaskClassConfig:
+        if isinstance(value, str) and value not in registry.TASKS:
+            raise ValueError(registry.unknown_name("task", "task", value, registry.TASKS))
+        return value
 
     @model_validator(mode="after")
     def _context_parallel(self) -> Recipe:

@@ -8,24 +8,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from accord import registry
 from accord.errors import UserInputError
-from accord.registry import TASKS, load_object
+from accord.registry import load_object
 
 if TYPE_CHECKING:
     from accord.recipe.schema import Recipe
     from accord.tasks.base import Task
 
 
-def task_class(recipe: Recipe) -> type[Task]:
-    """The Task class the recipe names; a class that is not a Task is one line."""
+def task_class(recipe: Recipe | str) -> type[Task]:
+    """The Task class a recipe (or a registered task name) names; a class that is not a Task
+    is one line."""
     from accord.tasks.base import Task
 
-    if isinstance(recipe.task, str):
-        if recipe.task not in TASKS:
-            raise UserInputError(f"task: unknown task {recipe.task!r} (known: {', '.join(sorted(TASKS))})")
-        target, what = TASKS[recipe.task], f"task {recipe.task}"
+    task = recipe if isinstance(recipe, str) else recipe.task
+    if isinstance(task, str):
+        if task not in registry.TASKS:
+            raise UserInputError(registry.unknown_name("task", "task", task, registry.TASKS))
+        target, what = registry.TASKS[task], f"task {task}"
     else:
-        target, what = recipe.task.class_, "task.class"
+        target, what = task.class_, "task.class"
     cls = load_object(target, what)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserInputError(f"{what}: {target} is not a subclass of accord.tasks.base.Task")

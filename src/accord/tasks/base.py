@@ -51,6 +51,12 @@ class Task:
     # prompts): the trainer calls rollout() and rollout_batch() instead of collate().
     online = False
     eval_loss = True  # evaluation computes the loss on held-out rows (else only generation metrics)
+    # Its loss goes through accord.tasks.chunked_loss (train.loss_chunk_size): `accord plan`
+    # counts chunk-sized logits instead of whole ones.
+    chunked_loss = False
+    # A causal LM whose loss is a sum over tokens (no row-level pooling): a row's tokens may be
+    # split over ranks (engine.sequence_parallel).
+    splits_rows = False
 
     # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
     eval_hidden: tuple[str, ...] = ()

@@ -15,6 +15,7 @@ from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_lo
 
 class CausalLMTask(Task):
     packable = True
+    chunked_loss = splits_rows = True
     token_shards = True
     takes_streams = True
     eval_hidden = ("perplexity", "generated")

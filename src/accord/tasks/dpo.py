@@ -31,6 +31,7 @@ class DPOTask(Task):
     text_fields = ("prompt", "chosen", "rejected")
     token_shards = eval_shards = True
     takes_streams = True  # pairs are encoded as they come: nothing reads the whole table first
+    chunked_loss = True
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

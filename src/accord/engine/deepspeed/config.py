@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accord import registry
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine.wrapping import hidden_size, layer_modules
 from accord.recipe.schema import Recipe, RecipeError
@@ -27,7 +28,7 @@ def deepspeed_config(
     """The whole DeepSpeed config, from the recipe (no "auto" values); `world` is the number
     of ranks ZeRO-3 partitions over."""
     engine, optim = recipe.engine, recipe.optim
-    stage = int(engine.strategy.removeprefix("zero"))
+    stage = registry.strategy(engine.strategy).zero_stage
     cuda = device.type == "cuda"
     offload_optimizer = engine.offload in ("optimizer", "optimizer+params")
     adamw: dict[str, Any] = {

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from accord import registry
 from accord.compat.deepspeed import reuse_fp32_partitions
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
@@ -76,7 +77,7 @@ class DeepSpeedEngine(Engine):
         self.device = device
         self.world_size = info.world_size
         self.precision = recipe.engine.precision
-        self.stage = int(recipe.engine.strategy.removeprefix("zero"))
+        self.stage = registry.strategy(recipe.engine.strategy).zero_stage
         apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
         config = deepspeed_config(recipe, plan, device, model, info.world_size)
         self._config = config

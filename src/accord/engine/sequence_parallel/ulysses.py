@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from accord import registry
 from accord.compat.deepspeed import ulysses_attention
 from accord.compat.transformers import attn_implementation, set_attn_implementation
 from accord.distributed.group import DistInfo
 from accord.errors import UserInputError
+from accord.tasks import task_class
 
-TASKS = ("sft", "pretrain")  # causal LMs whose loss is a sum over tokens (no row-level pooling)
 CORE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
@@ -27,9 +28,10 @@ def check_sequence_parallel(recipe, config) -> list[str]:
     n = recipe.engine.sequence_parallel
     if n == 1:
         return []
-    if recipe.task not in TASKS:
+    if not task_class(recipe).splits_rows:  # a causal LM whose loss is a sum over tokens
+        task = recipe.task if isinstance(recipe.task, str) else recipe.task.class_
         return [
-            f"engine.sequence_parallel={n} supports task {' and '.join(TASKS)}, not {recipe.task}; "
+            f"engine.sequence_parallel={n} supports task {' and '.join(_splitting_tasks())}, not {task}; "
             "set engine.sequence_parallel=1"
         ]
     if config is None:
@@ -55,6 +57,18 @@ def check_sequence_parallel(recipe, config) -> list[str]:
             "set engine.sequence_parallel=1"
         ]
     return []
+
+
+def _splitting_tasks() -> list[str]:
+    """The registered tasks whose rows sequence parallelism can split (Task.splits_rows)."""
+    names = []
+    for name in registry.TASKS:
+        try:
+            if task_class(name).splits_rows:
+                names.append(name)
+        except UserInputError:  # a user's task that does not import here is not one to name
+            continue
+    return names
 
 
 def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> None:
