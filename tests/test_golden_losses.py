@@ -66,6 +66,9 @@ SLOW = {
     # tokenising the 37k-row CSV is most of its cost; classification: test_tasks[classify], and a
     # pretrained folder's weights: test_reference
     "minilm-classify",
+    # cutting Shakespeare's plays into blocks and a 4-layer model: the default tier's costliest
+    # test; pre-training: test_tasks[pretrain]
+    "shakespeare-pretrain",
 }
 # quickstart on 2 processes against the 1-process file: test_invariance's layouts in the default tier.
 SLOW_LAYOUTS = {2}
