@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def accord_env() -> dict[str, str]:
 # The test being set up or run (the fixtures it requests included, session-wide ones too):
 # the process helpers check its `distributed` mark.
 _current_test: pytest.Item | None = None
+# The tiers (pyproject's markers): a test that starts any process is marked `subprocess`, one
+# whose processes train (workers) `distributed`; the rest is the unit tier, which starts none.
+_PROCESS_MARKS = ("subprocess", "distributed")
 # Processes started by start_process and not finished yet: killed, with all they started, when
 # the test ends (a failed assertion must not leave a launcher and its workers running).
 _started: list[subprocess.Popen] = []
@@ -106,6 +110,48 @@ def pytest_collection_modifyitems(items):
 def pytest_runtest_setup(item):
     global _current_test
     _current_test = item
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A unit test (neither `subprocess` nor `distributed`) that starts a process, in its
+    fixtures or its body, fails saying which mark to add: the unit tier stays one process."""
+    if any(item.get_closest_marker(mark) for mark in _PROCESS_MARKS):
+        yield
+        return
+    with _no_processes():
+        yield
+
+
+@contextlib.contextmanager
+def _no_processes():
+    """Every way a test may start a process (subprocess, multiprocessing, a fork, a shell)
+    replaced by a test failure naming the marks that allow it."""
+    import multiprocessing.process
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            command = f" {args[1]}" if what == "subprocess.Popen" else ""  # _execute_child(self, args, ...)
+            pytest.fail(
+                f"this unit test started a process ({what}{command}): mark it @pytest.mark.subprocess, "
+                "or @pytest.mark.distributed if the process trains"
+            )
+
+        return refused
+
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name, what in [
+            (subprocess.Popen, "_execute_child", "subprocess.Popen"),  # run, check_output, os.popen ... too
+            (multiprocessing.process.BaseProcess, "start", "multiprocessing"),  # every start method, pools too
+            (os, "fork", "os.fork"),
+            (os, "forkpty", "os.forkpty"),
+            (os, "posix_spawn", "os.posix_spawn"),
+            (os, "posix_spawnp", "os.posix_spawnp"),
+            (os, "system", "os.system"),
+        ]:
+            if hasattr(owner, name):
+                mp.setattr(owner, name, refuse(what))
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -236,7 +282,6 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
     start and accord's imports (~1.5 s of CPU each). Reaching the workers' start fails the
     test (such a refusal is not the launcher's: use run_accord). The environment is put back
     afterwards, and the once-per-process refusal line is allowed before and after."""
-    import contextlib
     import io
 
     from accord.cli import main as cli

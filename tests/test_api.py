@@ -92,6 +92,7 @@ def test_plan_returns_a_row_per_strategy_and_advice():
     assert callable(accord.plan) and accord.plan is accord.api.plan
 
 
+@pytest.mark.subprocess
 def test_importing_accord_stays_cheap():
     code = "import sys, accord; print(sorted(m for m in ('torch', 'pydantic', 'transformers') if m in sys.modules))"
     proc = run_process([sys.executable, "-c", code], env=accord_env(), timeout=60)

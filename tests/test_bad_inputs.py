@@ -153,6 +153,7 @@ def test_corrupt_model_folder_is_one_line_before_any_worker(model_folder, tiny_r
     assert not out.exists()
 
 
+@pytest.mark.subprocess
 def test_weights_of_another_config_refuse_in_one_line_and_leave_no_run_behind(model_folder, tiny_recipe, tmp_path):
     # Found by the worker as it loads (the shapes need the model): exit 2, and the fresh
     # folder holds no run afterwards, so the fixed command needs no --overwrite.
@@ -332,6 +333,7 @@ def dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.subprocess
 def test_a_stale_lock_is_taken_over_by_exactly_one_of_several_starters(tmp_path):
     import socket
 
@@ -371,6 +373,7 @@ def test_nodes_of_one_run_share_the_lock_and_another_run_is_refused(tmp_path):
     assert not (out / LOCK_FILE).exists()
 
 
+@pytest.mark.subprocess
 def test_lock_of_a_killed_process_not_yet_collected_is_stale(tmp_path):
     import socket
     import subprocess

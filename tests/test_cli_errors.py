@@ -71,6 +71,7 @@ def test_bad_input_fails_with_one_clear_line(tiny_recipe, tmp_path, override, ne
     assert not out.exists()
 
 
+@pytest.mark.subprocess
 def test_missing_recipe_file(tmp_path):
     assert_clean_error(run_accord("train", tmp_path / "nope.yaml", timeout=60), "recipe file not found")
 
@@ -92,6 +93,7 @@ def test_a_missing_run_output_names_the_run_to_train_first(tiny_recipe, tmp_path
     )
 
 
+@pytest.mark.subprocess
 def test_malformed_data_row_names_file_and_line(tiny_recipe, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')

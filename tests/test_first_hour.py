@@ -9,6 +9,7 @@ import pytest
 from conftest import run_accord
 
 
+@pytest.mark.subprocess
 def test_plan_without_flags_plans_for_this_machine(tiny_recipe):
     """No GPU here (the tests hide them): engine.processes CPU processes, each with an equal
     share of the RAM, and the header says so."""
@@ -56,6 +57,7 @@ entry()
         ("report", "rendering the report of {}…"),
     ],
 )
+@pytest.mark.subprocess
 def test_the_first_line_comes_before_torch_is_imported(tmp_path, command, first_line):
     """`accord train`, `plan` and `report` say what they do on stderr before importing torch or
     matplotlib (seconds), so something is visible within a second; the command's entry point

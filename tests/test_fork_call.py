@@ -10,6 +10,8 @@ import pytest
 from accord.launch.fork_call import call_in_fork
 from accord.recipe.schema import RecipeError
 
+pytestmark = pytest.mark.subprocess  # each test forks a child
+
 
 def _load_a_module_and_answer(name: str) -> tuple[int, bool]:
     __import__(name)

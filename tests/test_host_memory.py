@@ -37,6 +37,7 @@ def _kept_mib(mode: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.subprocess
 def test_release_host_memory_returns_a_freed_block_that_glibc_would_keep():
     assert _kept_mib("default") >= 7.0  # the behaviour the setting is for
     assert _kept_mib("release") < 1.0

@@ -164,6 +164,7 @@ def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
     assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
+@pytest.mark.subprocess
 def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
     """Rank 0 refusing a multi-node run under torchrun leaves its line in the agent's store;
     node 1's local rank 0 (here a separate process watching the same store) prints that

@@ -62,6 +62,7 @@ def test_node_share_comes_from_the_launchers_environment():
     assert node_share({}) == NodeShare()
 
 
+@pytest.mark.subprocess
 def test_the_first_claim_seals_and_a_dead_local_claim_is_taken_over(tmp_path):
     assert claim_seal(tmp_path) and not claim_seal(tmp_path)
     dead = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))

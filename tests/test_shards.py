@@ -84,6 +84,7 @@ def test_a_stream_written_in_pieces_is_cut_into_the_same_blocks_as_whole(tmp_pat
     assert shards["num_targets"].tolist() == [len(b) - 1 for b in blocks]
 
 
+@pytest.mark.subprocess
 def test_a_huge_document_prepares_in_pieces_like_whole_and_any_worker_count_gives_the_same_shards(
     tmp_path, monkeypatch
 ):

@@ -111,6 +111,7 @@ def test_the_first_worker_checks_the_data_and_a_refusal_stops_the_run_quietly_wr
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.subprocess
 def test_a_worker_told_to_abort_leaves_at_once_without_a_word(tmp_path):
     from accord.launch.worker_start import ABORT, open_gate
 
@@ -142,6 +143,7 @@ def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
     )  # grpo keeps its rows as a datasets.Dataset (its rewards read raw columns)
 
 
+@pytest.mark.subprocess
 def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimizer_when_the_run_needs_neither(
     tmp_path,
 ):

@@ -71,6 +71,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("task, rows", [("sft", SFT_ROWS), ("pretrain", TEXT_ROWS)])
+@pytest.mark.subprocess
 def test_a_streamed_source_gives_the_tokens_of_the_same_rows_from_a_file(tmp_path, data_module, task, rows):
     write_jsonl(data_module, rows)
     from_file = prepare(recipe(tmp_path / "a", task, train=str(data_module)))
@@ -82,6 +83,7 @@ def test_a_streamed_source_gives_the_tokens_of_the_same_rows_from_a_file(tmp_pat
         assert_same(prepare(recipe(tmp_path / str(len(str(source))), task, train=[source])), from_file)
 
 
+@pytest.mark.subprocess
 def test_streamed_dpo_pairs_and_their_eval_give_the_shards_of_the_same_rows_from_a_file(
     tmp_path, data_module, monkeypatch
 ):
@@ -102,6 +104,7 @@ def test_streamed_dpo_pairs_and_their_eval_give_the_shards_of_the_same_rows_from
         assert len(a) == len(b) == len(rows) and a[list(range(len(a)))] == b[list(range(len(b)))]
 
 
+@pytest.mark.subprocess
 def test_streamed_chat_rows_in_several_units_and_workers_match_the_file(tmp_path, data_module, monkeypatch):
     write_jsonl(data_module, CHAT_ROWS)
     monkeypatch.setattr(chunks, "UNIT_ROWS", 4)  # 3 units, tokenised by 2 forked workers
@@ -111,6 +114,7 @@ def test_streamed_chat_rows_in_several_units_and_workers_match_the_file(tmp_path
     assert streamed.report["train_examples"] == len(CHAT_ROWS)
 
 
+@pytest.mark.subprocess
 def test_a_streamed_eval_source_is_prepared_for_sft(tmp_path, data_module):
     write_jsonl(data_module, SFT_ROWS)
     data = prepare(
@@ -165,6 +169,7 @@ def test_a_bad_row_in_a_stream_names_its_row(tmp_path, data_module):
         prepare(recipe(tmp_path, train=[{"function": "streamdata:iterable"}]))
 
 
+@pytest.mark.subprocess
 def test_a_stream_mixes_with_a_file_source(tmp_path, data_module):
     write_jsonl(data_module, SFT_ROWS)
     files = prepare(recipe(tmp_path / "a", train=[str(data_module), str(data_module)]))
