@@ -463,6 +463,7 @@ def test_absurd_values_are_refused_before_any_work(tiny_recipe, tmp_path, overri
     assert not (tmp_path / "run").exists() and not list(Path.cwd().glob("checkpoints"))
 
 
+@pytest.mark.subprocess
 def test_an_output_dir_that_is_a_file_is_refused_and_the_file_kept(tiny_recipe, tmp_path):
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")

@@ -323,6 +323,7 @@ def test_gguf_name_map_is_looked_up_per_call_and_cached_while_converting():
 # ---------------------------------------------------------------- C library
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and Linux")
 def test_libc_mallopt_is_callable():
     from accord.compat.libc import mallopt

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from typing import Literal
 
+import pytest
 from pydantic import Field
 
 from accord.recipe import reference
@@ -52,6 +53,7 @@ def test_render_shows_types_defaults_choices_and_nested_sections():
     assert "## `inner`" in page and "An inner section." in page
 
 
+@pytest.mark.subprocess
 def test_check_names_the_stale_file_and_the_command(tmp_path):
     stale = tmp_path / "recipe-reference.md"
     stale.write_text("old\n", encoding="utf-8")

@@ -68,6 +68,7 @@ def test_an_unregistered_name_is_one_line_with_the_registered_ones(change, messa
     assert str(caught.value) == message
 
 
+@pytest.mark.subprocess
 def test_a_registered_name_validates_here_and_in_the_processes_started_from_here(clean_registry):
     from user_extensions import MySFT, build_my_ddp
 
