@@ -20,7 +20,9 @@ def resolve_path(text: str) -> Path:
     package, _, rest = text[4:].partition("/")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise PathError(f"{text}: Python package {package!r} is not installed (see docs/tasks-and-data.md: real models and data)")
+        raise PathError(
+            f"{text}: Python package {package!r} is not installed (see docs/tasks-and-data.md: real models and data)"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / rest
 
 
