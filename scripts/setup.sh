@@ -66,4 +66,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 else
     say "accord and the examples are up to date (pyproject.toml unchanged)"
 fi
+# matplotlib (`accord report`) builds its font list with fc-list on first import: do it here,
+# once, rather than in the first report or in a test that must not start processes.
+"$VENV/bin/python" -c "import matplotlib.font_manager" 2>/dev/null || true
 say "ready in $((SECONDS - START)) s: $VENV/bin/accord (or: source $VENV/bin/activate, then accord)"
