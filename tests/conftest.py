@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -519,3 +521,36 @@ def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
         )
     )
     return recipe, out
+
+
+# Two hosts on this machine: two network namespaces joined by a veth pair (needs root and iproute2).
+ADDRESSES = ("10.123.0.1", "10.123.0.2")
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("two-node test needs root and iproute2 (ip netns)")
+    tag = uuid.uuid4().hex[:5]
+    names = [f"acc{tag}n{i}" for i in (0, 1)]
+    links = [f"acc{tag}v{i}" for i in (0, 1)]
+    try:
+        for name in names:
+            _sh("ip", "netns", "add", name)
+        _sh("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for name, link, addr in zip(names, links, ADDRESSES):
+            _sh("ip", "link", "set", link, "netns", name)
+            _sh("ip", "netns", "exec", name, "ip", "addr", "add", f"{addr}/24", "dev", link)
+            _sh("ip", "netns", "exec", name, "ip", "link", "set", link, "up")
+            _sh("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as e:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
+    yield names
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

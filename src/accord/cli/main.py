@@ -25,7 +25,7 @@ deepspeed it runs as the worker it is (their --local_rank=N is accepted anywhere
 
 
 # Commands that take a recipe and KEY=VALUE overrides.
-_RECIPE_COMMANDS = ("train", "slurm", "config", "plan", "doctor", "data", "prepare")
+_RECIPE_COMMANDS = ("train", "slurm", "k8s", "config", "plan", "doctor", "data", "prepare")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,11 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write an sbatch script: one accord per node (srun --ntasks-per-node=1), SIGUSR1 two minutes "
         "before the time limit so accord checkpoints and exits 75, then the job requeues itself and resumes.",
     )
-    _recipe_arguments(slurm, "recipe overrides, passed on to accord train")
-    slurm.add_argument("--nodes", type=int, required=True, metavar="N")
-    slurm.add_argument(
-        "--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)"
-    )
+    _job_arguments(slurm)
     slurm.add_argument("--partition", metavar="P")
     slurm.add_argument("--time", metavar="T", help="time limit, e.g. 04:00:00")
     slurm.add_argument("--account", metavar="A")
@@ -89,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--job-name", metavar="NAME")
     slurm.add_argument("--out", metavar="FILE", help="script path (default: <recipe name>.sbatch)")
     slurm.set_defaults(func=_slurm)
+
+    k8s = commands.add_parser(
+        "k8s",
+        help="print a Kubeflow TrainJob (or PyTorchJob) that runs a recipe on N pods through torchrun",
+        description="Print a Kubernetes manifest: one pod per node running `torchrun -m accord train RECIPE "
+        "resume=auto`, the output folder on a volume, a grace period for the stop checkpoint. Apply with kubectl.",
+    )
+    _job_arguments(k8s)
+    k8s.add_argument("--image", required=True, metavar="IMAGE", help="container image with accord and the recipe")
+    k8s.add_argument("--pvc", metavar="CLAIM", help="PersistentVolumeClaim for output.dir (shared by the pods)")
+    k8s.add_argument("--mount", default="/mnt/accord", metavar="PATH", help="where the claim is mounted")
+    k8s.add_argument("--kind", default="trainjob", choices=("trainjob", "pytorchjob"))
+    k8s.add_argument("--name", metavar="NAME", help="job name (default: accord-<recipe name>)")
+    k8s.add_argument("--namespace", metavar="NS")
+    k8s.add_argument("--out", metavar="FILE", help="write the manifest here instead of printing it")
+    k8s.set_defaults(func=_k8s)
 
     plan = commands.add_parser(
         "plan",
@@ -195,6 +207,15 @@ def _recipe_arguments(parser: argparse.ArgumentParser, overrides_help: str = "re
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every job writer (`accord slurm`, `accord k8s`) takes: the recipe for `accord train` and the nodes."""
+    _recipe_arguments(parser, "recipe overrides, passed on to accord train")
+    parser.add_argument("--nodes", type=int, required=True, metavar="N")
+    parser.add_argument(
+        "--gpus-per-node", type=int, required=True, metavar="G", help="0 for CPU nodes (then engine.processes per node)"
+    )
+
+
 def launcher_arguments(argv: list[str]) -> list[str]:
     """argv without what launchers put into a script's arguments, wherever they put it:
     `--local_rank=N` / `--local-rank=N` (torch.distributed.launch, DeepSpeed's launcher; the
@@ -291,16 +312,25 @@ def _train(args: argparse.Namespace) -> int:
     return 1 if result.status == "stopped" else 0  # a stopped run's worker printed why
 
 
-def _slurm(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+def _job_recipe(args: argparse.Namespace):
+    """(recipe, processes per node) of a job script or manifest for --nodes × --gpus-per-node
+    (CPU nodes: engine.processes each); a batch that does not split over that world is refused
+    here rather than in the queue."""
     from accord.distributed.batch_plan import BatchPlan
-    from accord.launch.slurm_script import JobRequest, job_script
     from accord.recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.for_recipe(recipe, args.nodes * per_node)  # the job's world, refused here rather than in the queue
+    BatchPlan.for_recipe(recipe, args.nodes * per_node)
+    return recipe, per_node
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from accord.launch.slurm_script import JobRequest, job_script
+
+    recipe, per_node = _job_recipe(args)
     job = JobRequest(
         Path(args.recipe),
         tuple(args.overrides),
@@ -321,6 +351,43 @@ def _slurm(args: argparse.Namespace) -> int:
         f"accord: wrote {out} ({args.nodes} node(s) × {per_node} {'GPUs' if args.gpus_per_node else 'processes'}); "
         f"submit with: sbatch {out}"
     )
+    return 0
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from accord.launch.k8s_manifest import PodJob, job_name, manifest
+
+    recipe, per_node = _job_recipe(args)
+    job = PodJob(
+        recipe=args.recipe,
+        overrides=tuple(args.overrides),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        processes_per_node=per_node,
+        image=args.image,
+        name=args.name or job_name(Path(args.recipe).stem),
+        output_dir=recipe.output.dir,
+        pvc=args.pvc,
+        mount=args.mount,
+        kind=args.kind,
+        namespace=args.namespace,
+    )
+    text = yaml.safe_dump(manifest(job), sort_keys=False)
+    if args.pvc is None:
+        print(
+            f"accord: warning: no --pvc: output.dir ({recipe.output.dir}) stays inside each pod and is lost with it, "
+            "and a restarted pod starts over; give a PersistentVolumeClaim to keep checkpoints and the model",
+            file=sys.stderr,
+        )
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"accord: wrote {args.out}; submit with: kubectl apply -f {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
     return 0
 
 
