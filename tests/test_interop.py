@@ -20,6 +20,15 @@ def test_outside_accelerate_there_is_nothing_to_honour():
     assert accelerate_settings({}) == {}
 
 
+def test_one_process_of_a_config_asking_for_several_is_refused():
+    """accelerate sets MASTER_ADDR for several processes or machines and RANK in each process
+    it starts; MULTI_CPU (or use_cpu) starts one without RANK, which would train alone."""
+    alone = BASE_ENV | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "ACCELERATE_USE_CPU": "True"}
+    with pytest.raises(RecipeError, match="accelerate launch started one process although its config asks for"):
+        accelerate_settings(alone)
+    assert accelerate_settings(alone | {"RANK": "0", "WORLD_SIZE": "2"})["engine.strategy"] == "ddp"
+
+
 def test_deepspeed_environment_maps_to_the_zero_strategy():
     env = BASE_ENV | {
         "ACCELERATE_USE_DEEPSPEED": "true",
@@ -225,6 +234,22 @@ def test_a_launch_config_that_contradicts_the_recipe_stops_before_training(tmp_p
         in proc.stderr
     )
     assert "accord: batch" not in proc.stderr  # nothing trained
+
+
+@pytest.mark.subprocess  # accelerate launch starts one accord, which refuses before any work
+def test_a_multi_cpu_config_is_refused_in_one_line_instead_of_training_alone(tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    config = tmp_path / "multi_cpu.yaml"
+    multi_cpu = {"distributed_type": "MULTI_CPU", "num_machines": 2, "num_processes": 4, "machine_rank": 0}
+    multi_cpu |= {"main_process_ip": "127.0.0.1", "main_process_port": 29555, "mixed_precision": "no"}
+    config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", **multi_cpu, "use_cpu": True}))
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    proc = run_accord("train", recipe, f"output.dir={tmp_path / 'o'}", launcher=accelerate, timeout=180)
+    # accelerate launch then raises, repeating the child's stderr in its own traceback.
+    assert proc.returncode != 0
+    assert "accord: error: accelerate launch started one process although its config asks" in proc.stderr
+    assert "accord: warning" not in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def _trl_style_config(distributed_type: str, **section) -> dict:

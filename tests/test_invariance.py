@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
 
@@ -62,7 +64,14 @@ def test_run_under_torchrun_equals_the_self_launched_run(runs, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
     out = tmp_path / "torchrun"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = run_accord("train", recipe, "batch.micro_batch_size=8", f"output.dir={out}", launcher=torchrun)
+    proc = run_accord(
+        "train", recipe, "batch.micro_batch_size=8", "engine.processes=4", f"output.dir={out}", launcher=torchrun
+    )
     assert_ok(proc)
     assert (proc.stdout + proc.stderr).count("accord: batch 2 processes") == 1  # one world of 2, not 2 worlds of 2
+    # The recipe's engine.processes gave way to torchrun's 2: said once, and recorded as what ran.
+    overruled = "engine.processes=4 is overruled by torchrun, which started 2 processes per node (2 in all)"
+    assert proc.stderr.count(overruled) == 1, proc.stderr
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["engine"]["processes"] == 2
+    assert json.loads((out / "run-status.json").read_text()) == {"status": "completed", "step": 10}
     assert max_param_diff(final_params(runs["2x8x2"]), final_params(out)) <= TOLERANCE

@@ -104,12 +104,15 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches(uninterrupted, reci
     stopped_at = read_state(complete_checkpoints(out / "checkpoints")[-1]).step
     assert 15 <= stopped_at < LONG_STEPS  # the step it was on when the signal came, not the last periodic one
     assert not (out / "final").exists()
+    # What a job script tests where a launcher hides the exit code (torchrun exits 1).
+    assert json.loads((out / "run-status.json").read_text()) == {"status": "preempted", "step": stopped_at}
 
     resumed = run_accord("train", recipe, *LONG, f"output.dir={out}", "--resume")
     assert_ok(resumed)
     assert f"at step {stopped_at} " in resumed.stderr
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
     assert sorted(step_losses(out)) == list(range(1, LONG_STEPS + 1))  # one record per step, none twice
+    assert json.loads((out / "run-status.json").read_text()) == {"status": "completed", "step": LONG_STEPS}
 
 
 def test_killed_worker_restarts_the_group_and_ends_as_uninterrupted(uninterrupted, recipe, tmp_path):

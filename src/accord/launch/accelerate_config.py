@@ -39,6 +39,15 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ) if env is None else env
     if "ACCELERATE_MIXED_PRECISION" not in env:
         return {}
+    if "MASTER_ADDR" in env and "RANK" not in env:
+        # accelerate sets MASTER_ADDR only for several processes or machines, and RANK in each
+        # process it starts: this one is alone. MULTI_CPU (or --cpu) leaves starting the
+        # others to mpirun; every node would train alone and write a whole model.
+        raise RecipeError(
+            "accelerate launch started one process although its config asks for several processes or machines "
+            "(distributed_type MULTI_CPU, or use_cpu, starts no others without mpirun); on CPUs use "
+            "distributed_type: MULTI_GPU with use_cpu: false (accord config R.yaml --out accelerate.yaml writes one)"
+        )
     settings: dict[str, Any] = parallelism_settings(env)
     precision = env["ACCELERATE_MIXED_PRECISION"].lower()
     if precision not in _PRECISION:

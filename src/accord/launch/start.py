@@ -5,6 +5,7 @@ here; the recipe is not validated again on the way."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,6 +85,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
+    recipe = _processes_as_launched(recipe)
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
     plan = BatchPlan.for_recipe(recipe, world_size)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
@@ -114,6 +116,30 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     finally:
         hold.leave()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
+
+
+def _processes_as_launched(recipe: Recipe) -> Recipe:
+    """Under an outer launcher the processes per node are the launcher's: a different
+    engine.processes in the recipe is said once, and the run's recipe.yaml records what ran."""
+    from accord.distributed import rank_env
+    from accord.engine.device import wants_cuda
+
+    launcher = rank_env.outer_launcher()
+    if launcher is None or wants_cuda(recipe.engine):
+        return recipe
+    info = rank_env.env_info()
+    if recipe.engine.processes == info.local_world_size:
+        return recipe
+    if "processes" in recipe.engine.model_fields_set and rank_env.leads():
+        count = f"{info.local_world_size} process{'es' if info.local_world_size != 1 else ''}"
+        print(
+            f"accord: warning: engine.processes={recipe.engine.processes} is overruled by {launcher}, which started "
+            f"{count} per node ({info.world_size} in all); the run's recipe.yaml records {info.local_world_size}",
+            file=sys.stderr,
+            flush=True,
+        )
+    engine = recipe.engine.model_copy(update={"processes": info.local_world_size})
+    return recipe.model_copy(update={"engine": engine})
 
 
 def _check_something_to_resume(recipe: Recipe) -> None:

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import traceback
+from pathlib import Path
 
 from accord.checkpoint.store import (
     CHECKPOINTS,
@@ -26,7 +27,7 @@ from accord.engine.device import select_device
 from accord.errors import UserInputError
 from accord.launch.host_memory import release_freed_memory
 from accord.observe import heartbeat
-from accord.output.folder import discard_earlier_run, prepare_output_dir
+from accord.output.folder import discard_earlier_run, prepare_output_dir, write_run_status
 from accord.recipe.schema import Recipe, read_resolved_recipe
 from accord.run.assemble import build_run, describe
 from accord.run.trainer import Trainer
@@ -78,16 +79,19 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None) -> RunResult:
     refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
     clean = False
     try:
-        result = _run(recipe, plan, info, device, stop)
+        try:
+            result = _run(recipe, plan, info, device, stop)
+        except TrainingStopped as e:
+            # Every rank raises this together (the cause is agreed collectively), so the
+            # shutdown can still be orderly.
+            if info.leads_node:  # on every node, so each node's log says why it stopped
+                print(f"accord: error: {e}", file=sys.stderr, flush=True)
+            result = RunResult(e.status, -1, message=str(e))
         clean = True
+        out_dir = Path(recipe.output.dir)
+        if info.is_main and result.status != "refused" and out_dir.is_dir():
+            write_run_status(out_dir, result.status, result.step if result.step >= 0 else None)
         return result
-    except TrainingStopped as e:
-        # Every rank raises this together (the cause is agreed collectively), so the
-        # shutdown can still be orderly.
-        clean = True
-        if info.leads_node:  # on every node, so each node's log says why it stopped
-            print(f"accord: error: {e}", file=sys.stderr, flush=True)
-        return RunResult(e.status, -1, message=str(e))
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
         dist.shutdown(clean=clean)
@@ -99,6 +103,7 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
     out_dir = None
     if info.is_main:
         out_dir = prepare_output_dir(recipe)
+        write_run_status(out_dir, "running")
         for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
             dist.print0(f"accord: ignoring incomplete checkpoint {stale} (a crash while writing it); removing it")
             shutil.rmtree(stale, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -19,7 +20,8 @@ from accord.recipe.schema import Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
-RUN_ARTEFACTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
+RUN_STATUS = "run-status.json"
+RUN_ARTEFACTS = ("recipe.yaml", RUN_STATUS, "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
 # Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
 # The final model's safetensors shards: at most this many bytes of tensors each.
@@ -79,6 +81,15 @@ def prepare_output_dir(recipe: Recipe) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "recipe.yaml", recipe_to_yaml(recipe))
     return out_dir
+
+
+def write_run_status(out_dir: Path, status: str, step: int | None = None) -> None:
+    """How the run stands, in a file a job script can test where a launcher hides accord's exit code
+    (torchrun exits 1 and accelerate launch 143 whatever the workers returned): "running" from the
+    start, then "completed", "preempted" (checkpointed on request: resume it) or "stopped" (could not
+    go on; the reason is in the log). A run killed outright stays "running"."""
+    record = {"status": status, **({"step": step} if step is not None else {})}
+    write_atomic(out_dir / RUN_STATUS, json.dumps(record) + "\n")
 
 
 def set_aside_earlier_run(out_dir: Path) -> Path | None:
