@@ -165,10 +165,13 @@ def test_outer_launcher_binds_gloo_to_the_interface_towards_master(monkeypatch):
 
 
 @pytest.mark.subprocess
-def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
-    """Rank 0 refusing a multi-node run under torchrun leaves its line in the agent's store;
-    node 1's local rank 0 (here a separate process watching the same store) prints that
-    line and ends its node's workers with exit 2, instead of dying in the group set-up."""
+@pytest.mark.parametrize("refusing_node", [0, 1])
+def test_a_refusal_on_any_node_is_printed_by_the_other_nodes(monkeypatch, refusing_node):
+    """A node refusing a multi-node run under torchrun (rank 0's output.dir holds a run, node
+    1's data file is missing) leaves its line in the agent's store; the other node's local
+    rank 0 (here a separate process watching the same store) prints it naming the node and
+    host, and ends its node's workers with exit 2 instead of waiting out the group set-up."""
+    import socket
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -179,7 +182,6 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
         "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
     )  # the agent's
     env = {
-        "RANK": "1",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "1",
@@ -192,15 +194,17 @@ def test_a_refusal_on_rank_zero_is_printed_by_the_other_nodes(monkeypatch):
         "import time; from accord.launch import refusal_relay; refusal_relay.watch(); "
         "print('watching', flush=True); time.sleep(60)"
     )
-    node1 = start_process([sys.executable, "-c", watching], env=accord_env() | env)
-    assert node1.stdout.readline().strip() == "watching"
-    for name, value in (env | {"RANK": "0"}).items():
+    watcher_env = env | {"RANK": str(1 - refusing_node), "GROUP_RANK": str(1 - refusing_node)}
+    watcher = start_process([sys.executable, "-c", watching], env=accord_env() | watcher_env)
+    assert watcher.stdout.readline().strip() == "watching"
+    for name, value in (env | {"RANK": str(refusing_node), "GROUP_RANK": str(refusing_node)}).items():
         monkeypatch.setenv(name, value)
-    refusals.publish("output.dir: out0 already holds a run")  # returns once node 1 has read it
-    out, err = finish(node1, timeout=30)
-    assert node1.returncode == 2
-    assert err.strip() == "accord: error: output.dir: out0 already holds a run"
-    assert store.add(refusals.SEEN, 0) == 1
+    refusals.publish("data: train.jsonl not found")  # returns once the other node has read it
+    out, err = finish(watcher, timeout=30)
+    assert watcher.returncode == 2
+    host = socket.gethostname()
+    assert err.strip() == f"accord: error: node {refusing_node} ({host}) refused the run: data: train.jsonl not found"
+    assert store.add(refusals.SEEN, 0) == 2  # the refusing node and the one that printed it
 
 
 def test_the_agent_keeps_its_worker_files_in_the_runs_folder_and_leaves_nothing_behind(monkeypatch, tmp_path):

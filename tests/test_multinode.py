@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (
     ADDRESSES,
+    TINY_RECIPE,
     accord_env,
     final_params,
     finish,
@@ -21,6 +22,7 @@ from conftest import (
     run_accord,
     start_process,
     wait_for,
+    write_recipe,
 )
 
 pytestmark = pytest.mark.distributed
@@ -107,10 +109,18 @@ def _start_outer(
 
 
 def _run_two_nodes(namespaces, kind, port, args_of_node, tmp_path, nproc=1, timeout=300):
-    nodes = [
-        _start_outer(ns, _launcher(kind, rank, port, nproc, tmp_path), args_of_node(rank))
-        for rank, ns in enumerate(namespaces)
-    ]
+    """Both nodes' commands under `kind`: torchrun, accelerate or accord (its own --nnodes)."""
+    if kind == "accord":
+        where = ["--nnodes", "2", "--master-addr", ADDRESSES[0], "--master-port", str(port)]
+        nodes = [
+            _start_node(ns, [*args_of_node(rank), f"engine.processes={nproc}", *where, "--node-rank", str(rank)])
+            for rank, ns in enumerate(namespaces)
+        ]
+    else:
+        nodes = [
+            _start_outer(ns, _launcher(kind, rank, port, nproc, tmp_path), args_of_node(rank))
+            for rank, ns in enumerate(namespaces)
+        ]
     outputs = [finish(node, timeout=timeout)[0] for node in nodes]
     return [node.returncode for node in nodes], outputs
 
@@ -224,18 +234,19 @@ REFUSALS = {
 }
 
 
-@pytest.mark.slow  # ~25 s each; the default tier has test_launchers' store hand-over of a refusal
+@pytest.mark.slow  # ~7 s each; the default tier has test_launchers' store hand-over of a refusal
+@pytest.mark.parametrize("kind", ["torchrun", "accord"])
 @pytest.mark.parametrize("case", ["batch", "output.dir"])
-def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, case):
-    """A run refused on rank 0 under torchrun on 2 nodes: both nodes' logs say why in
-    accord's one line, not only the launcher's ChildFailedError."""
+def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, case, kind):
+    """A run refused on rank 0 on 2 nodes (torchrun, or accord's own launcher): both nodes'
+    logs say why in accord's one line, not only the launcher's ChildFailedError."""
     nproc, overrides, reason = REFUSALS[case]
     if case == "output.dir":  # node 0's folder holds an earlier run; node 1's is new
         (tmp_path / "o0").mkdir()
         (tmp_path / "o0" / "metrics.jsonl").write_text("{}\n")
     codes, outputs = _run_two_nodes(
         namespaces,
-        "torchrun",
+        kind,
         29641,
         lambda rank: ["train", str(tiny_recipe), *overrides, f"output.dir={tmp_path / f'o{rank}'}"],
         tmp_path,
@@ -247,6 +258,38 @@ def test_a_refusal_is_printed_on_every_node(namespaces, tmp_path, tiny_recipe, c
         lines = [line for line in output.splitlines() if line.startswith("accord: error:")]
         assert len(lines) == 1 and reason in lines[0], output[-3000:]
         assert "Traceback" not in output.split("accord: error:")[0]
+
+
+@pytest.mark.slow  # ~10 s each: two nodes, one refusing before they meet
+@pytest.mark.parametrize("kind", ["accord", "torchrun", "accelerate"])
+def test_a_refusal_only_node_one_sees_is_printed_by_node_zero(namespaces, tmp_path, kind):
+    """Node 1's data file is missing (node 0 has its own): node 1 refuses, and node 0 says
+    so naming node 1, its host and the cause, well before torch's 10-minute group timeout,
+    under accord's own --nnodes launcher and under the guides' launchers."""
+    import copy
+    import time
+
+    recipes = []
+    for rank in (0, 1):
+        recipe = copy.deepcopy(TINY_RECIPE)
+        data = tmp_path / f"train{rank}.jsonl"
+        if rank == 0:
+            rows = (json.dumps({"prompt": f"{i}+1=", "completion": f"{i + 1}"}) for i in range(1024))
+            data.write_text("\n".join(rows) + "\n")
+        recipe["data"] = {"train": [{"path": str(data), "format": "jsonl"}], "max_length": 32}
+        recipes.append(write_recipe(tmp_path / f"recipe{rank}.yaml", recipe))
+
+    def args(rank):
+        return ["train", str(recipes[rank]), f"output.dir={tmp_path / f'o{rank}'}"]
+
+    started = time.monotonic()
+    codes, outputs = _run_two_nodes(namespaces, kind, 29645, args, tmp_path, timeout=150)
+    assert time.monotonic() - started < 90, outputs[0][-3000:]
+    assert codes[0] != 0 and codes[1] != 0
+    lines = [line for line in outputs[0].splitlines() if line.startswith("accord: error:")]
+    assert len(lines) == 1 and "node 1 (" in lines[0] and "train1.jsonl' not found" in lines[0], outputs[0][-3000:]
+    assert "Traceback" not in outputs[0].split("accord: error:")[0]
+    assert not (tmp_path / "o0" / "metrics.jsonl").exists()  # node 0 trained nothing
 
 
 @pytest.mark.slow  # ~2 min on 2 loaded cores: the probe, then the 2-step runs

@@ -531,7 +531,7 @@ def _fail(message: str, code: int = 2) -> int:
         for line in message.splitlines():
             print(f"accord: error: {line}", file=sys.stderr, flush=True)
     if not grouped:
-        refusals.publish(message)  # rank 0 refused before the nodes met: tell the other nodes
+        refusals.publish(message)  # refused before the nodes met: tell the other nodes
     return code
 
 

@@ -70,7 +70,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
     from accord.launch import refusal_relay as refusals
 
-    refusals.watch()  # another node than rank 0's: print rank 0's refusal if it comes
+    refusals.meet(topology)  # over several nodes: a refusal here is relayed to the others, and theirs here
     run_id = topology.run_id or dist.launcher_run_id() or new_run_id()
     # One lock per node: taken by the launcher, or under an outer launcher by each node's local rank 0.
     locks_here = dist.outer_launcher() is None or dist.env_info().leads_node
@@ -89,6 +89,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
     plan = BatchPlan.for_recipe(recipe, world_size)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
+    refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     try:
         checks, problems = None, []
         if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
@@ -109,6 +110,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
             problems = _preflight(recipe, plan, topology) or hold.enter()
         if problems:
             raise UserInputError("\n".join(problems))
+        refusals.launching()
         status = run(recipe, topology, checks, plan)
         hold.refused = status == "refused"
     except Interrupted as e:
@@ -192,6 +194,10 @@ class _OutputHold:
                 "until this run completes a step"
             )
         return []
+
+    def refused_elsewhere(self) -> None:
+        self.refused = True
+        self.leave()
 
     def leave(self) -> None:
         from accord.observe.progress import announce
