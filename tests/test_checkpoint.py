@@ -130,9 +130,12 @@ def test_a_failed_checkpoint_names_the_first_ranks_own_error_not_dcps_wrapper():
 def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
     from accord.checkpoint.store import disk_space_warning
 
-    assert disk_space_warning(tmp_path, num_params=1000, keep_last=2) is None
-    warning = disk_space_warning(tmp_path, num_params=10**15, keep_last=2)
+    assert disk_space_warning(tmp_path, params=1000, trained=1000, keep_last=2) is None
+    warning = disk_space_warning(tmp_path, params=10**15, trained=10**15, keep_last=2)
     assert warning and "3 checkpoints" in warning and "GiB free" in warning
+    # fp32 weights, and AdamW's two moments for the trained parameters only (an adapter's few)
+    assert "~1.00 GiB each" in disk_space_warning(tmp_path, params=2**28, trained=0, keep_last=2**40)
+    assert "~3.00 GiB each" in disk_space_warning(tmp_path, params=2**28, trained=2**28, keep_last=2**40)
 
 
 # ---------------------------------------------------------------- export without a full gather

@@ -303,17 +303,20 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _state_bytes(engine) -> int:
+def checkpoint_bytes(params: int, trained: int) -> int:
     """A checkpoint's size, roughly: fp32 weights, and AdamW's two moments of the trained ones."""
+    return 4 * params + 8 * trained
+
+
+def _state_bytes(engine) -> int:
     # ZeRO-3 leaves each parameter empty on the rank and keeps its size in ds_numel.
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in engine.module.parameters()]
-    return 4 * sum(n for n, _ in sizes) + 8 * sum(n for n, trained in sizes if trained)
+    return checkpoint_bytes(sum(n for n, _ in sizes), sum(n for n, trained in sizes if trained))
 
 
-def disk_space_warning(out_dir: Path, num_params: int, keep_last: int) -> str | None:
-    """A warning when the output disk cannot hold keep_last + 1 checkpoints (estimated:
-    fp32 weights plus AdamW's two moments, 12 bytes per parameter)."""
-    estimate = 12 * num_params
+def disk_space_warning(out_dir: Path, params: int, trained: int, keep_last: int) -> str | None:
+    """A warning when the output disk cannot hold keep_last + 1 checkpoints."""
+    estimate = checkpoint_bytes(params, trained)
     needed = (keep_last + 1) * estimate
     free = shutil.disk_usage(out_dir).free
     if free >= needed:

@@ -90,12 +90,14 @@ def node_view(recipe: Recipe, topology: Topology, world_size: int) -> dict:
 
 
 def _checkpoint_bytes(recipe: Recipe) -> int:
-    """keep_last + 1 checkpoints (what may be on disk at once) of fp32 weights and AdamW's two
-    moments, as the run's own disk warning estimates them; the model counted on the meta device."""
+    """keep_last + 1 checkpoints (what may be on disk at once), as the run's own disk warning
+    estimates them (every parameter trained: an upper bound under LoRA); the model counted on
+    the meta device."""
+    from accord.checkpoint.store import checkpoint_bytes
     from accord.planner.estimate import meta_model
 
     params = sum(p.numel() for p in meta_model(recipe).parameters())
-    return (recipe.checkpoint.keep_last + 1) * 12 * params
+    return (recipe.checkpoint.keep_last + 1) * checkpoint_bytes(params, params)
 
 
 def _existing(path: Path) -> Path:

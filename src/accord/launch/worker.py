@@ -121,7 +121,7 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
     for line in describe(run):
         dist.print0(line)
     if info.is_main:
-        warning = disk_space_warning(out_dir, run.model.num_params, recipe.checkpoint.keep_last)
+        warning = disk_space_warning(out_dir, run.model.num_params, run.model.trainable, recipe.checkpoint.keep_last)
         if warning:
             dist.print0(f"accord: warning: {warning}")
     trainer = Trainer(run)

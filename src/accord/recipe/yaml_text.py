@@ -21,10 +21,15 @@ class DuplicateKey(ValueError):
 
 def load_yaml(text: str) -> Any:
     """The YAML document in `text`, refusing repeated keys at any depth (yaml.YAMLError for bad syntax)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    if node is not None:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()  # what yaml.safe_load does, with the check between its two halves
+        if node is None:
+            return None
         _refuse_repeated_keys(node, [])
-    return yaml.safe_load(text)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _refuse_repeated_keys(node: yaml.Node, path: list[str]) -> None:
