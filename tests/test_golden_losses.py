@@ -61,6 +61,9 @@ GOLDEN: dict[str, tuple[list[str], list[str]]] = {
 }
 # Slow, each with a cheaper check of what it guards in the default tier:
 SLOW = {
+    # the same generated sums, task and packing as quickstart (kept, 1 and 2 processes); the recipe itself
+    # trains end to end in test_example_recipes' addition-sft -> grpo chain (slow)
+    "addition-sft",
     # a 135M model's first steps (a minute on 2 cores); the DPO loss: test_tasks[dpo], test_chunked_loss
     "dpo",
     # tokenising the 37k-row CSV is most of its cost; classification: test_tasks[classify], and a

@@ -24,7 +24,7 @@ from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
 from conftest import TINY_RECIPE, max_param_diff
 
-STEPS = 10
+STEPS = 4
 
 
 def simulate(world: int, micro: int, normalisation: str, cache_dir) -> dict[str, torch.Tensor]:

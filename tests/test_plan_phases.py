@@ -104,6 +104,7 @@ def _assert_close(strategy: str, baseline: float, measured: dict[str, float], pl
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a measured run per phase; the plan's byte-exact model state stays in the default tier
 def test_plan_phase_peaks_match_an_fsdp_run(tmp_path):
     """Build (meta device, one module whole at a time), 2 steps, checkpoint and export of a
     2-process fsdp run peak where `accord plan` says, within the stated tolerance."""
