@@ -94,8 +94,7 @@ def _strategy_params(names: list[str], slow: set[str] = frozenset()) -> list:
     "name",
     _strategy_params(
         ["fsdp", "zero1", "zero2", "zero3", "zero1-torch", "zero2-offload", "zero3-offload"],
-        # zero1 on DeepSpeed: the same engine path as zero2 (kept); ZeRO-1 itself: zero1-torch (kept)
-        slow={"zero1", "zero2-offload", "zero3-offload"},
+        slow={"zero2-offload", "zero3-offload"},
     ),
 )
 def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
