@@ -84,6 +84,9 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]  # the baseline, then the end
     assert (out / "final" / "config.json").is_file() and any((out / "final").glob("model*.safetensors"))
+    assert proc.stdout == ""  # stdout is the user's: accord says everything on stderr
+    # no library warning the user can do nothing about (peft reading transformers' deprecated alias, ...)
+    assert "Warning:" not in proc.stderr, proc.stderr[-3000:]
 
 
 # Two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's,

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,7 +189,13 @@ def apply_lora(
         task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target
     )
     meta = is_meta(model)
-    with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
+    with (
+        torch.random.fork_rng(devices=[]),
+        torch.device("meta") if meta else contextlib.nullcontext(),
+        warnings.catch_warnings(),
+    ):
+        # peft reads transformers' deprecated alias; the user can do nothing about the warning
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         wrapped = get_peft_model(model, peft_config)
     if not meta:  # peft's own draws replaced by the per-name values
         fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
@@ -201,8 +208,6 @@ def adapter_saving() -> Iterator[None]:
     """Around peft's save_pretrained of an adapter: peft looks a base that is no local folder
     (a .gguf file, a `pkg:` path) up on the hub to see whether the vocabulary changed. accord
     never changes it and reads nothing from a hub, so the lookup is off, and its warning too."""
-    import warnings
-
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # read by peft at each save (peft.utils.other.check_file_exists_on_hf_hub)
     try:
