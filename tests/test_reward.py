@@ -263,6 +263,7 @@ def test_sharded_strategies_end_where_ddp_does(trained, tmp_path, strategy):
 
 @pytest.mark.slow  # two more 2-process runs
 @pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's load
 def test_lora_trains_the_adapters_and_head_and_exports_a_merged_classifier(trained, tmp_path):
     """With LoRA only the adapters and the score head train; final/ is merged (no peft needed),
     still ranks the pairs, and fsdp ends where ddp does."""
