@@ -73,7 +73,7 @@ def meta_model(recipe: Recipe):
         else:
             model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs, meta=True)
         if recipe.lora is not None:
-            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed, recipe.model.path)
+            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     return model
 
 
