@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,10 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The platform module asks `uname -p` once per process, on first use (DeepSpeed's import does):
+# asked here, before any test, so that a unit test that imports such a library starts no process.
+platform.processor()
 
 # A model and data small enough that a 2-process run takes seconds: a 2-layer Llama on
 # accord's generated additions (sequences of 6-13 tokens, so padding varies per micro-batch).
