@@ -68,7 +68,8 @@ class BatchPlan:
                 f"engine.sequence_parallel × engine.tensor_parallel = {per_row} does not divide the {world_size} "
                 f"processes; lower one of them"
             )
-        levers = [f"engine.{k}={n}" for k, n in (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel)) if n > 1]
+        sizes = (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel))
+        levers = [f"engine.{k}={n}" for k, n in sizes if n > 1]
         unit = "processes" if per_row == 1 else f"data-parallel groups (processes / {' × '.join(levers)})"
         plan = cls._derive(global_batch_size, micro_batch_size, world_size // per_row, unit)
         return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel, tensor_parallel)

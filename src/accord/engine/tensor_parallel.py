@@ -40,6 +40,8 @@ LLAMA_STYLE_PLAN = {
 }
 # transformers' plan words accord maps onto torch's ParallelStyles.
 STYLES = ("colwise", "rowwise")
+
+
 def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -130,7 +132,6 @@ def refuse(recipe, config, world: int | None = None) -> None:
     problems = check_tensor_parallel(recipe, config, world)
     if problems:
         raise UserInputError(problems[0])
-
 
 
 def parallelize(model: nn.Module, recipe, world: int, device: torch.device, names: tuple[str, ...]) -> DeviceMesh:
