@@ -262,3 +262,11 @@ def _compare(reference: Path, out: Path, label: str) -> None:
     loss_diff = max(abs(ref_losses[s] - losses[s]) for s in ref_losses)
     print(f"max |Δparam| {label}: {diff:.2e}; max |Δloss| {loss_diff:.2e}")
     assert diff <= TOLERANCE and loss_diff <= TOLERANCE, label
+
+
+def test_doctor_checks_that_each_tp_group_stays_inside_a_node():
+    from accord.cli.doctor import FAIL, OK, tensor_parallel_line
+
+    assert tensor_parallel_line(2, 4, 8).verdict == OK
+    bad = tensor_parallel_line(4, 2, 4)
+    assert bad.verdict == FAIL and "would span nodes" in bad.result
