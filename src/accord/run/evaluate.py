@@ -103,7 +103,7 @@ class Evaluator:
         """This rank's data-parallel group, their number, and whether its sums count: the ranks
         of a tensor-parallel group evaluate the same rows together (their forward is one
         collective), and only the first one's sums count."""
-        tp = self.engine.tensor_parallel
+        tp = getattr(self.engine, "tensor_parallel", 1)  # an engine that predates Engine.tensor_parallel: 1
         return self.info.rank // tp, self.info.world_size // tp, 1.0 if self.info.rank % tp == 0 else 0.0
 
     def _check_stop(self) -> None:
