@@ -35,7 +35,10 @@ class FSDPEngine(TorchUpdateEngine):
         ensure_process_group(device)
         # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
         apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        self._mesh = init_device_mesh(device.type, (info.world_size,))
+        self._recipe, self._world = recipe, info.world_size
+        self.tensor_parallel = recipe.engine.tensor_parallel
+        # Under engine.tensor_parallel the mesh is ("dp", "tp") and FSDP2 shards over "dp" (2-D).
+        self._mesh = init_device_mesh(device.type, (info.world_size,)) if self.tensor_parallel == 1 else None
         self._layer_class = recipe.engine.fsdp_layer_class
         precision = recipe.engine.precision
         if precision == "no":
@@ -57,9 +60,14 @@ class FSDPEngine(TorchUpdateEngine):
         (accord.models.weights), so no process ever holds the whole model."""
         if not is_meta(model):
             model.to(device)  # every rank built the same values (seeded per name)
+        mesh = self._mesh
+        if self.tensor_parallel > 1:
+            from accord.engine.tensor_parallel import parallelize
+
+            mesh = parallelize(model, self._recipe, self._world, device, ("dp", "tp"))["dp"]
         for layer in layer_modules(model, self._layer_class):
-            fully_shard(layer, mesh=self._mesh, mp_policy=self._policy)
-        fully_shard(model, mesh=self._mesh, mp_policy=self._policy)
+            fully_shard(layer, mesh=mesh, mp_policy=self._policy)
+        fully_shard(model, mesh=mesh, mp_policy=self._policy)
         materialize(model, device)
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:

@@ -35,6 +35,8 @@ def preflight(
     problems += check_model_source(recipe.model)
     if recipe.engine.sequence_parallel > 1 and not problems:
         problems += check_sequence_parallel(recipe)
+    if recipe.engine.tensor_parallel > 1 and not problems:
+        problems += check_tensor_parallel(recipe, world_size)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -182,6 +184,30 @@ def check_sequence_parallel(recipe: Recipe) -> list[str]:
     if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
         return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
     return check(recipe, _model_config(recipe.model))
+
+
+def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
+    """engine.tensor_parallel divides the processes and the model's heads, key/value heads and
+    intermediate size, and the model has a plan; its config is read, no weights."""
+    from accord.engine.tensor_parallel import check_tensor_parallel as check
+
+    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+        return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
+    return check(recipe, _model_config(recipe.model), world_size)
+
+
+def tensor_parallel_nodes(tensor_parallel: int, per_node: int, nodes: int) -> str | None:
+    """Why a tensor-parallel group would span nodes (None: each stays inside one). Its all-reduces
+    run twice per layer, forward and backward: over the network they would dominate the step."""
+    if tensor_parallel == 1 or nodes == 1:
+        return None
+    if per_node % tensor_parallel:
+        return (
+            f"engine.tensor_parallel={tensor_parallel} would span nodes: it must divide the {per_node} processes per "
+            f"node (a TP group all-reduces twice per layer and belongs inside one node); use a divisor of "
+            f"{per_node}, and engine.strategy=fsdp over the nodes"
+        )
+    return None
 
 
 def _model_config(cfg: ModelConfig):

@@ -437,6 +437,12 @@ class OutputConfig(Section):
     overwrite: bool = Field(False, description="Replace an earlier run in `dir` (otherwise refused).")
 
 
+# What engine.tensor_parallel composes with: torch's own data parallelism over the TP groups,
+# and tasks that train one model (dpo's frozen reference and grpo's rollouts are not split).
+TENSOR_PARALLEL_STRATEGIES = ("ddp", "fsdp")
+TENSOR_PARALLEL_TASKS = ("sft", "pretrain", "classify", "reward")
+
+
 class Recipe(Section):
     """A whole training run."""
 
@@ -473,6 +479,34 @@ class Recipe(Section):
         if isinstance(value, str) and value not in registry.TASKS:
             raise ValueError(registry.unknown_name("task", "task", value, registry.TASKS))
         return value
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> Recipe:
+        n = self.engine.tensor_parallel
+        if n == 1:
+            return self
+        key = f"engine.tensor_parallel={n}"
+        if self.engine.strategy not in TENSOR_PARALLEL_STRATEGIES:
+            raise ValueError(
+                f"{key} composes with engine.strategy=ddp or fsdp (torch's own data parallelism over the TP groups), "
+                f"not {self.engine.strategy}; use engine.strategy=fsdp to shard parameters too, or tensor_parallel=1"
+            )
+        if self.engine.sequence_parallel > 1:
+            raise ValueError(
+                f"{key} with engine.sequence_parallel={self.engine.sequence_parallel} is not supported (Ulysses' "
+                f"all-to-all expects every head on each rank); use one of them"
+            )
+        if self.lora is not None:
+            raise ValueError(f"{key} with lora is not supported (peft's adapters are not split); remove lora or TP")
+        if not isinstance(self.task, str) or self.task not in TENSOR_PARALLEL_TASKS:
+            name = self.task if isinstance(self.task, str) else self.task.class_
+            raise ValueError(
+                f"{key} supports task {', '.join(TENSOR_PARALLEL_TASKS)}, not {name} (its frozen or rollout model is "
+                f"not split); set engine.tensor_parallel=1"
+            )
+        if self.engine.tiled_mlp:
+            raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
+        return self
 
     @model_validator(mode="after")
     def _context_parallel(self) -> Recipe:
