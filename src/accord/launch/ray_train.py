@@ -61,7 +61,10 @@ def run(recipe: Recipe) -> str:
     a worker failed past engine.max_restarts."""
     import ray
 
+    from accord.observe.progress import announce
+
     cfg = recipe.engine.ray
+    announce("starting Ray…" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "joining the Ray cluster…")
     started_here = _connect(recipe)
     try:
         gpus = _gpus_per_worker(recipe, ray.cluster_resources())
@@ -71,6 +74,8 @@ def run(recipe: Recipe) -> str:
         engine = recipe.engine.model_copy(update={"device": "cuda" if gpus else "cpu"})
         recipe = recipe.model_copy(update={"engine": engine})
         control = ray.remote(num_cpus=0)(_RunControl).remote()
+        workers = world_size(recipe)
+        announce(f"starting {workers} Ray Train worker{'s' if workers != 1 else ''}…")
         from ray.train import TrainingFailedError
 
         with _stop_forwarded(control), tempfile.TemporaryDirectory(prefix="accord-ray-") as storage:
@@ -101,7 +106,12 @@ def _connect(recipe: Recipe) -> bool:
 
     cfg = recipe.engine.ray
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    options: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    options: dict[str, Any] = dict(
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+        runtime_env={"worker_process_setup_hook": f"{__name__}.quiet_ray_process"},
+    )
     if ray.is_initialized():  # accord.train called from a program that joined a cluster already
         return False
     if address is None:
@@ -118,6 +128,15 @@ def _connect(recipe: Recipe) -> bool:
             "or leave engine.ray.address and RAY_ADDRESS unset for a local Ray"
         ) from None
     return True
+
+
+def quiet_ray_process() -> None:
+    """Run in each of the job's Ray processes as it starts. Ray Train's placement-group cleaner
+    asks Ray's state API, served by the dashboard, whether the run's controller still lives;
+    without the dashboard (ray[train] alone) it warns every second that it cannot tell."""
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def _gpus_per_worker(recipe: Recipe, resources: dict[str, float]) -> float:
@@ -154,8 +173,7 @@ def _check_cluster_fits(recipe: Recipe, gpus: float) -> None:
 
 
 def _trainer(recipe: Recipe, cfg, gpus: float, control, storage: str):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.api.config import LoggingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {}), **cfg.resources_per_worker}

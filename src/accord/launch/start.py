@@ -123,13 +123,25 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         if problems:
             raise UserInputError("\n".join(problems))
         refusals.launching()
-        status = ray_train.run(recipe) if on_ray else run(recipe, topology, checks, plan)
+        status = _run_on_ray(recipe, hold) if on_ray else run(recipe, topology, checks, plan)
         hold.refused = status == "refused"
     except Interrupted as e:
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
         hold.leave()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
+
+
+def _run_on_ray(recipe: Recipe, hold: _OutputHold) -> str:
+    """The run on Ray's workers; a cluster that cannot hold them is refused once Ray is up,
+    before any worker wrote anything: the folder the hold made goes, as after a workers' refusal."""
+    from accord.launch import ray_train
+
+    try:
+        return ray_train.run(recipe)
+    except UserInputError:
+        hold.refused = True
+        raise
 
 
 def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:

@@ -41,8 +41,7 @@ class RayConfig(Section):
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
         None,
-        description="How Ray places the workers' bundles over nodes; default: PACK on one node, SPREAD over "
-        "several.",
+        description="How Ray places the workers' bundles over nodes; default: PACK on one node, SPREAD over several.",
     )
 
     @field_validator("resources_per_worker")
@@ -56,7 +55,6 @@ class RayConfig(Section):
             if amount < 0:
                 raise ValueError(f"engine.ray.resources_per_worker.{key}={amount:g} must be at least 0")
         return value
-
 
 
 class EngineConfig(Section):
