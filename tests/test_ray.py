@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from accord.checkpoint.store import complete_checkpoints, read_state
+from accord.stopping import PREEMPTED_EXIT_CODE
 from conftest import (
     accord_env,
     assert_ok,
@@ -185,12 +187,19 @@ def _ray_workers(root: int) -> list[int]:
     return sorted(found)
 
 
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory, quick) -> Path:
+    """The 60-step quickstart under accord's launcher, never interrupted."""
+    out = tmp_path_factory.mktemp("long") / "uninterrupted"
+    assert_ok(run_accord("train", QUICKSTART, *quick, *LONG, "engine.processes=2", f"output.dir={out}"))
+    return out
+
+
 @needs_ray
 @pytest.mark.distributed
 @pytest.mark.slow  # a 60-step run under Ray with a restart, and the same run under accord's launcher
-def test_a_killed_ray_worker_restarts_the_group_from_the_checkpoint(quick, tmp_path):
-    reference = tmp_path / "uninterrupted"
-    assert_ok(run_accord("train", QUICKSTART, *quick, *LONG, "engine.processes=2", f"output.dir={reference}"))
+def test_a_killed_ray_worker_restarts_the_group_from_the_checkpoint(quick, long_reference, tmp_path):
+    reference = long_reference
     out = tmp_path / "restarted"
     command = [sys.executable, "-m", "accord", "train", str(QUICKSTART), *quick, *LONG, *RAY]
     command += ["engine.processes=2", "engine.max_restarts=1", f"output.dir={out}"]
@@ -221,3 +230,23 @@ def test_a_ray_cluster_without_the_resources_is_refused_in_one_line(quick, tmp_p
     assert proc.returncode == 2, proc.stderr
     assert "the Ray cluster has 0 accelerator_x" in proc.stderr and proc.stderr.count("accord: error:") == 1
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
+@needs_ray
+@pytest.mark.distributed
+@pytest.mark.slow  # a Ray run stopped mid-way, then resumed under Ray
+def test_sigterm_to_a_ray_run_checkpoints_exits_75_and_resume_matches(quick, long_reference, tmp_path):
+    out = tmp_path / "preempted"
+    command = [sys.executable, "-m", "accord", "train", str(QUICKSTART), *quick, *LONG, *RAY]
+    proc = start_process([*command, "engine.processes=2", f"output.dir={out}"], merge_output=True, env=accord_env())
+    wait_for(lambda: logged_steps(out) >= 15, timeout=300)
+    os.kill(proc.pid, signal.SIGTERM)  # to the `accord train` process, as a scheduler sends it
+    output, _ = finish(proc, 400)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, output[-6000:]
+    assert "stop requested (SIGTERM)" in output and "continue with --resume" in output
+    stopped_at = read_state(complete_checkpoints(out / "checkpoints")[-1]).step
+    assert 15 <= stopped_at < 60 and not (out / "final").exists()
+    resumed = run_accord("train", QUICKSTART, *quick, *LONG, *RAY, f"output.dir={out}", "--resume", timeout=400)
+    assert_ok(resumed)
+    assert f"at step {stopped_at} " in resumed.stderr
+    assert max_param_diff(final_params(long_reference), final_params(out)) <= TOLERANCE

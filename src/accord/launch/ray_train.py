@@ -55,44 +55,61 @@ def refusal(recipe: Recipe, outer_launcher: str | None, multi_node_flags: bool) 
     return None
 
 
-def run(recipe: Recipe) -> str:
-    """Train `recipe` on Ray Train workers; how the run ended: completed | preempted | stopped |
-    refused. Raises UserInputError when the cluster cannot hold the workers, WorkerFailed when
-    a worker failed past engine.max_restarts."""
-    import ray
+class RaySession:
+    """Ray, up and checked for the run: `RaySession(recipe)` starts a local Ray or joins the
+    cluster and refuses (UserInputError, Ray stopped again) one that cannot hold the workers,
+    before the output folder is taken; `run()` trains; `close()` stops a Ray started here."""
 
-    from accord.observe.progress import announce
+    def __init__(self, recipe: Recipe) -> None:
+        import ray
 
-    cfg = recipe.engine.ray
-    announce("starting Ray…" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "joining the Ray cluster…")
-    started_here = _connect(recipe)
-    try:
-        gpus = _gpus_per_worker(recipe, ray.cluster_resources())
-        _check_cluster_fits(recipe, gpus)
+        from accord.observe.progress import announce
+
+        cfg = recipe.engine.ray
+        announce("starting Ray…" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "joining the Ray cluster…")
+        self.started_here = _connect(recipe)
+        try:
+            self.gpus = _gpus_per_worker(recipe, ray.cluster_resources())
+            _check_cluster_fits(recipe, self.gpus)
+        except BaseException:
+            self.close()
+            raise
         # The workers pick their device from engine.device: settled here, where the cluster is known
         # (the driver itself may have no GPU).
-        engine = recipe.engine.model_copy(update={"device": "cuda" if gpus else "cpu"})
-        recipe = recipe.model_copy(update={"engine": engine})
+        engine = recipe.engine.model_copy(update={"device": "cuda" if self.gpus else "cpu"})
+        self.recipe = recipe.model_copy(update={"engine": engine})
+
+    def run(self) -> str:
+        """Train on Ray Train workers; how the run ended: completed | preempted | stopped |
+        refused. WorkerFailed when a worker failed past engine.max_restarts."""
+        import ray
+        from ray.train import TrainingFailedError
+
+        from accord.observe.progress import announce
+
+        recipe = self.recipe
         control = ray.remote(num_cpus=0)(_RunControl).remote()
         workers = world_size(recipe)
         announce(f"starting {workers} Ray Train worker{'s' if workers != 1 else ''}…")
-        from ray.train import TrainingFailedError
-
         with _stop_forwarded(control), tempfile.TemporaryDirectory(prefix="accord-ray-") as storage:
             try:
-                _trainer(recipe, cfg, gpus, control, storage).fit()
+                _trainer(recipe, recipe.engine.ray, self.gpus, control, storage).fit()
             except TrainingFailedError as e:
                 from accord.launch.agent import WorkerFailed
 
                 restarts = recipe.engine.max_restarts
+                left = f", with no restart left of engine.max_restarts={restarts}" if restarts else ""
                 raise WorkerFailed(
-                    f"a Ray worker failed ({_first_line(e)})"
-                    + (f" and no restart is left of engine.max_restarts={restarts}" if restarts else "")
-                    + "; --resume continues from the latest checkpoint, if one was written"
+                    f"a Ray worker failed ({type(e).__name__}{left}; its error is printed above); "
+                    "--resume continues from the latest checkpoint, if one was written"
                 ) from None
             return ray.get(control.result.remote()) or "completed"
-    finally:
-        if started_here:
+
+    def close(self) -> None:
+        import ray
+
+        if self.started_here:
+            self.started_here = False
             ray.shutdown()
 
 
@@ -188,7 +205,7 @@ def _trainer(recipe: Recipe, cfg, gpus: float, control, storage: str):
     backend = "nccl" if gpus else "gloo"
     return TorchTrainer(
         _train_function,
-        train_loop_config={"recipe": recipe.model_dump_json(), "control": control},
+        train_loop_config={"recipe": recipe.model_dump_json(), "control": control, "cwd": os.getcwd()},
         scaling_config=scaling,
         torch_config=TorchConfig(backend=backend, timeout_s=PROCESS_GROUP_TIMEOUT_S),
         run_config=RunConfig(
@@ -264,6 +281,11 @@ def _train_function(config: dict[str, Any]) -> None:
     from accord.stopping import StopRequest
 
     control = config["control"]
+    # Ray Train moves each worker into a folder of its own session: the recipe's relative paths
+    # (output.dir, data, model) mean what they meant where `accord train` ran, as under accord's
+    # launcher; on another node that folder must exist too (a shared file system).
+    if os.path.isdir(config["cwd"]):
+        os.chdir(config["cwd"])
     rank = ray.train.get_context().get_world_rank()
     dist.set_restart_count(ray.get(control.start.remote(rank)))
     recipe = Recipe.model_validate_json(config["recipe"])

@@ -98,12 +98,17 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
+    ray_session = None
     try:
         checks, problems = None, []
         if on_ray:
             # Ray's workers may be on other machines: the checks run here, in a child (the
-            # libraries they load do not stay in the driver, which waits for the whole run).
-            problems = call_in_fork(_preflight, recipe, plan, topology) or hold.enter()
+            # libraries they load do not stay in the driver, which waits for the whole run),
+            # before Ray starts its threads here; then Ray, refused if it cannot hold the workers.
+            problems = call_in_fork(_preflight, recipe, plan, topology)
+            if not problems:
+                ray_session = ray_train.RaySession(recipe)
+                problems = hold.enter()
         elif starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
             if not topology.multi_node:
                 # The first worker checks, once it has imported transformers and datasets
@@ -123,25 +128,15 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         if problems:
             raise UserInputError("\n".join(problems))
         refusals.launching()
-        status = _run_on_ray(recipe, hold) if on_ray else run(recipe, topology, checks, plan)
+        status = ray_session.run() if ray_session else run(recipe, topology, checks, plan)
         hold.refused = status == "refused"
     except Interrupted as e:
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
         hold.leave()
+        if ray_session:
+            ray_session.close()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
-
-
-def _run_on_ray(recipe: Recipe, hold: _OutputHold) -> str:
-    """The run on Ray's workers; a cluster that cannot hold them is refused once Ray is up,
-    before any worker wrote anything: the folder the hold made goes, as after a workers' refusal."""
-    from accord.launch import ray_train
-
-    try:
-        return ray_train.run(recipe)
-    except UserInputError:
-        hold.refused = True
-        raise
 
 
 def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:
