@@ -214,10 +214,19 @@ def _trainer(recipe: Recipe, cfg, gpus: float, control, storage: str):
             failure_config=FailureConfig(max_failures=recipe.engine.max_restarts),
             # accord's lines are printed once, as they are (Ray's print patch would also log each
             # again), and Ray Train's own INFO lines (placement, process group) stay out of them.
-            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            worker_runtime_env={"env_vars": {**_passed_on(), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
             logging_config=LoggingConfig(log_level="ERROR"),
         ),
     )
+
+
+# What the workers see of the driver's environment where Ray did not start them from it (a
+# cluster's nodes): accord's and Hugging Face's own settings (HF_HUB_OFFLINE, HF_HOME, ...).
+_PASSED_ON = ("ACCORD_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+
+
+def _passed_on() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(_PASSED_ON)}
 
 
 class _RunControl:
