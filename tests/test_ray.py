@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def _same_run(reference: Path, out: Path) -> None:
 # ---------------------------------------------------------------- refused before Ray starts
 
 
+def _closed_port() -> int:
+    """A port nothing listens on (bound for a moment, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize(
     "overrides, env, expected",
     [
@@ -80,8 +88,14 @@ def _same_run(reference: Path, out: Path) -> None:
             {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"},
             "torchrun already started this process as one worker of many",
         ),
+        pytest.param(
+            RAY,
+            {"RAY_ADDRESS": f"127.0.0.1:{_closed_port()}"},
+            "no Ray cluster answers there (ConnectionRefusedError",
+            marks=needs_ray,  # asked only where ray is installed
+        ),
     ],
-    ids=["ray-option-without-ray", "devices", "cpu-resource", "gpus-on-cpu", "placement", "under-torchrun"],
+    ids=["ray-option-without-ray", "devices", "cpu-resource", "gpus-on-cpu", "placement", "under-torchrun", "address"],
 )
 def test_a_bad_ray_setting_is_one_line_before_ray_starts(tmp_path, quick, overrides, env, expected):
     proc = run_accord_here("train", QUICKSTART, *quick, *overrides, f"output.dir={tmp_path / 'o'}", env_extra=env)

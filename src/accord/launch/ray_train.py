@@ -1,9 +1,9 @@
 """engine.launcher=ray: the workers are Ray Train workers (`ray.train.torch.TorchTrainer`), each
 running accord's one worker entry point (`accord.launch.worker.train_worker`) in the process
-group Ray Train created. The launcher (`launch/start.py`) has checked the recipe and the data
-and holds the output folder before Ray starts; this module only starts Ray (or joins the
-cluster at engine.ray.address / RAY_ADDRESS), refuses a cluster that cannot hold the workers,
-and runs them.
+group Ray Train created. The launcher (`launch/start.py`) checks the recipe and the data
+before Ray starts; this module starts Ray (or joins the cluster at engine.ray.address /
+RAY_ADDRESS) and refuses a cluster that cannot hold the workers, both before the launcher
+takes the output folder, then runs the workers.
 
 Ray runs the worker function in a thread of its worker actor, so what accord's own launcher
 does through process signals and environment variables goes through a small actor instead
@@ -31,6 +31,7 @@ RAY_MISSING = (
     "(or 'ray[train]'), or leave engine.launcher at accord"
 )
 _STOP_POLL_S = 0.5  # how often a worker asks whether the driver was told to stop
+_CONNECT_TIMEOUT_S = 10  # a Ray head that takes no TCP connection in this long is not there
 
 
 def world_size(recipe: Recipe) -> int:
@@ -52,7 +53,9 @@ def refusal(recipe: Recipe, outer_launcher: str | None, multi_node_flags: bool) 
         )
     if importlib.util.find_spec("ray") is None:
         return RAY_MISSING
-    return None
+    address = recipe.engine.ray.address or os.environ.get("RAY_ADDRESS")
+    unreachable = _unreachable(address) if address else None
+    return _no_cluster(recipe, address, unreachable) if unreachable else None
 
 
 class RaySession:
@@ -134,17 +137,36 @@ def _connect(recipe: Recipe) -> bool:
     if address is None:
         need = world_size(recipe) * cfg.cpus_per_worker
         options["num_cpus"] = max(int(-(-need // 1)), os.cpu_count() or 1)
-        ray.init(**options)
+        ray.init(address="local", **options)  # a new instance, even beside one `ray start` left running
         return True
     try:
         ray.init(address=address, **options)
-    except ConnectionError as e:
-        source = "engine.ray.address" if cfg.address else "RAY_ADDRESS"
-        raise UserInputError(
-            f"{source}={address}: no Ray cluster answers there ({_first_line(e)}); start one (`ray start --head`) "
-            "or leave engine.ray.address and RAY_ADDRESS unset for a local Ray"
-        ) from None
+    except (ConnectionError, ValueError) as e:
+        raise UserInputError(_no_cluster(recipe, address, _first_line(e))) from None
     return True
+
+
+def _no_cluster(recipe: Recipe, address: str, why: str) -> str:
+    source = "engine.ray.address" if recipe.engine.ray.address else "RAY_ADDRESS"
+    return (
+        f"{source}={address}: no Ray cluster answers there ({why}); start one (`ray start --head`) "
+        "or leave engine.ray.address and RAY_ADDRESS unset for a local Ray"
+    )
+
+
+def _unreachable(address: str) -> str | None:
+    """Why HOST:PORT takes no connection, found in seconds: ray.init retries a silent address
+    for minutes. None for the other forms (auto, ray://...), which ray.init resolves itself."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S):
+            return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror}" if e.strerror else type(e).__name__
 
 
 def quiet_ray_process() -> None:
