@@ -112,6 +112,14 @@ def test_without_ray_installed_the_ray_launcher_is_one_line(tmp_path, quick, mon
     assert not (tmp_path / "o").exists()
 
 
+def test_accord_train_takes_the_launcher_as_the_command_takes_engine_launcher(quick, tmp_path):
+    import accord
+    from accord.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="set engine.ray.gpus_per_worker instead"):
+        accord.train(QUICKSTART, [*quick, "engine.devices=[0]", f"output.dir={tmp_path / 'o'}"], launcher="ray")
+
+
 # ---------------------------------------------------------------- Ray workers train as accord's
 
 
