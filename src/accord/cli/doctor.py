@@ -93,7 +93,7 @@ def _checkpoint_bytes(recipe: Recipe) -> int:
     """keep_last + 1 checkpoints (what may be on disk at once), as the run's own disk warning
     estimates them (every parameter trained: an upper bound under LoRA); the model counted on
     the meta device."""
-    from accord.checkpoint.store import checkpoint_bytes
+    from accord.checkpoint.disk_space import checkpoint_bytes
     from accord.planner.estimate import meta_model
 
     params = sum(p.numel() for p in meta_model(recipe).parameters())

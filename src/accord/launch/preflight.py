@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from accord.checkpoint.store import check_resume
+from accord.checkpoint.resume import check_resume
 from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
 from accord.distributed import group as dist

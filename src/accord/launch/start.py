@@ -231,7 +231,7 @@ class _OutputHold:
 
 
 def _resume_hint(out_dir: Path) -> str:
-    from accord.checkpoint.store import resume_hint  # the checkpoint format's imports: only when needed
+    from accord.checkpoint.resume import resume_hint  # the checkpoint format's imports: only when needed
 
     return resume_hint(out_dir)
 
