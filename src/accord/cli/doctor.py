@@ -327,7 +327,7 @@ def _output_to(log: Path) -> Iterator[None]:
 def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     """Whether each engine.tensor_parallel group stays inside a node (its all-reduces run twice
     per layer: over the network they would dominate the step)."""
-    from accord.launch.preflight import tensor_parallel_nodes
+    from accord.launch.cluster import tensor_parallel_nodes
 
     nodes = world // max(local_world, 1)
     problem = tensor_parallel_nodes(tp, local_world, nodes)

@@ -123,7 +123,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
 
 def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:
     from accord.distributed import group as dist
-    from accord.launch.preflight import tensor_parallel_nodes
+    from accord.launch.cluster import tensor_parallel_nodes
 
     if dist.outer_launcher() is not None:
         info = dist.env_info()
