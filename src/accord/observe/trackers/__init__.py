@@ -25,13 +25,23 @@ class Kind:
     module: str
     packages: tuple[str, ...]  # import names the tracker needs (checked before the run starts)
     extra: str | None  # accord's extra that installs them
+    env: tuple[str, ...] = ()  # the library's own variables accord follows (named when it cannot start)
 
 
 KINDS = {
     "tensorboard": Kind("accord.observe.trackers.tensorboard", ("tensorboard",), None),
-    "mlflow": Kind("accord.observe.trackers.mlflow", ("mlflow",), "mlflow"),
-    "wandb": Kind("accord.observe.trackers.wandb", ("wandb",), "wandb"),
-    "trackio": Kind("accord.observe.trackers.trackio", ("trackio",), "trackio"),
+    "mlflow": Kind(
+        "accord.observe.trackers.mlflow", ("mlflow",), "mlflow", ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+    ),
+    "wandb": Kind(
+        "accord.observe.trackers.wandb", ("wandb",), "wandb", ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME")
+    ),
+    "trackio": Kind(
+        "accord.observe.trackers.trackio",
+        ("trackio",),
+        "trackio",
+        ("TRACKIO_DIR", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"),
+    ),
 }
 assert tuple(KINDS) == TRACKERS  # the recipe's names, one module each
 
@@ -110,10 +120,21 @@ def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[
         except Exception as e:  # each library raises its own kinds; all mean "this tracker cannot start"
             for tracker in started:
                 tracker.finish({}, "failed")
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            reason = f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
-            raise TrackerStartError(f"observe.report_to: {name} cannot start: {reason}") from e
+            raise TrackerStartError(f"observe.report_to: {name} cannot start{_settings(name)}: {_reason(e)}") from e
     return started
+
+
+def _settings(name: str) -> str:
+    """The tracker's environment variables that are set, as the user typed them."""
+    given = [f"{v}={os.environ[v]}" for v in KINDS[name].env if os.environ.get(v)]
+    return f" with {', '.join(given)}" if given else ""
+
+
+def _reason(error: Exception) -> str:
+    """A library's error in one line: its first sentence, at most 300 characters."""
+    text = " ".join(str(error).split())
+    first = text.split(". ", 1)[0]
+    return f"{type(error).__name__}: {first if len(first) <= 300 else first[:299] + '…'}"
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
