@@ -262,13 +262,17 @@ def run_process(command: list[str], *, timeout: float, **popen) -> subprocess.Co
 
 
 def run_accord(
-    *args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None
+    *args: str | Path,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    launcher: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `python -m accord ARGS` (or under `launcher`) and return the finished process.
     A test that gets as far as training (a worker announces its batch) must be marked
     `distributed`, so that `-m "not distributed"` stays a fast tier without workers."""
     command = (launcher or [sys.executable]) + ["-m", "accord", *map(str, args)]
-    proc = run_process(command, cwd=cwd, env=accord_env(), timeout=timeout)
+    proc = run_process(command, cwd=cwd, env=accord_env() | (env_extra or {}), timeout=timeout)
     if not _is_distributed_test() and "accord: batch " in proc.stdout + proc.stderr:
         pytest.fail("this test started training workers: mark it @pytest.mark.distributed")
     return proc
