@@ -210,3 +210,46 @@ def test_an_mlflow_store_that_cannot_open_is_one_line_naming_the_uri(tmp_path, m
     message = str(refused.value)
     assert message.startswith("observe.report_to: mlflow cannot start with MLFLOW_TRACKING_URI=bogus://nowhere: ")
     assert "\n" not in message and "'bogus://nowhere'" in message
+
+
+# ------------------------------------------------------------------ resume
+
+
+@pytest.mark.slow  # two runs; the default tier has the one run above
+@pytest.mark.distributed
+def test_a_resumed_run_continues_each_trackers_run(tmp_path, monkeypatch):
+    """Run 4 steps, then resume to 6: MLflow, W&B and Trackio continue the run whose id the
+    first attempt kept in trackers.json; each holds the loss of steps 1-6 once."""
+    for name in TRACKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    out = tmp_path / "run"
+    common = ["train", recipe, "train.log_every=2", f"observe.report_to=[{','.join(ALL)}]", f"output.dir={out}"]
+    assert_ok(run_accord(*common, "train.max_steps=4"))
+    ids = json.loads((out / "trackers.json").read_text())
+    assert set(ids) == {"mlflow", "wandb", "trackio"}
+    assert_ok(run_accord(*common, "train.max_steps=6", "resume=auto"))
+    assert json.loads((out / "trackers.json").read_text()) == ids
+    losses = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "train"
+    }
+    assert list(losses) == [1, 2, 3, 4, 5, 6]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("accord").experiment_id])
+    assert (run.info.run_id, run.info.status) == (ids["mlflow"], "FINISHED")
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")} == losses
+    assert run.data.metrics["final/step"] == 6
+
+    # Offline, each attempt is a folder of the same run id; `wandb sync` uploads them into one run.
+    attempts = sorted((out / "wandb").glob("offline-run-*"))
+    assert [a.name.rsplit("-", 1)[1] for a in attempts] == [ids["wandb"]] * 2
+
+    env = dict(os.environ, TRACKIO_DIR=str(out / "trackio"))
+    trackio = [_tool("trackio"), "get", "metric", "--project", "accord", "--run", "run", "--json"]
+    read = subprocess.run([*trackio, "--metric", "train/loss"], capture_output=True, text=True, env=env, check=True)
+    assert {v["step"]: v["value"] for v in json.loads(read.stdout)["values"]} == losses

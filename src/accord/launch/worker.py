@@ -133,6 +133,9 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
                 dist.print0(f"accord: outputs in {out_dir}/ ({_outputs(recipe, out_dir, final)})")
         ended = result.status
         return result
+    except TrainingStopped:  # a non-finite loss, a failed checkpoint write: said on stderr
+        ended = "stopped"
+        raise
     finally:
         trainer.close(ended)
 

@@ -1,6 +1,8 @@
 """Experiment trackers (`observe.report_to`): rank 0 opens each before the model is built, gives it
 every scalar that metrics.jsonl records (tagged `kind/name`, at its step), the resolved recipe as
-parameters at the start and the final metrics at the end.
+parameters at the start and the final metrics at the end. Each run's id is kept in
+output.dir/trackers.json, so that a resumed run (or a restarted worker group) continues the same
+tracker runs.
 
 One module per tracker, each with `start(context) -> Tracker`, importing its library there: a
 recipe without a tracker never imports it. Data stays under output.dir unless the tracker's own
@@ -12,10 +14,11 @@ import importlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from accord.atomic import write_atomic
 from accord.errors import UserInputError
 from accord.recipe.schema import TRACKERS, Recipe
 
@@ -45,8 +48,10 @@ KINDS = {
 }
 assert tuple(KINDS) == TRACKERS  # the recipe's names, one module each
 
+# The tracker runs' ids, for a resumed run to continue them.
+RUN_IDS = "trackers.json"
 # output.dir entries the trackers write by default (so --overwrite and the earlier-run check see them).
-TRACKER_ARTEFACTS = ("tensorboard", "mlflow.db", "mlartifacts", "wandb", "trackio")
+TRACKER_ARTEFACTS = (RUN_IDS, "tensorboard", "mlflow.db", "mlartifacts", "wandb", "trackio")
 
 
 class TrackerStartError(UserInputError):
@@ -62,12 +67,14 @@ class TrackerStart:
     project: str | None  # observe.project (None: the tracker's environment, else "accord")
     config: dict[str, Any]  # the resolved recipe, as recipe.yaml holds it
     resume_step: int  # 0 for a fresh run
+    resume_id: str | None = None  # a resumed run: the id this tracker's run had (trackers.json)
 
 
 class Tracker:
     """One open tracker run. Every call comes from rank 0 only."""
 
     name = ""
+    run_id: str | None = None  # kept in trackers.json; None: nothing to continue (TensorBoard)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         raise NotImplementedError
@@ -106,6 +113,7 @@ def _mlflow_needs_sqlalchemy() -> bool:
 def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[Tracker]:
     """Open observe.report_to's trackers, in order; the first that cannot start closes the ones
     already open and raises TrackerStartError (one line)."""
+    ids = _saved_ids(out_dir) if resume_step else {}
     context = TrackerStart(
         out_dir=out_dir,
         run_name=out_dir.resolve().name,
@@ -116,12 +124,25 @@ def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[
     started: list[Tracker] = []
     for name in recipe.observe.report_to:
         try:
-            started.append(importlib.import_module(KINDS[name].module).start(context))
+            module = importlib.import_module(KINDS[name].module)
+            started.append(module.start(replace(context, resume_id=ids.get(name))))
         except Exception as e:  # each library raises its own kinds; all mean "this tracker cannot start"
             for tracker in started:
                 tracker.finish({}, "failed")
             raise TrackerStartError(f"observe.report_to: {name} cannot start{_settings(name)}: {_reason(e)}") from e
+    ids |= {t.name: t.run_id for t in started if t.run_id}
+    if ids:
+        write_atomic(out_dir / RUN_IDS, json.dumps(ids, indent=1) + "\n")
     return started
+
+
+def _saved_ids(out_dir: Path) -> dict[str, str]:
+    """The tracker runs' ids an earlier attempt of this run kept; none when unreadable (a new run each)."""
+    try:
+        ids = json.loads((out_dir / RUN_IDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
 
 
 def _settings(name: str) -> str:

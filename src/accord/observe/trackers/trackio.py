@@ -1,6 +1,7 @@
 """Trackio, local: its SQLite database in TRACKIO_DIR, else output.dir/trackio (`TRACKIO_DIR=... trackio
 show` opens the dashboard). A Space or server only when the user sets TRACKIO_SPACE_ID or
-TRACKIO_SERVER_URL, as trackio itself reads them. Project observe.project, else `accord`."""
+TRACKIO_SERVER_URL, as trackio itself reads them. Project observe.project, else `accord`. A resumed
+run continues its Trackio run (found by name, as trackio resumes)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,13 @@ class Trackio(Tracker):
         self._trackio = trackio
         with _to_stderr():  # trackio prints its messages on stdout, which accord keeps empty
             self._run = trackio.init(
-                project=context.project or "accord", name=context.run_name, config=context.config, embed=False
+                project=context.project or "accord",
+                name=context.run_name,
+                config=context.config,
+                resume="allow" if context.resume_id else "never",
+                embed=False,
             )
+        self.run_id = self._run.id
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self._run.log(scalars, step=step)
