@@ -44,7 +44,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
     # in ~20 s; its C++/CUDA ops are compiled on first use, not at install. bench (TRL, for
     # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own. The
-    # trackers (mlflow, wandb, trackio) add ~230 MB and ~30 s (docs/benchmarks.md).
+    # trackers (mlflow, wandb, trackio) add 49 wheels, ~220 MB and ~20 s (docs/benchmarks.md).
     stage "installing accord and its dependencies (transformers, datasets, DeepSpeed, trackers, ...)"
     "${PIP[@]}" -e ".[dev,deepspeed,lora,report,bench,mlflow,wandb,trackio]"
     done_stage

@@ -159,7 +159,7 @@ def _build(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, out_dir
 
 def _start_trackers(recipe: Recipe, info: dist.DistInfo, source):
     """Rank 0 opens observe.report_to's trackers before the model is built; one that cannot
-    start (a bad MLFLOW_TRACKING_URI, an unwritable WANDB_DIR) refuses the run on every rank."""
+    start (a bad MLFLOW_TRACKING_URI, an unknown WANDB_MODE) refuses the run on every rank."""
     trackers, refusal = None, None
     if info.is_main:
         from accord.checkpoint.store import read_state

@@ -46,7 +46,7 @@ class MetricsWriter:
         scalars = {
             f"{kind}/{key}": value
             for key, value in record.items()
-            if key not in ("kind", "step") and isinstance(value, (int, float)) and math.isfinite(value)
+            if key not in ("kind", "step", "time") and isinstance(value, (int, float)) and math.isfinite(value)
         }
         if scalars:
             for tracker in list(self._trackers):

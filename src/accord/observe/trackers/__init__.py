@@ -121,6 +121,7 @@ def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[
         config=recipe.model_dump(mode="json"),  # what recipe.yaml holds
         resume_step=resume_step,
     )
+    settings = {name: _settings(name) for name in recipe.observe.report_to}  # the user's, before any default
     started: list[Tracker] = []
     for name in recipe.observe.report_to:
         try:
@@ -129,7 +130,7 @@ def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[
         except Exception as e:  # each library raises its own kinds; all mean "this tracker cannot start"
             for tracker in started:
                 tracker.finish({}, "failed")
-            raise TrackerStartError(f"observe.report_to: {name} cannot start{_settings(name)}: {_reason(e)}") from e
+            raise TrackerStartError(f"observe.report_to: {name} cannot start{settings[name]}: {_reason(e)}") from e
     ids |= {t.name: t.run_id for t in started if t.run_id}
     if ids:
         write_atomic(out_dir / RUN_IDS, json.dumps(ids, indent=1) + "\n")
