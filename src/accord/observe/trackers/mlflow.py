@@ -5,6 +5,7 @@ holds it; its parameters stay those it started with (MLflow's parameters cannot 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -29,6 +30,8 @@ class MLflow(Tracker):
         own_store = not uri
         if own_store:
             uri = f"sqlite:///{(context.out_dir / 'mlflow.db').resolve()}"
+        # MLflow logs two INFO lines as it creates a new store's tables: the run's last line says where it is.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         self._client = MlflowClient(tracking_uri=uri)
         self.run_id = self._resumed(context.resume_id)
         if self.run_id is None:

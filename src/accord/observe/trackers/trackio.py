@@ -6,6 +6,7 @@ run continues its Trackio run (found by name, as trackio resumes)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 
@@ -20,8 +21,8 @@ class Trackio(Tracker):
         os.environ.setdefault("TRACKIO_DIR", str((context.out_dir / "trackio").resolve()))
         import trackio
 
-        self._trackio = trackio
-        with _to_stderr():  # trackio prints its messages on stdout, which accord keeps empty
+        self._remote = bool(os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL"))
+        with self._prints():
             self._run = trackio.init(
                 project=context.project or "accord",
                 name=context.run_name,
@@ -35,13 +36,15 @@ class Trackio(Tracker):
         self._run.log(scalars, step=step)
 
     def finish(self, final: dict[str, float], status: str) -> None:
-        with _to_stderr():
+        with self._prints():
             self._run.log(final, step=int(final.get("final/step", 0)))
             self._run.finish()
 
-
-def _to_stderr():
-    return contextlib.redirect_stdout(sys.stderr)
+    def _prints(self):
+        """trackio prints on stdout, which accord keeps empty. Local, what it says (where its
+        data is, `trackio show` without the TRACKIO_DIR it needs) is left out: the run's last
+        line says where; a Space's or server's address goes to stderr. Its warnings are warnings."""
+        return contextlib.redirect_stdout(sys.stderr if self._remote else io.StringIO())
 
 
 def start(context: TrackerStart) -> Trackio:
