@@ -94,22 +94,42 @@ def read_back(tracked_run) -> dict:
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     found["mlflow runs"] = client.search_runs([client.get_experiment_by_name("accord").experiment_id])
-    found["mlflow loss"] = client.get_metric_history(found["mlflow runs"][0].info.run_id, "train/loss")
+    run_id = found["mlflow runs"][0].info.run_id
+    found["mlflow"] = {tag: client.get_metric_history(run_id, tag) for tag in found["mlflow runs"][0].data.metrics}
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    found["tensorboard loss"] = events.Scalars("train/loss")
+    found["tensorboard"] = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
     return found
 
 
+def _series(out: Path) -> dict[str, dict[int, float]]:
+    """Every scalar metrics.jsonl records, as the trackers are given it: `kind/name` -> {step: value}."""
+    series: dict[str, dict[int, float]] = {}
+    for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        for key, value in record.items():
+            if key not in ("kind", "step", "time") and isinstance(value, (int, float)):
+                # A flag (train/skipped) is a 0/1 scalar.
+                series.setdefault(f"{record['kind']}/{key}", {})[record["step"]] = (
+                    float(value) if isinstance(value, bool) else value
+                )
+    return series
+
+
 @pytest.mark.distributed
-def test_every_tracker_records_the_loss_series_of_metrics_jsonl(tracked_run, read_back):
+def test_every_tracker_records_the_scalars_of_metrics_jsonl_at_their_steps(tracked_run, read_back):
     out, proc, losses = tracked_run
-    assert proc.stdout == ""  # the trackers' own messages go to stderr too
-    # TensorBoard keeps float32.
-    assert {e.step: e.value for e in read_back["tensorboard loss"]} == pytest.approx(losses, rel=1e-6)
-    assert {m.step: m.value for m in read_back["mlflow loss"]} == losses
+    assert proc.stdout == ""  # the trackers' own messages go to stderr, if anywhere
+    series = _series(out)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens", "eval/loss"} <= set(series)
+    # TensorBoard keeps float32; MLflow and W&B every value as logged.
+    tensorboard = {tag: {e.step: e.value for e in events} for tag, events in read_back["tensorboard"].items()}
+    assert tensorboard == {tag: pytest.approx(values, rel=1e-6) for tag, values in series.items()}
+    mlflow = {tag: {m.step: m.value for m in history} for tag, history in read_back["mlflow"].items()}
+    assert {tag: mlflow[tag] for tag in series} == series
     history = [r["history"]["item"] for r in read_back["wandb records"] if r["type"] == "history"]
-    assert {h["_step"]: h["train/loss"] for h in history if "train/loss" in h} == losses
+    wandb = {tag: {h["_step"]: h[tag] for h in history if tag in h} for tag in series}
+    assert wandb == series
+    assert set(series) <= set(read_back["trackio run"]["metrics"])
     assert {v["step"]: v["value"] for v in read_back["trackio loss"]["values"]} == losses
 
 
