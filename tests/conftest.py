@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -123,6 +124,13 @@ def pytest_runtest_protocol(item, nextitem):
         return
     with _no_processes():
         yield
+
+
+# Importing DeepSpeed imports MLflow when it is installed (DeepSpeed's autotuner), and MLflow's
+# import asks platform.platform(), which runs `uname -p` once per process: asked here, before
+# any unit test, so that a unit test saving a model (transformers -> accelerate -> DeepSpeed)
+# starts no process of its own.
+platform.processor()
 
 
 @contextlib.contextmanager

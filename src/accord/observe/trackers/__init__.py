@@ -67,7 +67,7 @@ class TrackerStart:
     project: str | None  # observe.project (None: the tracker's environment, else "accord")
     config: dict[str, Any]  # the resolved recipe, as recipe.yaml holds it
     resume_step: int  # 0 for a fresh run
-    resume_id: str | None = None  # a resumed run: the id this tracker's run had (trackers.json)
+    resume_id: str | None = None  # an earlier attempt's id for this tracker's run (trackers.json)
 
 
 class Tracker:
@@ -113,7 +113,9 @@ def _mlflow_needs_sqlalchemy() -> bool:
 def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[Tracker]:
     """Open observe.report_to's trackers, in order; the first that cannot start closes the ones
     already open and raises TrackerStartError (one line)."""
-    ids = _saved_ids(out_dir) if resume_step else {}
+    # The folder holds trackers.json only from an earlier attempt of this run (a resume, a restarted
+    # worker group, a rerun before any checkpoint): --overwrite sets an earlier run's aside.
+    ids = _saved_ids(out_dir)
     context = TrackerStart(
         out_dir=out_dir,
         run_name=out_dir.resolve().name,
