@@ -11,6 +11,7 @@ from accord.data.sources import DataError
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.errors import UserInputError
+from accord.observe.trackers import check_trackers
 from accord.output.folder import check_output_dir
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
@@ -207,9 +208,11 @@ def _model_config(cfg: ModelConfig):
 
 
 def check_environment(recipe: Recipe) -> list[str]:
-    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft.
-    Kept out of the recipe's schema, so a recipe validates alike on every machine."""
-    return check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe)
+    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft,
+    the trackers' libraries. Kept out of the recipe's schema, so a recipe validates alike on every machine."""
+    return (
+        check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe) or check_trackers(recipe)
+    )
 
 
 def check_peft(recipe: Recipe) -> list[str]:

@@ -21,6 +21,7 @@ from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: 
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
+from accord.recipe.observe import ObserveConfig
 from accord.recipe.paths import locate
 from accord.recipe.section import Section
 from accord.recipe.yaml_text import DuplicateKey, load_yaml
@@ -250,6 +251,7 @@ class Recipe(Section):
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     output: OutputConfig = OutputConfig()
+    observe: ObserveConfig = ObserveConfig()
     resume: str = Field(
         "never",
         description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
