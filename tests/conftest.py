@@ -304,11 +304,14 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
     def no_workers(*_, **__):
         raise ReachedWorkerStart(f"accord {' '.join(map(str, args))} got as far as starting workers")
 
+    from accord.launch import ray_train
+
     out, err, saved_env, real_run = io.StringIO(), io.StringIO(), dict(os.environ), launch.run
+    real_ray_run = ray_train.RaySession
     env = accord_env() | (env_extra or {})
     os.environ.clear()
     os.environ.update(env)
-    launch.run = no_workers
+    launch.run = ray_train.RaySession = no_workers
     refusals.forget_claim()  # an earlier test in this process may have printed a refusal
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -317,7 +320,7 @@ def run_accord_here(*args: str | Path, env_extra: dict[str, str] | None = None) 
             except SystemExit as e:  # argparse: --help, usage errors
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     finally:
-        launch.run = real_run
+        launch.run, ray_train.RaySession = real_run, real_ray_run
         os.environ.clear()
         os.environ.update(saved_env)
         refusals.forget_claim()

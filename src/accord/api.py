@@ -87,6 +87,7 @@ def train(
     resume: bool = False,
     processes: int | None = None,
     devices: Sequence[int] | None = None,
+    launcher: str | None = None,
     nnodes: int | None = None,
     node_rank: int | None = None,
     master_addr: str | None = None,
@@ -100,6 +101,8 @@ def train(
     resume: continue from the latest complete checkpoint in output.dir (resume=auto); unlike
     resume=auto in a recipe, refused (UserInputError) when there is none to continue from.
     processes: CPU worker processes (engine.processes); devices: GPU indices (engine.devices).
+    launcher: who starts the workers (engine.launcher): "accord", or "ray" for Ray Train workers
+    on the Ray cluster at engine.ray.address / RAY_ADDRESS, else on a local Ray (docs/ray.md).
     nnodes, node_rank, master_addr, master_port, rdzv_endpoint: several nodes, as the
     command's flags of the same names (default: the environment's NNODES & co., or SLURM's).
 
@@ -123,6 +126,8 @@ def train(
         lines.append(f"engine.processes={processes}")
     if devices is not None:
         lines.append(f"engine.devices={json.dumps(list(devices))}")
+    if launcher is not None:
+        lines.append(f"engine.launcher={json.dumps(launcher)}")
     validated = load(recipe, lines)  # the one validation of the user's recipe in this process
     where = Where(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     ended = start(validated, where, resume_requested=resume)

@@ -23,16 +23,18 @@ def init(device: torch.device, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
     global _control_group
     info = env_info()
     choose_gloo_interface()
-    if info.world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    if info.world_size <= 1:
+        return info
+    if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend,
+            backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-        # Small control messages (stop flags, errors) go over gloo on CPU tensors, so
-        # asking "did any rank get a signal?" never waits for the GPU stream.
-        _control_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    # else joined already: Ray Train creates the group before its workers run (TorchConfig's backend)
+    # Small control messages (stop flags, errors) go over gloo on CPU tensors, so
+    # asking "did any rank get a signal?" never waits for the GPU stream.
+    _control_group = dist.new_group(backend="gloo") if "gloo" not in dist.get_backend() else None
     return info
 
 
@@ -59,9 +61,19 @@ def choose_gloo_interface() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
+_restart_count: int | None = None  # set by a launcher that does not say it in the environment (Ray)
+
+
 def restart_count() -> int:
-    """How many times the elastic agent has restarted this worker group."""
+    """How many times the launcher has restarted this worker group (torch's elastic agent, or Ray's)."""
+    if _restart_count is not None:
+        return _restart_count
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def set_restart_count(count: int) -> None:
+    global _restart_count
+    _restart_count = count
 
 
 def shutdown(clean: bool = True) -> None:

@@ -228,6 +228,8 @@ def check_devices(cfg: EngineConfig) -> list[str]:
     """The GPUs the recipe asks for are here."""
     from accord.engine.device import wants_cuda
 
+    if cfg.launcher == "ray":  # Ray's nodes have the GPUs, not necessarily this one: see launch/ray_train.py
+        return []
     try:
         cuda = wants_cuda(cfg)
     except UserInputError as e:

@@ -67,6 +67,13 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     topology = resolve_topology(
         where.nnodes, where.node_rank, where.master_addr, where.master_port, where.rdzv_endpoint
     )
+    on_ray = recipe.engine.launcher == "ray"
+    if on_ray:
+        from accord.launch import ray_train
+
+        refusal = ray_train.refusal(recipe, dist.outer_launcher(), topology.multi_node)
+        if refusal:
+            raise UserInputError(refusal)
     dist.choose_gloo_interface()  # under torchrun & co.: a loopback MASTER_ADDR stops here, before the data step
     from accord.launch import refusal_relay as refusals
 
@@ -77,7 +84,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     held_elsewhere = lock_problem(out_dir, run_id) if locks_here else None
     if held_elsewhere:
         raise OutputLocked(held_elsewhere)
-    world_size = planned_world_size(recipe.engine, topology)
+    world_size = ray_train.world_size(recipe) if on_ray else planned_world_size(recipe.engine, topology)
     # The launcher's own settings are input too: merged into the recipe (and validated with it).
     recipe = reconcile(recipe, accelerate_settings(), world_size)  # under `accelerate launch`
     for line in accelerate_warnings():
@@ -91,9 +98,18 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
+    ray_session = None
     try:
         checks, problems = None, []
-        if starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
+        if on_ray:
+            # Ray's workers may be on other machines: the checks run here, in a child (the
+            # libraries they load do not stay in the driver, which waits for the whole run),
+            # before Ray starts its threads here; then Ray, refused if it cannot hold the workers.
+            problems = call_in_fork(_preflight, recipe, plan, topology)
+            if not problems:
+                ray_session = ray_train.RaySession(recipe)
+                problems = hold.enter()
+        elif starts_workers(recipe.engine, topology) and not wants_cuda(recipe.engine):
             if not topology.multi_node:
                 # The first worker checks, once it has imported transformers and datasets
                 # for training anyway (seconds each; on a machine with few cores a second
@@ -112,12 +128,14 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         if problems:
             raise UserInputError("\n".join(problems))
         refusals.launching()
-        status = run(recipe, topology, checks, plan)
+        status = ray_session.run() if ray_session else run(recipe, topology, checks, plan)
         hold.refused = status == "refused"
     except Interrupted as e:
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
         hold.leave()
+        if ray_session:
+            ray_session.close()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
 
 

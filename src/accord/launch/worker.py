@@ -53,12 +53,13 @@ def run_worker(recipe: Recipe, plan: BatchPlan | None = None) -> int:
     return EXIT_CODES[result.status]
 
 
-def train_worker(recipe: Recipe, plan: BatchPlan | None = None) -> RunResult:
+def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopRequest | None = None) -> RunResult:
     """Entry point of one worker: how the run ended (status completed | preempted | stopped);
     an unexpected exception propagates so the launcher reports the failed rank.
 
     `plan`: the batch plan this process derived already; else derived here, for the world
-    size of the process group this worker joins."""
+    size of the process group this worker joins. `stop`: where a stop request arrives when
+    it is not this process's signals (a Ray worker, which runs in a thread of Ray's actor)."""
     info = dist.env_info()
     if plan is None:
         plan = BatchPlan.for_recipe(recipe, info.world_size)
@@ -68,7 +69,7 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None) -> RunResult:
             "accord: warning: engine.release_host_memory: this C library is not glibc's; "
             "host memory is managed as usual"
         )
-    stop = StopRequest().install()
+    stop = stop or StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
     heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
     if device.type == "cuda" and heartbeat.DUMP_DIR_ENV not in os.environ:  # the watchdog's are set

@@ -13,6 +13,50 @@ from accord.recipe.section import Section
 PROCESS_GROUP_TIMEOUT_S = 600
 
 
+class RayConfig(Section):
+    """engine.launcher=ray: the Ray cluster and what each Ray Train worker reserves there."""
+
+    address: str | None = Field(
+        None,
+        description="The Ray cluster to join (ray.init's address: auto, HOST:6379 or ray://HOST:10001); default: "
+        "the RAY_ADDRESS environment variable, else a local Ray instance started for the run and stopped after it.",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="The run has nodes x engine.processes workers; Ray places them (placement_strategy). The data, "
+        "the model and output.dir must be at the same path on every node Ray uses (a shared file system).",
+    )
+    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs Ray reserves for each worker.")
+    gpus_per_worker: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs Ray reserves for each worker; default: 1 when engine.device is cuda, or auto on a Ray "
+        "cluster with GPUs, else 0 (gloo on the CPU).",
+    )
+    resources_per_worker: dict[str, float] = Field(
+        {},
+        description="Other Ray resources each worker reserves, e.g. {memory: 4.0e9} or a custom resource "
+        "{trainium: 1} (CPU and GPU: cpus_per_worker and gpus_per_worker).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None,
+        description="How Ray places the workers' bundles over nodes; default: PACK on one node, SPREAD over several.",
+    )
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _not_cpu_or_gpu(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, amount in value.items():
+            if key in ("CPU", "GPU"):
+                raise ValueError(
+                    f"engine.ray.resources_per_worker.{key}: set engine.ray.{key.lower()}s_per_worker instead"
+                )
+            if amount < 0:
+                raise ValueError(f"engine.ray.resources_per_worker.{key}={amount:g} must be at least 0")
+        return value
+
+
 class EngineConfig(Section):
     """Where and how the model runs: processes, devices, strategy, precision."""
 
@@ -29,6 +73,13 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: every visible GPU, else the CPU.")
     processes: int = Field(2, gt=0, description="Worker processes on CPU (on GPU: one per device).")
     devices: list[int] | None = Field(None, description="GPU indices to use, e.g. [0, 1] (default: all visible).")
+    launcher: Literal["accord", "ray"] = Field(
+        "accord",
+        description="Who starts the workers: accord (torch's elastic agent on this node, or the outer launcher "
+        "that started `accord train`: torchrun, accelerate, srun) or ray (Ray Train workers on a Ray cluster, "
+        "engine.ray; docs/ray.md).",
+    )
+    ray: RayConfig = RayConfig()
     max_restarts: int = Field(
         0,
         ge=0,
@@ -157,6 +208,33 @@ class EngineConfig(Section):
     def _yaml_no_is_false(cls, value: Any) -> Any:
         # YAML 1.1 reads an unquoted `no` as false; it is what the user meant.
         return "no" if value is False else value
+
+    @model_validator(mode="after")
+    def _ray_options(self) -> EngineConfig:
+        if self.launcher != "ray":
+            # Values, not the keys given: a resolved recipe (the workers' JSON) names every key.
+            changed = [name for name in RayConfig.model_fields if getattr(self.ray, name) != getattr(RayConfig(), name)]
+            if changed:
+                raise ValueError(
+                    f"engine.ray.{changed[0]} applies to Ray workers: add engine.launcher=ray, or leave it out"
+                )
+            return self
+        if self.devices is not None:
+            raise ValueError(
+                "engine.devices: under engine.launcher=ray Ray gives each worker its GPUs; "
+                "set engine.ray.gpus_per_worker instead"
+            )
+        if self.device == "cpu" and self.ray.gpus_per_worker:
+            raise ValueError(
+                f"engine.ray.gpus_per_worker={self.ray.gpus_per_worker:g} with engine.device=cpu: the workers would "
+                "hold GPUs they never use; set engine.device=cuda (or auto), or leave gpus_per_worker out"
+            )
+        if self.device == "cuda" and self.ray.gpus_per_worker == 0:
+            raise ValueError(
+                "engine.ray.gpus_per_worker=0 with engine.device=cuda: each worker needs a GPU; "
+                "set engine.device=cpu, or gpus_per_worker to 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _strategy_options(self) -> EngineConfig:
