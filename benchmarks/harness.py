@@ -179,7 +179,9 @@ def choose_core() -> int | None:
     return max(os.sched_getaffinity(0))
 
 
-def run_one(script: Path, contender: Contender, folder: Path, argv: list[str], log: Path) -> dict:
+def run_one(
+    script: Path, contender: Contender, folder: Path, argv: list[str], log: Path, profile: Path | None = None
+) -> dict:
     result = folder / f"result-{contender.key}-{time.monotonic_ns()}.json"
     command = [
         sys.executable,
@@ -195,7 +197,8 @@ def run_one(script: Path, contender: Contender, folder: Path, argv: list[str], l
     with log.open("a") as out:
         out.write(f"\n==== {contender.name}: {shlex.join(command)}\n")
         out.flush()
-        proc = subprocess.Popen(command, env=child_environment(choose_core()), stdout=out, stderr=subprocess.STDOUT)
+        env = child_environment(choose_core()) | ({"BENCH_PROFILE": str(profile)} if profile else {})
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0 or not result.exists():
@@ -310,6 +313,12 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {bench.section} section of {DOCS}")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its log names each command)")
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        metavar="KEY",
+        help="instead: run these contenders once under torch.profiler and print their top operators by self CPU time",
+    )
     parser.add_argument("--bench-child", help=argparse.SUPPRESS)
     parser.add_argument("--bench-folder", help=argparse.SUPPRESS)
     parser.add_argument("--bench-result", help=argparse.SUPPRESS)
@@ -329,6 +338,14 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     started = time.time()
     bench.prepare(folder, args)
+    if args.profile:
+        for contender in contenders:
+            if contender.key in args.profile:
+                path = folder / f"profile-{contender.key}.txt"
+                measured = run_one(script, contender, folder, forwarded, log, profile=path)
+                print(f"## {contender.name}: {measured.get('error') or ''}")
+                print(path.read_text() if path.exists() else "(no profile)")
+        return
     runs: dict[str, list[dict]] = {c.name: [] for c in contenders}
     runnable = [c for c in contenders if not c.cannot_run]
     for round_index in range(args.rounds):
@@ -368,4 +385,3 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         print(f"  work folder: {folder}", file=sys.stderr)
     print("\n".join(lines))
     print(last)
-
