@@ -181,6 +181,16 @@ def run_child(key: str, folder: Path, args, recorder) -> dict:
     return run_trl(folder, key, args, recorder)
 
 
+def notes(args) -> str:
+    return (
+        f"{args.prompts} prompts x {args.group} completions of <= {args.max_new_tokens} tokens per step, beta "
+        f"{args.beta} (so both compute the reference model's log-probabilities), one optimizer step per "
+        "generation batch (so no old-policy log-probabilities are needed by either). TRL's generation here is "
+        "its transformers path (no vLLM, which needs a GPU). The mean reward is over every sampled completion "
+        "of the run; the two sample with different random streams, so it agrees only roughly."
+    )
+
+
 BENCHMARK = harness.Benchmark(
     section="grpo",
     unit="prompts",
@@ -192,6 +202,7 @@ BENCHMARK = harness.Benchmark(
         harness.Column("mean reward", "reward", "{:.3f}"),
     ],
     add_arguments=add_arguments,
+    notes=notes,
 )
 
 if __name__ == "__main__":

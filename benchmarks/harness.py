@@ -295,11 +295,23 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def check_markers(bench: Benchmark, docs: Path) -> str:
+    """The docs file's text, or one line saying why --write-docs cannot write it (checked before the runs)."""
+    start, end = f"<!-- {bench.section}:start -->", f"<!-- {bench.section}:end -->"
+    try:
+        text = docs.read_text()
+    except OSError as error:
+        print(f"--write-docs: cannot read {docs} ({error.strerror})", file=sys.stderr)
+        raise SystemExit(2) from None
+    if start not in text or end not in text:
+        print(f"--write-docs: {docs} has no {start} ... {end} markers to write between; add them", file=sys.stderr)
+        raise SystemExit(2)
+    return text
+
+
 def write_docs(bench: Benchmark, body: list[str], docs: Path = DOCS) -> None:
     start, end = f"<!-- {bench.section}:start -->", f"<!-- {bench.section}:end -->"
-    text = docs.read_text()
-    if start not in text or end not in text:
-        raise SystemExit(f"{docs}: no {start} ... {end} markers to write between")
+    text = check_markers(bench, docs)
     before, rest = text.split(start, 1)
     after = rest.split(end, 1)[1]
     docs.write_text(before + start + "\n" + "\n".join(body) + "\n" + end + after)
@@ -311,6 +323,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
     parser.add_argument("--only", nargs="+", metavar="KEY", help="run only these contenders (their keys)")
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {bench.section} section of {DOCS}")
+    parser.add_argument("--docs", default=str(DOCS), help=argparse.SUPPRESS)  # another file for --write-docs (tests)
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its log names each command)")
     parser.add_argument(
@@ -328,6 +341,8 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         child_main(bench, args)
         return
 
+    if args.write_docs:
+        check_markers(bench, Path(args.docs))
     given = list(argv if argv is not None else sys.argv[1:])
     # The child parses the same options (and ignores the parent's own): its settings are the parent's.
     forwarded = [a for a in given if a != "--write-docs"]
@@ -376,7 +391,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         notes = bench.notes(args)
         if notes:
             body += ["", notes]
-        write_docs(bench, body)
+        write_docs(bench, body, Path(args.docs))
     if not args.keep:
         import shutil
 

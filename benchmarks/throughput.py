@@ -323,6 +323,19 @@ def run_child(key: str, folder: Path, args, recorder) -> dict:
     return extra | {"attend": ATTEND[key]}
 
 
+def notes(args) -> str:
+    return (
+        "Useful tokens are the completion tokens that carry loss (the same examples, one pass, for every "
+        "contender); the held-out loss is the harness's own computation on 64 unseen rows, padded, identical for "
+        "all. `wrapped` packing cuts rows from the concatenated stream without a document mask, so its documents "
+        "attend to each other (and a document's tail lands in the next row): its held-out loss is the price. "
+        "`bfd` turns on padding-free batches (each batch flattened into one sequence, documents apart by their "
+        "restarting position ids), which TRL documents for FlashAttention; on the CPU there is none, so SDPA "
+        "attends the flattened batch as one long sequence under a mask: it runs, slowly, and that is CPU-specific. "
+        "Every figure is one thread on one core; on a GPU the ratios will differ (see the GPU check)."
+    )
+
+
 BENCHMARK = harness.Benchmark(
     section="throughput",
     unit="useful tokens",
@@ -334,6 +347,7 @@ BENCHMARK = harness.Benchmark(
         harness.Column("documents attend to each other", "attend"),
     ],
     add_arguments=add_arguments,
+    notes=notes,
 )
 
 if __name__ == "__main__":
