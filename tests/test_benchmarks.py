@@ -18,7 +18,7 @@ VERDICT = re.compile(r"accord / best peer: \d+\.\d\dx \(.+\)")
 
 def run_benchmark(tmp_path, script: str, section: str, *options: str) -> tuple[list[str], str]:
     docs = tmp_path / "benchmarks.md"
-    docs.write_text(f"before\n<!-- {section}:start -->\nold\n<!-- {section}:end -->\nafter\n")
+    docs.write_text(f"before\n<!-- {section}:start -->\nSTALE-TABLE\n<!-- {section}:end -->\nafter\n")
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *options, "--rounds", "1", "--write-docs"]
@@ -38,7 +38,7 @@ def check(lines: list[str], written: str, contenders: list[str]) -> None:
     assert len(rows) == len(contenders)
     for name, row in zip(contenders, rows):
         assert name in row and "failed" not in row, row
-    assert written.startswith("before\n") and written.endswith("after\n") and "old" not in written
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
     assert lines[-1] in written
 
 
