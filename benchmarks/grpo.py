@@ -1,6 +1,7 @@
 """GRPO against TRL's GRPOTrainer: prompts trained per CPU-second.
 
     python benchmarks/grpo.py [--model FOLDER] [--steps 4] [--prompts 16] [--group 8] [--rounds 3] [--write-docs]
+    python benchmarks/grpo.py --device cuda --model-size 0.5b   # on a GPU: bf16, per wall-second
 
 Contenders: accord's `task: grpo` (no gradient checkpointing), TRL's GRPOTrainer with the same
 choice (gradient_checkpointing=False), and GRPOTrainer with its own default (gradient
@@ -11,9 +12,9 @@ regular expression both evaluate with re.fullmatch, which a random model satisfi
 enough to give groups non-zero advantages), group size, completion length, temperature 1,
 beta (the KL weight to the reference), the DAPO normalisation (TRL's default loss_type, which
 is accord's), AdamW at the same constant learning rate with clipping at 1.0, fp32 (TRL's bf16
-default is turned off: identical precision), one optimizer step per generation batch. The
-harness (benchmarks/harness.py) runs each in its own pinned single-thread process, in
-interleaved rounds; the last column is the mean reward over the run's completions.
+default is turned off: identical precision; with --device cuda bf16 autocast for both), one
+optimizer step per generation batch. The harness (benchmarks/harness.py) runs each in its own
+pinned single-thread process, in interleaved rounds; the last column is the mean reward over the run's completions.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ MODEL = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
+MODELS = {
+    "tiny": MODEL,
+    "0.5b": MODEL  # gpu_check's ~0.45B Llama
+    | {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
+}
 PATTERN = r"[\s\S]*\d[\s\S]*"  # the completion contains a digit
 
 CONTENDERS = [
@@ -50,6 +62,7 @@ CONTENDERS = [
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="a saved model folder (default: a 4-layer Llama from a config)")
+    parser.add_argument("--model-size", choices=sorted(MODELS), default="tiny", help="without --model: this Llama")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (one generation batch each)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
@@ -68,7 +81,9 @@ def prepare(folder: Path, args) -> None:
         from accord.recipe.schema import ModelConfig
 
         tokenizer = build_byte_tokenizer()
-        build_model(ModelConfig(config=MODEL, tokenizer="byte"), tokenizer, seed=SEED).save_pretrained(folder / "model")
+        build_model(
+            ModelConfig(config=MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=SEED
+        ).save_pretrained(folder / "model")
         tokenizer.save_pretrained(folder / "model")
     train, _ = generate(GeneratedData(kind="addition", train_examples=4000, eval_examples=16, max_digits=2), SEED)
     rows = list(train)[: args.prompts * args.steps]
@@ -103,7 +118,7 @@ def run_accord(folder: Path, args, recorder) -> dict:
             "beta": args.beta,
             "rewards": [{"kind": "regex", "pattern": PATTERN}],
         },
-        "engine": {"processes": 1, "device": "cpu"},
+        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
         "checkpoint": {"every_steps": None, "keep_last": 1},
         "output": {"dir": str(out), "overwrite": True},
     }
@@ -148,8 +163,8 @@ def run_trl(folder: Path, key: str, args, recorder) -> dict:
         beta=args.beta,
         loss_type="dapo",
         temperature=1.0,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
         fp16=False,
         report_to=[],
         logging_steps=1,

@@ -93,6 +93,7 @@ class Recorder:
             self._profile = profile(activities=[ProfilerActivity.CPU])
 
     def _on_forward(self, module, inputs) -> None:
+        self._synchronize()
         self.first = (time.process_time(), time.perf_counter())
         self._forward.remove()
         if self._profile is not None:
@@ -100,7 +101,16 @@ class Recorder:
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         self.steps += 1
+        self._synchronize()
         self.last = (time.process_time(), time.perf_counter())
+
+    @staticmethod
+    def _synchronize() -> None:
+        """On a GPU the step ends when its kernels do (the same wait for every contender)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
 
     def count(self, units: int) -> None:
         self.units += int(units)
@@ -138,9 +148,13 @@ def child_main(bench: Benchmark, args: argparse.Namespace) -> None:
     extra = bench.child(args.bench_child, Path(args.bench_folder), args, recorder)
     if recorder.first is None or recorder.last is None:
         raise SystemExit(f"{args.bench_child}: no forward pass and optimizer step were seen")
+    import torch
+
+    gpu = {"peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_initialized() else {}
     Path(args.bench_result).write_text(
         json.dumps(
             {
+                **gpu,
                 "cpu_s": recorder.last[0] - recorder.first[0],
                 "wall_s": recorder.last[1] - recorder.first[1],
                 "units": recorder.units,
@@ -210,17 +224,20 @@ def run_one(
     return measured
 
 
-def summarise(runs: list[dict], unit: str) -> dict:
+def summarise(runs: list[dict], unit: str, primary: str = "cpu") -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[-1]["error"] if runs else "not run"}
+    # `rate` ranks the contenders: units per CPU-second on the CPU; on a GPU, where the host's
+    # CPU time says little, units per second of wall time. `other_rate` is the other one.
     per_cpu = [r["units"] / r["cpu_s"] for r in ok]
     per_wall = [r["units"] / r["wall_s"] for r in ok]
+    rates, others = (per_wall, per_cpu) if primary == "wall" else (per_cpu, per_wall)
     summary = {
         "rounds": len(ok),
-        "per_cpu_s": statistics.median(per_cpu),
-        "per_cpu_s_range": (min(per_cpu), max(per_cpu)),
-        "per_wall_s": statistics.median(per_wall),
+        "rate": statistics.median(rates),
+        "rate_range": (min(rates), max(rates)),
+        "other_rate": statistics.median(others),
         "process_cpu_s": statistics.median(r["process_cpu_s"] for r in ok),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ok),
         "units": ok[0]["units"],
@@ -235,16 +252,18 @@ def summarise(runs: list[dict], unit: str) -> dict:
     return summary
 
 
-def table(bench: Benchmark, summaries: dict[str, dict]) -> list[str]:
+def table(bench: Benchmark, summaries: dict[str, dict], primary: str = "cpu") -> list[str]:
     unit = bench.unit
+    gpu = any("peak_gpu_gib" in s for s in summaries.values())
     header = [
         "contender",
-        f"{unit} per CPU-s, median [min, max]",
-        f"{unit}/s wall",
+        f"{unit} per CPU-s, median [min, max]" if primary == "cpu" else f"{unit}/s wall, median [min, max]",
+        f"{unit}/s wall" if primary == "cpu" else f"{unit} per CPU-s",
         "steps",
         f"{unit}",
         "process CPU s",
         "peak RSS MiB",
+        *(["peak GPU GiB"] if gpu else []),
         *(c.header for c in bench.columns),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -256,15 +275,16 @@ def table(bench: Benchmark, summaries: dict[str, dict]) -> list[str]:
         elif "error" in s:
             cells = [name, f"failed: {s['error']}"] + [""] * (len(header) - 2)
         else:
-            low, high = s["per_cpu_s_range"]
+            low, high = s["rate_range"]
             cells = [
                 f"**{name}**" if contender.kind == "accord" else name,
-                f"{s['per_cpu_s']:,.0f} [{low:,.0f}, {high:,.0f}]",
-                f"{s['per_wall_s']:,.0f}",
+                f"{s['rate']:,.0f} [{low:,.0f}, {high:,.0f}]",
+                f"{s['other_rate']:,.0f}",
                 str(s["steps"]),
                 f"{s['units']:,}",
                 f"{s['process_cpu_s']:.1f}",
                 f"{s['peak_rss_mib']:,.0f}",
+                *([f"{s.get('peak_gpu_gib', 0):.1f}"] if gpu else []),
                 *(c.fmt.format(s.get(c.key, "")) for c in bench.columns),
             ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -278,8 +298,8 @@ def verdict(bench: Benchmark, summaries: dict[str, dict]) -> str:
     accord, peers = ran("accord"), ran("peer")
     if not accord or not peers:
         return "accord / best peer: n/a (accord or every peer failed)"
-    best = max(peers, key=lambda c: summaries[c.name]["per_cpu_s"])
-    ratio = summaries[accord[0].name]["per_cpu_s"] / summaries[best.name]["per_cpu_s"]
+    best = max(peers, key=lambda c: summaries[c.name]["rate"])
+    ratio = summaries[accord[0].name]["rate"] / summaries[best.name]["rate"]
     return f"accord / best peer: {ratio:.2f}x ({best.name})"
 
 
@@ -324,6 +344,12 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", metavar="KEY", help="run only these contenders (their keys)")
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {bench.section} section of {DOCS}")
     parser.add_argument("--docs", default=str(DOCS), help=argparse.SUPPRESS)  # another file for --write-docs (tests)
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: fp32, ranked by units per CPU-second; cuda: bf16 autocast, ranked by units per wall-second",
+    )
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its log names each command)")
     parser.add_argument(
@@ -370,11 +396,21 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
             runs[contender.name].append(measured)
             status = measured.get("error") or f"{measured['units'] / measured['cpu_s']:,.0f} {bench.unit}/CPU-s"
             print(f"  round {round_index + 1}/{args.rounds}: {contender.name}: {status}", file=sys.stderr, flush=True)
-    summaries = {c.name: summarise(runs[c.name], bench.unit) for c in contenders}
+    primary = "wall" if args.device == "cuda" else "cpu"
+    summaries = {c.name: summarise(runs[c.name], bench.unit, primary) for c in contenders}
     load_after = os.getloadavg()
-    lines = table(bench, summaries)
+    lines = table(bench, summaries, primary)
     last = verdict(bench, summaries)
-    command = shlex.join(["python", f"benchmarks/{script.name}", *given])
+    shown, skip = [], False  # the command as docs show it: without where this run's files went
+    for a in given:
+        if skip or a == "--keep":
+            skip = False
+            continue
+        if a in ("--json", "--docs"):
+            skip = True
+            continue
+        shown.append(a)
+    command = shlex.join(["python", f"benchmarks/{script.name}", *shown])
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "verdict": last}, indent=1, default=str))
     if args.write_docs:
@@ -382,7 +418,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         body = [
             f"`{command}`, {when}, {machine()}, load average {load_before[0]:.1f} before and "
             f"{load_after[0]:.1f} after ({time.time() - started:.0f} s); one thread pinned to one core per "
-            f"process, {args.rounds} interleaved rounds:",
+            f"process, {args.rounds} interleaved rounds{', on ' + args.device if args.device != 'cpu' else ''}:",
             "",
             *lines,
             "",

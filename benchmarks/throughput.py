@@ -1,6 +1,7 @@
 """SFT throughput against the peers at their best: useful (target) tokens per CPU-second.
 
     python benchmarks/throughput.py [--steps 8] [--processes 1] [--rounds 3] [--write-docs]
+    python benchmarks/throughput.py --device cuda --model-size 0.5b   # on a GPU: bf16, per wall-second
 
 Contenders, each configured as its documentation recommends for training fast on
 variable-length data: accord (packed rows, documents kept apart), transformers.Trainer
@@ -14,7 +15,8 @@ vocabulary, saved once and loaded by each), the data (prompt -> completion rows 
 tokens, the loss on the completion), one pass over the same examples (so the same training
 tokens: `--steps` is the number of 8-row steps of 256 tokens those examples fill), AdamW at
 the same learning rate (constant, no weight decay, gradient clipping at 1.0), fp32 everywhere
-(bf16=False, fp16=False, no gradient checkpointing), 8 rows or sequences per step. The harness
+(bf16=False, fp16=False, no gradient checkpointing; with --device cuda bf16 autocast for all),
+8 rows or sequences per step. The harness
 (benchmarks/harness.py) runs each in its own pinned single-thread process, in interleaved rounds.
 Beside speed: the held-out loss after the run (computed identically for all, on 64 unseen
 rows), and whether a packed row lets its documents attend to each other.
@@ -41,6 +43,18 @@ MODEL = {
     "num_key_value_heads": 8,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
+}
+# gpu_check's ~0.45B Llama (byte-level vocabulary), for --device cuda.
+MODELS = {
+    "tiny": MODEL,
+    "0.5b": MODEL
+    | {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
 }
 MAX_LENGTH = 256
 LR = 1e-3
@@ -71,6 +85,7 @@ ATTEND = {
 
 def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="8-row steps of 256 tokens the training examples fill")
+    parser.add_argument("--model-size", choices=sorted(MODELS), default="tiny", help="the Llama every contender trains")
     parser.add_argument(
         "--processes",
         type=int,
@@ -90,7 +105,7 @@ def make_workload(folder: Path, args) -> None:
     from accord.recipe.schema import ModelConfig
 
     tokenizer = build_byte_tokenizer()
-    built = build_model(ModelConfig(config=MODEL, tokenizer="byte"), tokenizer, seed=0)
+    built = build_model(ModelConfig(config=MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=0)
     built.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     rng = random.Random(0)
@@ -145,6 +160,7 @@ def held_out_loss(folder: Path, model) -> float:
     from accord.tasks.base import causal_token_loss, pad_rows
 
     model.eval()
+    device = next(model.parameters()).device
     total = count = 0.0
     rows = encoded_rows(folder, "eval")
     with torch.no_grad():
@@ -153,9 +169,22 @@ def held_out_loss(folder: Path, model) -> float:
             ids = pad_rows([r["input_ids"] for r in chunk], 0)
             labels = pad_rows([r["labels"] for r in chunk], -100)
             mask = pad_rows([[1] * len(r["input_ids"]) for r in chunk], 0)
-            loss_sum, n = causal_token_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
+            with autocast(device):
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            loss_sum, n = causal_token_loss(logits.float(), labels.to(device))
             total, count = total + loss_sum.item(), count + n.item()
     return total / count
+
+
+def autocast(device):
+    """bf16 autocast on a GPU (what every contender's bf16 setting does), nothing on the CPU (fp32)."""
+    import contextlib
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- contenders (each in its own process)
@@ -182,7 +211,7 @@ def run_accord(folder: Path, args, recorder) -> dict:
         "batch": {"global_batch_size": BATCH, "micro_batch_size": BATCH},
         "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0},
         "train": {"epochs": 1, "log_every": 1000},
-        "engine": {"processes": 1, "device": "cpu"},
+        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
         "checkpoint": {"every_steps": None, "keep_last": 1},
         "output": {"dir": str(out), "overwrite": True},
     }
@@ -193,7 +222,8 @@ def run_accord(folder: Path, args, recorder) -> dict:
     if result.status != "completed":
         raise SystemExit(f"accord: {result.status} {result.message}")
     recorder.count(sum(r["targets"] for r in read_metrics(out) if r["kind"] == "train"))
-    return {"held_out_loss": held_out_loss(folder, AutoModelForCausalLM.from_pretrained(result.final))}
+    model = AutoModelForCausalLM.from_pretrained(result.final).to(args.device)
+    return {"held_out_loss": held_out_loss(folder, model)}
 
 
 def run_raw(folder: Path, args, recorder) -> dict:
@@ -206,7 +236,7 @@ def run_raw(folder: Path, args, recorder) -> dict:
     from accord.tasks.base import causal_token_loss
     from accord.tasks.causal import CausalLMTask
 
-    model = AutoModelForCausalLM.from_pretrained(folder / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder / "model").to(args.device)
     examples = encoded_rows(folder, "train")
     lengths = np.array([len(e["input_ids"]) for e in examples])
     targets = np.array([sum(t != -100 for t in e["labels"][1:]) for e in examples])
@@ -221,8 +251,11 @@ def run_raw(folder: Path, args, recorder) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model.train()
     for batch in batches:
+        batch = {k: v.to(args.device) for k, v in batch.items()}
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        loss_sum, n = causal_token_loss(model(**inputs).logits, batch["labels"])
+        with autocast(args.device):
+            logits = model(**inputs).logits
+        loss_sum, n = causal_token_loss(logits.float(), batch["labels"])
         (loss_sum / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -244,7 +277,7 @@ class CountingCollator:
         return batch
 
 
-def common_arguments(folder: Path, key: str) -> dict:
+def common_arguments(folder: Path, key: str, args) -> dict:
     """What every Trainer-based contender shares: the same optimizer, schedule, precision and length of run."""
     return {
         "output_dir": str(folder / f"out-{key}"),
@@ -255,10 +288,10 @@ def common_arguments(folder: Path, key: str) -> dict:
         "warmup_steps": 0,
         "weight_decay": 0.0,
         "max_grad_norm": 1.0,
-        "bf16": False,
+        "bf16": args.device == "cuda",
         "fp16": False,
         "gradient_checkpointing": False,
-        "use_cpu": True,
+        "use_cpu": args.device == "cpu",
         "logging_steps": 1000,
         "save_strategy": "no",
         "report_to": [],
@@ -267,7 +300,7 @@ def common_arguments(folder: Path, key: str) -> dict:
     }
 
 
-def run_trainer(folder: Path, key: str, recorder) -> dict:
+def run_trainer(folder: Path, key: str, args, recorder) -> dict:
     """transformers.Trainer as its docs show for causal-LM fine-tuning: a padding collator
     (and, for variable lengths, group_by_length)."""
     import datasets
@@ -276,11 +309,11 @@ def run_trainer(folder: Path, key: str, recorder) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     model = AutoModelForCausalLM.from_pretrained(folder / "model")
     strategy = "group_by_length" if key == "trainer-grouped" else "random"
-    args = TrainingArguments(**common_arguments(folder, key), train_sampling_strategy=strategy)
+    training = TrainingArguments(**common_arguments(folder, key, args), train_sampling_strategy=strategy)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     trainer = Trainer(
         model=model,
-        args=args,
+        args=training,
         train_dataset=datasets.Dataset.from_list(encoded_rows(folder, "train")),
         data_collator=CountingCollator(collator, recorder),
     )
@@ -289,7 +322,7 @@ def run_trainer(folder: Path, key: str, recorder) -> dict:
     return {"held_out_loss": held_out_loss(folder, model)}
 
 
-def run_trl(folder: Path, key: str, recorder) -> dict:
+def run_trl(folder: Path, key: str, args, recorder) -> dict:
     """TRL's SFTTrainer on the prompt/completion rows (loss on the completion), fp32, no checkpointing."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -301,7 +334,7 @@ def run_trl(folder: Path, key: str, recorder) -> dict:
     packing = {"trl": {}, "trl-wrapped": {"packing": True, "packing_strategy": "wrapped"}}.get(
         key, {"packing": True, "packing_strategy": "bfd"}
     )
-    config = SFTConfig(**common_arguments(folder, key), max_length=MAX_LENGTH, **packing)
+    config = SFTConfig(**common_arguments(folder, key, args), max_length=MAX_LENGTH, **packing)
     trainer = SFTTrainer(
         model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
     )
@@ -317,9 +350,9 @@ def run_child(key: str, folder: Path, args, recorder) -> dict:
     elif key == "raw":
         extra = run_raw(folder, args, recorder)
     elif key.startswith("trainer"):
-        extra = run_trainer(folder, key, recorder)
+        extra = run_trainer(folder, key, args, recorder)
     else:
-        extra = run_trl(folder, key, recorder)
+        extra = run_trl(folder, key, args, recorder)
     return extra | {"attend": ATTEND[key]}
 
 

@@ -1,9 +1,11 @@
 """The peer benchmarks still run end to end (slow tier): every contender of throughput.py and
 grpo.py trains for a step in its own pinned process, none fails, the last line is the verdict,
-and --write-docs rewrites only the text between the section's markers."""
+and --write-docs rewrites only the text between the section's markers; gpu_check's --dry-run
+runs its peer phase's plumbing on the CPU and writes its JSON and markdown."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,3 +76,23 @@ def test_write_docs_without_markers_stops_before_any_run(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "markers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
+    out, table = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)]
+        + ["--markdown", str(table)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [p["run"] for p in data["peers"]] == ["SFT throughput", "GRPO"]
+    for peer in data["peers"]:
+        assert "error" not in peer, peer
+        assert VERDICT.fullmatch(peer["verdict"]) and peer["verdict"] in table.read_text()
