@@ -236,7 +236,7 @@ def peers(dry_run: bool) -> list[dict]:
             data = json.loads(Path(out.name).read_text())
         table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
         results.append(
-            {"run": label, "command": " ".join(command[1:-2]), "table": table, "verdict": data["verdict"]}
+            {"run": label, "command": " ".join([f"benchmarks/{script}", *options]), "table": table, "verdict": data["verdict"]}
             | {"summaries": {name: _plain(s) for name, s in data["summaries"].items()}}
         )
         print(f"\n{label} ({'CPU plumbing only' if dry_run else 'GPU'}):")
