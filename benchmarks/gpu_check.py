@@ -235,9 +235,10 @@ def peers(dry_run: bool) -> list[dict]:
                 continue
             data = json.loads(Path(out.name).read_text())
         table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+        shown = " ".join([f"benchmarks/{script}", *options])
+        summaries = {name: _plain(s) for name, s in data["summaries"].items()}
         results.append(
-            {"run": label, "command": " ".join([f"benchmarks/{script}", *options]), "table": table, "verdict": data["verdict"]}
-            | {"summaries": {name: _plain(s) for name, s in data["summaries"].items()}}
+            {"run": label, "command": shown, "table": table, "verdict": data["verdict"], "summaries": summaries}
         )
         print(f"\n{label} ({'CPU plumbing only' if dry_run else 'GPU'}):")
         print("\n".join(table))

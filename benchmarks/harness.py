@@ -252,6 +252,11 @@ def summarise(runs: list[dict], unit: str, primary: str = "cpu") -> dict:
     return summary
 
 
+def rate(value: float) -> str:
+    """Three significant figures or more (prompts per second are small numbers)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def table(bench: Benchmark, summaries: dict[str, dict], primary: str = "cpu") -> list[str]:
     unit = bench.unit
     gpu = any("peak_gpu_gib" in s for s in summaries.values())
@@ -278,8 +283,8 @@ def table(bench: Benchmark, summaries: dict[str, dict], primary: str = "cpu") ->
             low, high = s["rate_range"]
             cells = [
                 f"**{name}**" if contender.kind == "accord" else name,
-                f"{s['rate']:,.0f} [{low:,.0f}, {high:,.0f}]",
-                f"{s['other_rate']:,.0f}",
+                f"{rate(s['rate'])} [{rate(low)}, {rate(high)}]",
+                rate(s["other_rate"]),
                 str(s["steps"]),
                 f"{s['units']:,}",
                 f"{s['process_cpu_s']:.1f}",

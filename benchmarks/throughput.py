@@ -4,11 +4,13 @@
     python benchmarks/throughput.py --device cuda --model-size 0.5b   # on a GPU: bf16, per wall-second
 
 Contenders, each configured as its documentation recommends for training fast on
-variable-length data: accord (packed rows, documents kept apart), transformers.Trainer
+variable-length data: accord (packed rows, documents kept apart; on the CPU each micro-batch
+is one unpadded sequence attended document by document, accord.models.documents), transformers.Trainer
 (padding to the longest in the batch, and with `group_by_length=True`), TRL's SFTTrainer
 (padding; `packing=True` with `packing_strategy="wrapped"`; with `packing_strategy="bfd"`,
-which turns on padding-free batches), and a bare PyTorch loop over accord's own packed
-micro-batches (a reference, not a peer: the floor accord's loop adds to).
+which turns on padding-free batches), and a bare PyTorch loop over accord's packed rows
+as padded micro-batches under a block-diagonal mask (a reference, not a peer: what accord's
+step cost before the flattening, without accord's loop around it).
 
 Everything else is the same for all: the model (a 4-layer Llama from a config, byte-level
 vocabulary, saved once and loaded by each), the data (prompt -> completion rows of 32-256
@@ -64,7 +66,7 @@ WORDS = "the of and to in is was for on that with as by at from his her they wer
 
 CONTENDERS = [
     harness.Contender("accord (packed, documents apart)", "accord", kind="accord"),
-    harness.Contender("raw PyTorch loop on accord's packed batches", "raw", kind="reference"),
+    harness.Contender("raw PyTorch loop on accord's packed rows, padded, block mask", "raw", kind="reference"),
     harness.Contender("transformers.Trainer (padding)", "trainer"),
     harness.Contender('transformers.Trainer (train_sampling_strategy="group_by_length")', "trainer-grouped"),
     harness.Contender("TRL SFTTrainer (fp32, padding)", "trl"),
@@ -73,8 +75,8 @@ CONTENDERS = [
 ]
 # Whether a packed row's documents see each other (the correctness cost of a packing scheme).
 ATTEND = {
-    "accord": "no (block-diagonal mask)",
-    "raw": "no (accord's batches)",
+    "accord": "no (attention per document)",
+    "raw": "no (block-diagonal mask)",
     "trainer": "no (one per row)",
     "trainer-grouped": "no (one per row)",
     "trl": "no (one per row)",
@@ -243,6 +245,7 @@ def run_raw(folder: Path, args, recorder) -> dict:
     rows = Rows.build(lengths, targets, MAX_LENGTH)
     task = CausalLMTask.__new__(CausalLMTask)
     task.pad_id, task.packing, task.attn_implementation = 0, True, model.config._attn_implementation
+    task.flatten = False  # padded rows under the block-diagonal mask: what accord did before flattening
     order = np.random.default_rng(0).permutation(len(rows))
     batches = [
         task.collate([[examples[i] for i in rows.members[r]] for r in order[start : start + BATCH]])
