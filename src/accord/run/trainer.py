@@ -98,7 +98,9 @@ class Trainer:
                 "step_s": time.perf_counter() - started,
             }
         else:
-            tokens, padded, means = int(self.rows.lengths[global_batch].sum()), self._padded(global_batch), {}
+            tokens, means = int(self.rows.lengths[global_batch].sum()), {}
+            # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
+            padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
         return StepStats(
             self.step,
             loss_sum,
