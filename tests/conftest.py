@@ -16,6 +16,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The platform module asks `uname -p` once per process, on first use (DeepSpeed's import does):
+# asked here, before any test, so that a unit test that imports such a library starts no process.
+platform.processor()
+
 # A model and data small enough that a 2-process run takes seconds: a 2-layer Llama on
 # accord's generated additions (sequences of 6-13 tokens, so padding varies per micro-batch).
 TINY_RECIPE = {
@@ -124,13 +128,6 @@ def pytest_runtest_protocol(item, nextitem):
         return
     with _no_processes():
         yield
-
-
-# Importing DeepSpeed imports MLflow when it is installed (DeepSpeed's autotuner), and MLflow's
-# import asks platform.platform(), which runs `uname -p` once per process: asked here, before
-# any unit test, so that a unit test saving a model (transformers -> accelerate -> DeepSpeed)
-# starts no process of its own.
-platform.processor()
 
 
 @contextlib.contextmanager

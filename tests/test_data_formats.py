@@ -4,10 +4,12 @@ relative paths, integer labels) and what a run says about its data. Pure: no wor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import accord
 from accord.data.prepare import prepare_data
 from accord.data.sources import DataError, load_source
 from accord.data.split import held_out_warning, load_split
@@ -204,7 +206,7 @@ def test_eval_fraction_over_documents_holds_out_that_share_of_the_text(tmp_path)
     )
 
 
-def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, monkeypatch):
+def test_saving_a_lora_adapter_looks_nothing_up_on_the_hub(tmp_path, monkeypatch):
     import os
     import warnings
 
@@ -223,9 +225,8 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
     )
     model = AutoModelForCausalLM.from_config(config)
     model.name_or_path = str(tmp_path / ".cache" / "converted-gguf")  # where transformers loaded it from
-    wrapped = apply_lora(
-        model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0, base="models/tiny.gguf"
-    )
+    wrapped = apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"]), "causal_lm", seed=0)
+    wrapped.peft_config["default"].base_model_name_or_path = "models/tiny.gguf"  # no folder: peft would ask the hub
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     requests = []
     monkeypatch.setattr("peft.utils.other.file_exists", lambda *a, **k: requests.append(a) or True)
@@ -236,6 +237,24 @@ def test_a_lora_adapter_names_the_recipes_model_source_as_its_base(tmp_path, mon
     assert requests == [] and "HF_HUB_OFFLINE" not in os.environ  # no hub lookup of the base, and the setting restored
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == "models/tiny.gguf"
+
+
+def test_a_lora_adapter_names_a_base_that_loads_from_any_folder(tmp_path, monkeypatch):
+    """A hub cache snapshot by hub id and revision, a plain folder or `pkg:` folder by absolute
+    path; a .gguf file, a model built from a config or a rescaled RoPE: None (the run writes base/)."""
+    from accord.models.build import adapter_base
+    from accord.recipe.schema import ModelConfig
+
+    snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    assert adapter_base(ModelConfig(path=str(snapshot))) == ("HuggingFaceTB/SmolLM2-135M", "abc123")
+    assert adapter_base(ModelConfig(path="hub")) == (str(tmp_path.resolve() / "hub"), None)
+    assert adapter_base(ModelConfig(path="pkg:accord/recipe")) == (str(Path(accord.__file__).parent / "recipe"), None)
+    assert adapter_base(ModelConfig(path="tiny.gguf")) is None
+    assert adapter_base(ModelConfig(config={"architecture": "llama"})) is None
+    assert adapter_base(ModelConfig(path="hub", rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
 
 
 def test_accord_data_shows_the_loss_tokens_and_the_counts(tmp_path, capsys):

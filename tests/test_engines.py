@@ -169,6 +169,7 @@ def test_the_state_bridge_stops_on_a_deepspeed_without_an_internal_it_needs(
 # ---------------------------------------------------------------- train.on_nonfinite under DeepSpeed, as under DDP
 
 NAN_STEP = 7
+FSDP_BF16_GAP = 1e-3  # measured 3.1e-4 (the tiny recipe, 4 steps, 1 process)
 
 
 @pytest.fixture
@@ -219,15 +220,22 @@ def test_deepspeed_skips_a_nonfinite_update_like_ddp(tmp_path, nan_at_step_7):
 def test_bf16_is_the_same_autocast_under_every_strategy(tmp_path):
     """bf16 computes under autocast over fp32 weights, gradients and their reduction under
     every strategy. DeepSpeed's own bf16 mode (bf16 weights and gradients) moved the
-    quickstart's loss by 0.023 at step 3; here the runs must agree like fp32 ones nearly do."""
+    quickstart's loss by 0.023 at step 3; here the runs must agree like fp32 ones nearly do,
+    and fsdp (bf16 parameter gathers) within its measured gap."""
     raw = copy.deepcopy(TINY_RECIPE)
     raw["engine"] |= {"precision": "bf16", "processes": 1}
     raw["train"] = {"max_steps": 4, "log_every": 1}
     raw["data"] = raw["data"] | {"cache_dir": str(tmp_path / "cache")}
     recipe = write_recipe(tmp_path / "bf16.yaml", raw)
     losses = {}
-    for strategy in ("ddp", "zero2"):
+    for strategy in ("ddp", "zero2", "fsdp"):
         out = tmp_path / strategy
         assert_ok(run_accord("train", recipe, f"engine.strategy={strategy}", f"output.dir={out}"))
         losses[strategy] = [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
-    assert max(abs(a - b) for a, b in zip(losses["ddp"], losses["zero2"])) < 1e-4, losses
+    gaps = {s: max(abs(a - b) for a, b in zip(losses["ddp"], losses[s])) for s in ("zero2", "fsdp")}
+    print(f"bf16 max |Δloss| vs ddp over {len(losses['ddp'])} steps: {gaps}")
+    assert gaps["zero2"] < 1e-4, losses
+    # FSDP2 gathers its parameters in bf16, so the whole forward (residual stream, norms) runs
+    # in bf16 where autocast keeps those in fp32: a small gap from step 1, measured 2.5e-4 on
+    # the quickstart (docs/strategies-and-multinode.md).
+    assert gaps["fsdp"] < FSDP_BF16_GAP, losses

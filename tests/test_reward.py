@@ -263,6 +263,7 @@ def test_sharded_strategies_end_where_ddp_does(trained, tmp_path, strategy):
 
 @pytest.mark.slow  # two more 2-process runs
 @pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's load
 def test_lora_trains_the_adapters_and_head_and_exports_a_merged_classifier(trained, tmp_path):
     """With LoRA only the adapters and the score head train; final/ is merged (no peft needed),
     still ranks the pairs, and fsdp ends where ddp does."""
@@ -280,3 +281,13 @@ def test_lora_trains_the_adapters_and_head_and_exports_a_merged_classifier(train
     rows = [json.loads(line) for line in (recipe.parent / "pairs.jsonl").read_text().splitlines()]
     assert _ranked_fraction(outs["ddp"] / "final", rows) >= 0.9
     assert max_param_diff(params, final_params(outs["fsdp"])) <= TOLERANCE
+    # adapter/ (with the trained head as a module to save) loads with peft alone to the same scores
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    texts = [rows[0]["prompt"] + rows[0]["chosen"], rows[1]["prompt"] + rows[1]["rejected"]]
+    tokenizer = AutoTokenizer.from_pretrained(outs["ddp"] / "adapter")
+    with torch.no_grad():
+        model = AutoPeftModelForSequenceClassification.from_pretrained(outs["ddp"] / "adapter").eval()
+        adapted = model(**tokenizer(texts, return_tensors="pt", padding=True)).logits.squeeze(-1)
+    assert torch.allclose(adapted, _scores(outs["ddp"] / "final", texts), atol=1e-5)

@@ -69,6 +69,54 @@ def test_lora_export_is_merged_and_loads_without_peft(runs):
     assert adapter["r"] == 4
 
 
+# Run in a fresh process from another folder: peft resolves the adapter's base from the
+# current folder, so a relative or vanished base path would fail here.
+_LOAD_ADAPTER = """
+import json, sys, torch
+from peft import AutoPeftModelForCausalLM, PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = sys.argv[1]
+tokenizer = AutoTokenizer.from_pretrained(out + "/adapter")
+ids = tokenizer(["2+3=5", "10+1=11"], return_tensors="pt", padding=True)
+with torch.no_grad():
+    merged = AutoModelForCausalLM.from_pretrained(out + "/final")(**ids).logits
+    auto = AutoPeftModelForCausalLM.from_pretrained(out + "/adapter")(**ids).logits
+    named = json.load(open(out + "/adapter/adapter_config.json"))["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(named)
+    plain = PeftModel.from_pretrained(base, out + "/adapter")(**ids).logits
+print((auto - merged).abs().max().item(), (plain - merged).abs().max().item())
+"""
+
+
+def test_the_lora_adapter_loads_with_peft_alone_from_any_folder(runs, tmp_path):
+    """adapter/ is peft's layout naming a base that loads from any current folder (a model
+    built from model.config: the run's base/, by absolute path); AutoPeftModelForCausalLM and
+    PeftModel.from_pretrained on it give the merged final/ model's logits."""
+    name, outs, _ = runs
+    if name != "chat-sft-lora":
+        pytest.skip("LoRA case only")
+    import subprocess
+    import sys
+
+    from conftest import accord_env
+
+    config = json.loads((outs[2] / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((outs[2] / "base").resolve())
+    assert f"base_model: {outs[2].resolve() / 'base'}" in (outs[2] / "adapter" / "README.md").read_text()
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_ADAPTER, str(outs[2])],
+        cwd=tmp_path,
+        env=accord_env() | {"HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    auto, plain = map(float, proc.stdout.split())
+    print(f"max |Δlogit| vs merged final/: AutoPeftModelForCausalLM {auto:.1e}, PeftModel {plain:.1e}")
+    assert auto <= 1e-5 and plain <= 1e-5
+
+
 def test_dpo_with_precomputed_reference_matches_the_live_reference(runs, tmp_path):
     name, outs, _ = runs
     if name != "dpo":

@@ -93,7 +93,7 @@ def _checkpoint_bytes(recipe: Recipe) -> int:
     """keep_last + 1 checkpoints (what may be on disk at once), as the run's own disk warning
     estimates them (every parameter trained: an upper bound under LoRA); the model counted on
     the meta device."""
-    from accord.checkpoint.store import checkpoint_bytes
+    from accord.checkpoint.disk_space import checkpoint_bytes
     from accord.planner.estimate import meta_model
 
     params = sum(p.numel() for p in meta_model(recipe).parameters())
@@ -250,6 +250,9 @@ def lines_from(picture: dict, recipe: Recipe) -> list[Line]:
                     OK,
                 )
             )
+    tp = recipe.engine.tensor_parallel
+    if tp > 1:
+        out.append(tensor_parallel_line(tp, picture["local_world"], picture["world"]))
     for pair, gbps in sorted(picture["bandwidth"].items()):
         a, b = pair.split("-")
         where = f"nodes {a} and {b}" if a != b else f"{picture['world']} local processes"
@@ -319,6 +322,20 @@ def _output_to(log: Path) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in saved:
             os.close(fd)
+
+
+def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
+    """Whether each engine.tensor_parallel group stays inside a node (its all-reduces run twice
+    per layer: over the network they would dominate the step)."""
+    from accord.launch.cluster import tensor_parallel_nodes
+
+    nodes = world // max(local_world, 1)
+    problem = tensor_parallel_nodes(tp, local_world, nodes)
+    if problem is None and world % tp:
+        problem = f"engine.tensor_parallel={tp} does not divide the {world} processes"
+    where = "all nodes" if nodes > 1 else "this node"
+    detail = problem or f"groups of {tp} consecutive ranks, each inside one node ({local_world} processes per node)"
+    return Line("tensor-parallel groups", where, detail, FAIL if problem else OK)
 
 
 def everyone_world(topology: Topology, recipe: Recipe) -> int:

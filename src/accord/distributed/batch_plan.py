@@ -17,13 +17,16 @@ class BatchPlanError(UserInputError):
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """`world_size` counts the data-parallel groups: processes / sequence_parallel (the
-    ranks of one sequence-parallel group train on the same rows, each a slice of their tokens)."""
+    """`world_size` counts the data-parallel groups: processes / (sequence_parallel ×
+    tensor_parallel). The ranks of one sequence-parallel group train on the same rows, each a
+    slice of their tokens; the ranks of one tensor-parallel group on the same rows and tokens,
+    each a slice of every layer (so only one of them counts a row's loss in sums over ranks)."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     sequence_parallel: int = 1
+    tensor_parallel: int = 1
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, processes: int) -> BatchPlan:
@@ -31,30 +34,45 @@ class BatchPlan:
         process where a run starts and handed on from there (the launcher's checks, the
         workers' RunSetup); raises BatchPlanError naming a split that does not work."""
         return cls.derive(
-            recipe.batch.global_batch_size, recipe.batch.micro_batch_size, processes, recipe.engine.sequence_parallel
+            recipe.batch.global_batch_size,
+            recipe.batch.micro_batch_size,
+            processes,
+            recipe.engine.sequence_parallel,
+            recipe.engine.tensor_parallel,
         )
 
     @classmethod
     def derive(
-        cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, sequence_parallel: int = 1
+        cls,
+        global_batch_size: int,
+        micro_batch_size: int | None,
+        world_size: int,
+        sequence_parallel: int = 1,
+        tensor_parallel: int = 1,
     ) -> BatchPlan:
-        """The plan for `world_size` processes, `sequence_parallel` of them to a row (engine.sequence_parallel);
-        `micro_batch_size=None` means no accumulation."""
+        """The plan for `world_size` processes, `sequence_parallel` × `tensor_parallel` of them
+        to a row (engine.sequence_parallel, engine.tensor_parallel); `micro_batch_size=None`
+        means no accumulation."""
         if world_size < 1:
             raise BatchPlanError(f"world size must be at least 1, got {world_size}")
-        if world_size % sequence_parallel:
+        for key, n in (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel)):
+            if world_size % n:
+                raise BatchPlanError(
+                    f"engine.{key}={n} does not divide the {world_size} processes; "
+                    f"use one of {', '.join(map(str, divisors(world_size)))} "
+                    f"(or run on a multiple of {n} processes)"
+                )
+        per_row = sequence_parallel * tensor_parallel
+        if world_size % per_row:
             raise BatchPlanError(
-                f"engine.sequence_parallel={sequence_parallel} does not divide the {world_size} processes; "
-                f"use one of {', '.join(map(str, divisors(world_size)))} "
-                f"(or run on a multiple of {sequence_parallel} processes)"
+                f"engine.sequence_parallel × engine.tensor_parallel = {per_row} does not divide the {world_size} "
+                f"processes; lower one of them"
             )
-        unit = (
-            "processes"
-            if sequence_parallel == 1
-            else f"data-parallel groups (processes / engine.sequence_parallel={sequence_parallel})"
-        )
-        plan = cls._derive(global_batch_size, micro_batch_size, world_size // sequence_parallel, unit)
-        return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel)
+        sizes = (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel))
+        levers = [f"engine.{k}={n}" for k, n in sizes if n > 1]
+        unit = "processes" if per_row == 1 else f"data-parallel groups (processes / {' × '.join(levers)})"
+        plan = cls._derive(global_batch_size, micro_batch_size, world_size // per_row, unit)
+        return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel, tensor_parallel)
 
     @classmethod
     def _derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, unit: str) -> BatchPlan:
@@ -77,8 +95,13 @@ class BatchPlan:
 
     @property
     def processes(self) -> int:
-        """Every process of the run: the data-parallel groups × their sequence-parallel ranks."""
-        return self.world_size * self.sequence_parallel
+        """Every process of the run: the data-parallel groups × their sequence- and tensor-parallel ranks."""
+        return self.world_size * self.ranks_per_group
+
+    @property
+    def ranks_per_group(self) -> int:
+        """The ranks that train on the same rows (one data-parallel group)."""
+        return self.sequence_parallel * self.tensor_parallel
 
     @property
     def per_rank(self) -> int:
@@ -90,7 +113,13 @@ class BatchPlan:
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel group of global rank `rank` (groups are runs of consecutive ranks)."""
-        return rank // self.sequence_parallel
+        return rank // self.ranks_per_group
+
+    def counts(self, rank: int) -> bool:
+        """Whether `rank`'s loss and metrics count in a sum over ranks: a tensor-parallel group's
+        ranks compute the same ones, so only its first counts (sequence-parallel ranks each
+        hold their own tokens)."""
+        return rank % self.tensor_parallel == 0
 
     def micro_slice(self, rank: int, micro_step: int) -> slice:
         """Positions within a global batch that `rank` trains on at `micro_step`.
@@ -105,10 +134,13 @@ class BatchPlan:
         return slice(start, start + self.micro_batch_size)
 
     def describe(self) -> str:
+        kinds = " and ".join(
+            kind for kind, n in (("sequence", self.sequence_parallel), ("tensor", self.tensor_parallel)) if n > 1
+        )
         groups = (
-            f"{self.world_size} data-parallel group{'s' if self.world_size != 1 else ''} of {self.sequence_parallel} "
-            f"processes (sequence parallel)"
-            if self.sequence_parallel > 1
+            f"{self.world_size} data-parallel group{'s' if self.world_size != 1 else ''} of {self.ranks_per_group} "
+            f"processes ({kinds} parallel)"
+            if self.ranks_per_group > 1
             else f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
         )
         return (

@@ -29,6 +29,9 @@ class Engine(ABC):
     _wrapped: nn.Module
     state_optimizer: torch.optim.Optimizer
     _compiled: nn.Module | None = None
+    # engine.tensor_parallel: runs of this many consecutive ranks hold one model between them,
+    # see the same rows and compute the same loss.
+    tensor_parallel: int = 1
 
     @property
     def train_model(self) -> nn.Module:

@@ -25,6 +25,11 @@ def build(
 
 class DDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+        self.tensor_parallel = recipe.engine.tensor_parallel
+        if self.tensor_parallel > 1:
+            wrapped = self._tensor_parallel(model, recipe, info, device)
+            super().__init__(model, wrapped, recipe, info, device, total_steps)
+            return
         materialize(model, device)  # a meta-device model gets its (per-name seeded or loaded) values
         model.to(device)
         apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
@@ -37,6 +42,28 @@ class DDPEngine(TorchUpdateEngine):
                 **_no_buffer_sync_per_forward(),
             )
         super().__init__(model, wrapped, recipe, info, device, total_steps)
+
+    def _tensor_parallel(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device) -> nn.Module:
+        """engine.tensor_parallel: split the layers over each TP group, then replicate over the
+        data-parallel groups. DDP cannot hold DTensor parameters, so the replication is FSDP2's
+        hybrid mode with shards of one rank (an all-reduce of the gradients over "dp", as DDP
+        does; nothing is sharded)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from accord.engine.tensor_parallel import parallelize
+        from accord.engine.wrapping import ensure_process_group
+
+        ensure_process_group(device)
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
+        mesh = parallelize(model, recipe, info.world_size, device, ("dp", "dp_shard", "tp"))
+        if info.world_size > self.tensor_parallel:
+            fully_shard(model, mesh=mesh["dp", "dp_shard"])
+        materialize(model, device)
+        return model.to(device)
+
+    @property
+    def lockstep(self) -> bool:
+        return self.tensor_parallel > 1  # a TP group's forward is collective
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         if last_micro_step or not isinstance(self._wrapped, DistributedDataParallel):

@@ -35,13 +35,19 @@ class FSDPEngine(TorchUpdateEngine):
         ensure_process_group(device)
         # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
         apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        self._mesh = init_device_mesh(device.type, (info.world_size,))
+        self._recipe, self._world = recipe, info.world_size
+        self.tensor_parallel = recipe.engine.tensor_parallel
+        # Under engine.tensor_parallel the mesh is ("dp", "tp") and FSDP2 shards over "dp" (2-D).
+        self._mesh = init_device_mesh(device.type, (info.world_size,)) if self.tensor_parallel == 1 else None
         self._layer_class = recipe.engine.fsdp_layer_class
         precision = recipe.engine.precision
         if precision == "no":
             self._policy = MixedPrecisionPolicy()
         else:
             # Compute in bf16/fp16, keep the sharded master weights in fp32 and reduce gradients in fp32.
+            # Gathering in bf16 (not fp32 under autocast, as the other strategies compute) halves the
+            # all-gathers and holds no bf16 copy of every weight until backward; the forward then runs
+            # wholly in bf16, a small measured loss gap to ddp (docs/strategies-and-multinode.md).
             self._policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
         self._shard(model, device)
         # The sharded model is both: its forward gathers the parameters (see lockstep), and
@@ -54,9 +60,14 @@ class FSDPEngine(TorchUpdateEngine):
         (accord.models.weights), so no process ever holds the whole model."""
         if not is_meta(model):
             model.to(device)  # every rank built the same values (seeded per name)
+        mesh = self._mesh
+        if self.tensor_parallel > 1:
+            from accord.engine.tensor_parallel import parallelize
+
+            mesh = parallelize(model, self._recipe, self._world, device, ("dp", "tp"))["dp"]
         for layer in layer_modules(model, self._layer_class):
-            fully_shard(layer, mesh=self._mesh, mp_policy=self._policy)
-        fully_shard(model, mesh=self._mesh, mp_policy=self._policy)
+            fully_shard(layer, mesh=mesh, mp_policy=self._policy)
+        fully_shard(model, mesh=mesh, mp_policy=self._policy)
         materialize(model, device)
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:

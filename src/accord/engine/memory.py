@@ -202,3 +202,37 @@ def _chunk0(p: torch.Tensor, world: int) -> int:
 
 DDP = DDPMemory()
 FSDP = FSDPMemory()
+
+
+def tensor_parallel_local(model: nn.Module, tensor_parallel: int) -> nn.Module:
+    """`model` (on the meta device) with each linear layer that engine.tensor_parallel splits
+    cut to one rank's part, in place: column-wise layers keep 1/N of their output rows (and
+    bias), row-wise ones 1/N of their input columns (their bias stays whole). The strategies'
+    memory models then count a TP rank's state over the data-parallel world."""
+    import fnmatch
+
+    import torch
+    from torch import nn
+
+    from accord.engine.tensor_parallel import plan_words
+
+    words = plan_words(model.config) or {}
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "base_model", model)
+    for name, module in base.named_modules():
+        word = next((w for pattern, w in words.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if word not in ("colwise", "rowwise") or not isinstance(module, nn.Linear):
+            continue
+        out_features, in_features = module.weight.shape
+        shape = (
+            (out_features // tensor_parallel, in_features)
+            if word == "colwise"
+            else (
+                out_features,
+                in_features // tensor_parallel,
+            )
+        )
+        trained = module.weight.requires_grad
+        module.weight = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=trained)
+        if module.bias is not None and word == "colwise":
+            module.bias = nn.Parameter(torch.empty(shape[0], device="meta"), requires_grad=trained)
+    return model

@@ -21,6 +21,17 @@ from accord.engine.state import PendingWrite, load_schedule, load_torch_state, s
 from accord.recipe.schema import Recipe
 
 
+def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped so that each group's norm is one computation: plain tensors, and
+    DTensors per device mesh (under engine.tensor_parallel the split layers live on the TP
+    mesh or the 2-D one, the rest are plain tensors or on the data-parallel mesh)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 class TorchUpdateEngine(Engine):
     # torch's ZeroRedundancyOptimizer instead of AdamW itself (ZeRO-1 over DDP).
     shard_optimizer = False
@@ -39,7 +50,8 @@ class TorchUpdateEngine(Engine):
         self.device = device
         self.module = module
         self._wrapped = wrapped
-        self.world_size = info.world_size
+        # The data-parallel groups the gradients are averaged over (a TP group's ranks share rows).
+        self.world_size = info.world_size // recipe.engine.tensor_parallel
         self.precision = recipe.engine.precision
         self.max_grad_norm = recipe.optim.max_grad_norm
         self.optimizer = build_optimizer(module, recipe.optim, device, shard=self.shard_optimizer)
@@ -63,12 +75,17 @@ class TorchUpdateEngine(Engine):
     def clip_gradients(self) -> torch.Tensor:
         """Clip to max_grad_norm (when set); the norm of the whole gradient before clipping,
         the same on every rank (FSDP2's sharded gradients combine their shard norms)."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        groups = _by_layout([p for p in self._params if p.grad is not None])
+        norms = []
+        for params in groups:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        grad_norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, error_if_nonfinite=False)
+        if not norms:
+            grad_norm = torch.zeros((), device=self.device)
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, grad_norm)
+            for params in groups:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, grad_norm)
         return grad_norm
 
     def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:

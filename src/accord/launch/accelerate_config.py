@@ -79,15 +79,15 @@ def accelerate_settings(env: dict[str, str] | None = None) -> dict[str, Any]:
 _UNSUPPORTED_PARALLELISM = {
     "CP_SIZE": ("parallelism_config_cp_size", "context parallelism"),
     "SP_SIZE": ("parallelism_config_sp_size", "sequence parallelism"),
-    "TP_SIZE": ("parallelism_config_tp_size", "tensor parallelism"),
 }
 
 
 def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
     """What an accelerate config's parallelism_config asks of accord: sequence parallelism on
     the deepspeed backend (accelerate's default for sp) is engine.sequence_parallel (DeepSpeed's
-    Ulysses attention, as accelerate runs it); context, other sequence or tensor parallelism
-    over more than one rank is refused (never silently dropped), and so is hybrid sharding; a
+    Ulysses attention, as accelerate runs it); tp_size is engine.tensor_parallel (torch's
+    tensor parallelism, as accelerate runs it); context or other sequence parallelism over
+    more than one rank is refused (never silently dropped), and so is hybrid sharding; a
     data-parallel size is checked against the world (reconcile)."""
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
         return {}
@@ -96,11 +96,14 @@ def parallelism_settings(env: dict[str, str]) -> dict[str, Any]:
     if sequence > 1 and env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") == "deepspeed":
         settings["engine.sequence_parallel"] = sequence
         env = {k: v for k, v in env.items() if k != "PARALLELISM_CONFIG_SP_SIZE"}
+    tensor = int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+    if tensor > 1:
+        settings["engine.tensor_parallel"] = tensor
     for name, (key, what) in _UNSUPPORTED_PARALLELISM.items():
         size = int(env.get(f"PARALLELISM_CONFIG_{name}", "1"))
         if size > 1:
             backend = env.get(f"PARALLELISM_CONFIG_{name[:2]}_BACKEND")
-            via = f" ({backend} backend)" if backend and name != "TP_SIZE" else ""
+            via = f" ({backend} backend)" if backend else ""
             raise RecipeError(
                 f"accelerate config: {key}={size} asks for {what}{via}, which accord does not support yet; set it to 1 "
                 f"(or remove parallelism_config) to train with plain data parallelism over all ranks"
@@ -149,10 +152,12 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
     accumulation = settings.pop("batch.grad_accum", None)
     data_parallel = settings.pop("parallelism.data_parallel", None)
     sequence = settings.get("engine.sequence_parallel", recipe.engine.sequence_parallel)
-    if data_parallel is not None and data_parallel * sequence != world_size:
+    tensor = settings.get("engine.tensor_parallel", recipe.engine.tensor_parallel)
+    per_group = sequence * tensor
+    if data_parallel is not None and data_parallel * per_group != world_size:
         groups = (
-            f"{world_size // sequence} data-parallel groups of {sequence}"
-            if sequence > 1
+            f"{world_size // per_group} data-parallel groups of {per_group}"
+            if per_group > 1
             else "all of them data-parallel"
         )
         raise RecipeError(
@@ -173,9 +178,7 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
         raise RecipeError("; ".join(conflicts) + " — make them agree (or leave the value out of one of them)")
     merged = validate_recipe(data, source=source)
     if accumulation is not None:
-        plan = BatchPlan.derive(
-            merged.batch.global_batch_size, merged.batch.micro_batch_size, world_size, merged.engine.sequence_parallel
-        )
+        plan = BatchPlan.for_recipe(merged, world_size)
         if plan.grad_accum != accumulation:
             groups = plan.world_size  # data-parallel: processes / engine.sequence_parallel
             micro = (
@@ -204,9 +207,7 @@ def accelerate_config(
 ) -> dict[str, Any]:
     """The accelerate config that launches `recipe` as accord itself would."""
     engine = recipe.engine
-    plan = BatchPlan.derive(
-        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, num_processes, engine.sequence_parallel
-    )
+    plan = BatchPlan.for_recipe(recipe, num_processes)
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -248,18 +249,20 @@ def accelerate_config(
         }
     else:
         config["distributed_type"] = "MULTI_GPU" if num_processes > 1 else "NO"
-    if engine.sequence_parallel > 1:
-        # accelerate's ALST form (TRL's alst_ulysses configs): sp on the deepspeed backend,
-        # the rest of the world data-parallel, sharded or replicated as the strategy does.
+    if engine.sequence_parallel > 1 or engine.tensor_parallel > 1:
+        # accelerate's ALST form (TRL's alst_ulysses configs): sp on the deepspeed backend;
+        # or its tp_size; the rest of the world data-parallel, sharded or replicated as the
+        # strategy does.
         sharded = strategy.shards
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": 1 if sharded else plan.world_size,
             "parallelism_config_dp_shard_size": plan.world_size if sharded else 1,
-            "parallelism_config_tp_size": 1,
+            "parallelism_config_tp_size": engine.tensor_parallel,
             "parallelism_config_cp_size": 1,
             "parallelism_config_sp_size": engine.sequence_parallel,
-            "parallelism_config_sp_backend": "deepspeed",
         }
+        if engine.sequence_parallel > 1:
+            config["parallelism_config"]["parallelism_config_sp_backend"] = "deepspeed"
     return config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from accord.checkpoint.store import check_resume
+from accord.checkpoint.resume import check_resume
 from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
 from accord.distributed import group as dist
@@ -36,6 +36,8 @@ def preflight(
     problems += check_model_source(recipe.model)
     if recipe.engine.sequence_parallel > 1 and not problems:
         problems += check_sequence_parallel(recipe)
+    if recipe.engine.tensor_parallel > 1 and not problems:
+        problems += check_tensor_parallel(recipe, world_size)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -183,6 +185,16 @@ def check_sequence_parallel(recipe: Recipe) -> list[str]:
     if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
         return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
     return check(recipe, _model_config(recipe.model))
+
+
+def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
+    """engine.tensor_parallel divides the processes and the model's heads, key/value heads and
+    intermediate size, and the model has a plan; its config is read, no weights."""
+    from accord.engine.tensor_parallel import check_tensor_parallel as check
+
+    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+        return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
+    return check(recipe, _model_config(recipe.model), world_size)
 
 
 def _model_config(cfg: ModelConfig):

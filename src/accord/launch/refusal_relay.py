@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # COUNT numbers the refusals; KEY/<n> holds the n-th; SEEN counts the nodes that know of one.
 KEY, COUNT, SEEN = "accord/refusal", "accord/refusal/count", "accord/refusal/seen"
 WAIT_FOR_NODES_S = 15.0  # how long a refusing node waits for the other nodes to read its refusal
-CONNECT_S = 60.0  # how long a refusing node looks for the store (the host node may start later)
+CONNECT_S = 60.0  # how long a node looks for the store (the host node may start later)
 POLL_S = 0.5
 _ME = f"{socket.gethostname()}:{os.getpid()}"  # whose refusal an entry is (never acted on by its writer)
 
@@ -124,14 +124,8 @@ def publish(message: str) -> None:
     meeting = _current()
     if meeting is None or (meeting is _meeting and _launched):
         return
-    store = None
     try:
-        if meeting.hosts_store:
-            try:
-                store = meeting.connect(WAIT_FOR_NODES_S, host=True)
-            except Exception:  # noqa: BLE001 - the port is taken: the store is up already
-                store = None
-        store = store or meeting.connect(CONNECT_S)
+        store = (_host_store(meeting) if meeting.hosts_store else None) or meeting.connect(CONNECT_S)
         entry = {"from": _ME, "node": meeting.node, "host": socket.gethostname(), "message": message}
         key = f"{KEY}/{store.add(COUNT, 1)}"
         store.set(key, json.dumps(entry))
@@ -142,6 +136,14 @@ def publish(message: str) -> None:
         store.set(f"{key}/done", "")  # the readers may go now (one of them may take the store with it)
     except Exception:  # noqa: BLE001 - the message was printed here already; the rest is courtesy
         pass
+
+
+def _host_store(meeting: Meeting):
+    """The store this node's agent would have hosted, or None when the port is taken (it is up)."""
+    try:
+        return meeting.connect(WAIT_FOR_NODES_S, host=True)
+    except Exception:  # noqa: BLE001 - another process serves the port: connect to it instead
+        return None
 
 
 def watch(then: Callable[[], None] | None = None) -> None:
@@ -158,12 +160,12 @@ def watch(then: Callable[[], None] | None = None) -> None:
 
 def _watching(stop: threading.Event, meeting: Meeting, then: Callable[[], None] | None) -> None:
     try:
-        store = meeting.connect(timeout_s=max(CONNECT_S, 30.0))
+        store = meeting.connect(CONNECT_S)
         while not stop.wait(POLL_S):
             for index in range(1, store.add(COUNT, 0) + 1):
-                if not store.check([f"{KEY}/{index}"]):
-                    continue  # counted, not written yet
                 key = f"{KEY}/{index}"
+                if not store.check([key]):
+                    continue  # counted, not written yet
                 entry = json.loads(store.get(key))
                 if entry["from"] != _ME and claim():
                     _say(entry)

@@ -88,6 +88,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     recipe = _processes_as_launched(recipe)
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
     plan = BatchPlan.for_recipe(recipe, world_size)
+    _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     try:
@@ -118,6 +119,20 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     finally:
         hold.leave()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
+
+
+def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:
+    from accord.distributed import group as dist
+    from accord.launch.cluster import tensor_parallel_nodes
+
+    if dist.outer_launcher() is not None:
+        info = dist.env_info()
+        per_node, nodes = info.local_world_size, info.world_size // max(info.local_world_size, 1)
+    else:
+        per_node, nodes = world_size // topology.nnodes, topology.nnodes
+    refusal = tensor_parallel_nodes(recipe.engine.tensor_parallel, per_node, nodes)
+    if refusal:
+        raise UserInputError(refusal)
 
 
 def _processes_as_launched(recipe: Recipe) -> Recipe:
@@ -216,7 +231,7 @@ class _OutputHold:
 
 
 def _resume_hint(out_dir: Path) -> str:
-    from accord.checkpoint.store import resume_hint  # the checkpoint format's imports: only when needed
+    from accord.checkpoint.resume import resume_hint  # the checkpoint format's imports: only when needed
 
     return resume_hint(out_dir)
 

@@ -13,12 +13,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from accord.checkpoint.disk_space import disk_space_warning
+from accord.checkpoint.resume import verified_resume_source
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
-    disk_space_warning,
     incomplete_checkpoints,
-    verified_resume_source,
 )
 from accord.data.sources import DataError
 from accord.distributed import group as dist

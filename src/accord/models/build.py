@@ -169,15 +169,11 @@ def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
     config.validate_rope()
 
 
-def apply_lora(
-    model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int, base: str | None = None
-) -> PreTrainedModel:
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) -> PreTrainedModel:
     """Wrap with peft adapters; only they (and a classification head) are trained. The
     adapters' initial values are seeded per name (accord.models.weights), so they are the same for
     any number of processes. On a meta-device model they stay meta until the engine
-    materialises the whole. `base`: the recipe's model.path, which adapter/adapter_config.json
-    names as its base (peft would name the folder loaded, e.g. a GGUF file's converted copy
-    under ~/.cache that exists only on the machine that trained)."""
+    materialises the whole. The base the adapter names is set when it is saved (adapter_base)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
@@ -199,8 +195,30 @@ def apply_lora(
         wrapped = get_peft_model(model, peft_config)
     if not meta:  # peft's own draws replaced by the per-name values
         fill(wrapped, WeightsSource(None, seed), select=lambda name: ".lora_" in f".{name}")
-    wrapped.peft_config["default"].base_model_name_or_path = base
     return wrapped
+
+
+def adapter_base(cfg: ModelConfig) -> tuple[str, str | None] | None:
+    """What a LoRA adapter names as its base (`base_model_name_or_path`, `revision`), so that
+    `AutoPeftModelForCausalLM.from_pretrained(adapter)` loads it from any current folder: peft
+    hands that name to transformers' from_pretrained as it is, so a relative path would resolve
+    from the loader's current folder, not the adapter's. A Hugging Face hub cache snapshot
+    (`.../models--ORG--NAME/snapshots/REV`): the hub id and revision. Another plain model folder
+    (a path or `pkg:` path): its absolute resolved path. None when no lasting folder holds the
+    base as trained (a .gguf file's converted copy is a cache; a model built from model.config
+    exists nowhere; model.rope_scaling changes its config): the run then writes it in `base/`."""
+    if cfg.path is None or cfg.rope_scaling is not None:
+        return None
+    folder = resolve_path(cfg.path)
+    if folder.suffix == ".gguf" or not folder.is_dir():
+        return None
+    folder = folder.resolve()
+    parts = folder.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        org_name = parts[-3].removeprefix("models--").split("--")  # the hub bans "--" in names
+        if len(org_name) <= 2:
+            return "/".join(org_name), parts[-1]
+    return str(folder), None
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """The final model in `final/` (a save_pretrained folder plain transformers loads), and with
-LoRA the adapter alone in `adapter/`, merged into the weights for `final/` by default.
+LoRA the adapter alone in `adapter/` (peft's layout, naming a base it loads from), merged
+into the weights for `final/` by default, and the base in `base/` when it is in no lasting
+folder already.
 
 Nothing is gathered whole: the engine hands over one tensor at a time (a sharded one
 gathered just then), rank 0 appends it to the current safetensors shard and writes each
@@ -8,13 +10,14 @@ shard when it is full. A LoRA layer is merged as its three tensors arrive (W + B
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from accord.distributed import group as dist
-from accord.models.build import adapter_saving
-from accord.output.folder import save_final_model, save_streamed_model
+from accord.models.build import adapter_base, adapter_saving
+from accord.output.folder import save_final_model, save_streamed_model, streamed_model
 from accord.recipe.schema import Recipe
 
 PEFT_PREFIX = "base_model.model."
@@ -31,19 +34,48 @@ def export_final(engine, recipe: Recipe, task, tokenizer, out_dir: Path, info: d
     elif recipe.lora is None:
         save_streamed_model(tensors, engine.module, tokenizer, final)
     else:
-        module, adapter = engine.module, {}
+        _export_lora(tensors, engine.module, recipe, tokenizer, out_dir)
+    dist.barrier()
+    return final
+
+
+def _export_lora(tensors, module, recipe: Recipe, tokenizer, out_dir: Path) -> None:
+    """final/ (merged, or the adapter alone), adapter/, and base/ when no lasting folder holds
+    the base as trained (see adapter_base): all from one pass over the tensors."""
+    adapter: dict[str, torch.Tensor] = {}
+    named = adapter_base(recipe.model)
+    base_folder = out_dir / "base"
+    with streamed_model(module.get_base_model(), tokenizer, base_folder) if named is None else nullcontext() as add:
         tensors = _keeping_adapter(tensors, adapter)
+        if add is not None:
+            tensors = _writing_base(tensors, add)
         if recipe.lora.merge_on_export:
-            save_streamed_model(merged_lora(tensors, module), module.get_base_model(), tokenizer, final)
+            save_streamed_model(merged_lora(tensors, module), module.get_base_model(), tokenizer, out_dir / "final")
         else:
             for _ in tensors:
                 pass
+    name, revision = named or (str(base_folder.resolve()), None)
+    config = module.peft_config[ADAPTER]
+    config.base_model_name_or_path, config.revision = name, revision
+    base_config = module.get_base_model().config
+    source = base_config.name_or_path
+    base_config.name_or_path = name  # what peft's README names as base_model
+    try:
         with adapter_saving():
             save_final_model(module, tokenizer, out_dir / "adapter", state_dict=adapter)
             if not recipe.lora.merge_on_export:
-                save_final_model(module, tokenizer, final, state_dict=adapter)
-    dist.barrier()
-    return final
+                save_final_model(module, tokenizer, out_dir / "final", state_dict=adapter)
+    finally:
+        base_config.name_or_path = source
+
+
+def _writing_base(tensors, add) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes the tensors on, handing the base model's own (the frozen weights under the
+    adapters, the original of each module_to_save) to `add` under the base model's names."""
+    for name, tensor in tensors:
+        if ".lora_" not in name and ".modules_to_save." not in name:
+            add(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", "."), tensor)
+        yield name, tensor
 
 
 def _keeping_adapter(tensors, adapter: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

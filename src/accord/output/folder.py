@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,11 +23,16 @@ from accord.recipe.schema import Recipe, recipe_to_yaml
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
 RUN_STATUS = "run-status.json"
-RUN_ARTEFACTS = tuple(
-    dict.fromkeys(
-        ("recipe.yaml", RUN_STATUS, "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
-        + TRACKER_ARTEFACTS  # the experiment trackers' default stores
-    )
+RUN_ARTEFACTS = (
+    "recipe.yaml",
+    RUN_STATUS,
+    "metrics.jsonl",
+    "samples.jsonl",
+    "checkpoints",
+    "final",
+    "adapter",
+    "base",
+    *TRACKER_ARTEFACTS,  # the experiment trackers' default stores (TensorBoard's too)
 )
 # Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
@@ -155,13 +161,21 @@ def save_streamed_model(
     sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or one
     model.safetensors) of at most `shard_bytes` each, every tensor written as it arrives, so the
     writer holds one tensor at a time. `model` gives the config (and generation config) only."""
+    with streamed_model(model, tokenizer, final, shard_bytes) as add:
+        for name, tensor in tensors:
+            add(name, tensor)
+
+
+@contextlib.contextmanager
+def streamed_model(model, tokenizer, final: Path, shard_bytes: int = SHARD_BYTES) -> Iterator[Callable]:
+    """save_streamed_model as a block that yields the function taking each (name, tensor): for
+    two folders written from one pass over the tensors (a LoRA run's merged model and its base)."""
     # Here, not at the top: the writer imports torch, which the launcher's checks of the folder never need.
     from accord.output.safetensors_writer import ShardedSafetensorsWriter
 
     with replacing_folder(final) as tmp:
         shards = ShardedSafetensorsWriter(tmp, shard_bytes)
-        for name, tensor in tensors:
-            shards.add(name, tensor)
+        yield shards.add
         shards.close()
         config = copy.deepcopy(model.config)
         config.architectures = [_model_class(model).__name__]

@@ -20,7 +20,7 @@ from accord.distributed.batch_plan import BatchPlan, divisors
 from accord.engine.long_rows import mlp_tiles
 from accord.engine.memory import Footprint, MemoryModel
 from accord.errors import UserInputError
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import TENSOR_PARALLEL_STRATEGIES, Recipe
 from accord.registry import load_object
 from accord.tasks import task_class
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
@@ -73,7 +73,7 @@ def meta_model(recipe: Recipe):
         else:
             model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, kwargs, meta=True)
         if recipe.lora is not None:
-            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed, recipe.model.path)
+            model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     return model
 
 
@@ -86,6 +86,7 @@ def activations(
     loss_chunk: int = 0,
     sequence_parallel: int = 1,
     mlp_tiles: int = 1,
+    tensor_parallel: int = 1,
 ) -> float:
     """Bytes kept for backward: per layer and token about 8h + 4f values in the compute
     dtype (norm inputs and outputs, q/k/v, attention output, the MLP's four f-wide
@@ -96,7 +97,9 @@ def activations(
     Under `sequence_parallel` N a rank holds the tokens of 1/N of each row, and (sdpa and
     eager) the whole row's document mask, one byte per pair of tokens. `checkpointing`
     "offload" keeps the layer inputs in host memory (not counted: off the device);
-    `mlp_tiles` divides the MLP's f-wide tensors (one tile's exist at a time)."""
+    `mlp_tiles` divides the MLP's f-wide tensors (one tile's exist at a time); under
+    `tensor_parallel` N a rank keeps 1/N of the heads' tensors (q, k, v, attention output) and
+    of the MLP's, the norms' h-wide ones whole."""
     config = model.config
     h = getattr(config, "hidden_size", 0)
     f = getattr(config, "intermediate_size", 4 * h)
@@ -107,7 +110,7 @@ def activations(
     mask = (
         micro * length * length if sequence_parallel > 1 and "flash" not in (attn_implementation(config) or "") else 0
     )
-    per_layer = (8 * h + 4 * f / mlp_tiles) * element * tokens
+    per_layer = (4 * h + 4 * h / tensor_parallel + 4 * f / (mlp_tiles * tensor_parallel)) * element * tokens
     inputs = 0 if checkpointing == "offload" else layers * h * element * tokens
     kept = inputs + per_layer if checkpointing else layers * per_layer
     whole = 2 * 4 * tokens * vocab
@@ -152,10 +155,15 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
     phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
-    batch = BatchPlan.derive(
-        recipe.batch.global_batch_size, recipe.batch.micro_batch_size, world, recipe.engine.sequence_parallel
-    )
+    batch = BatchPlan.for_recipe(recipe, world)
     model = meta_model(recipe)
+    tp = recipe.engine.tensor_parallel
+    if tp > 1:
+        from accord.engine.memory import tensor_parallel_local
+
+        # One TP rank's part of each split layer; the strategies then shard or replicate it over
+        # the data-parallel groups (world / TP).
+        tensor_parallel_local(model, tp)
     # Tasks that chunk their loss (train.loss_chunk_size) hold chunk-sized logits; others whole ones.
     loss_chunk = 0
     if task_class(recipe).chunked_loss and chunking_blocker(model, recipe) is None:
@@ -166,15 +174,29 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         True if cpu and recipe.engine.activation_checkpointing == "offload" else recipe.engine.activation_checkpointing
     )
     tiles = mlp_tiles(recipe.engine.tiled_mlp, recipe.data.max_length, model) if recipe.engine.tiled_mlp else 1
-    per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
-    act = per_degree[recipe.engine.sequence_parallel]
+    if tp > 1:
+        act = activations(
+            model,
+            batch.micro_batch_size,
+            recipe.data.max_length,
+            recipe.engine.precision,
+            checkpointing,
+            loss_chunk,
+            tensor_parallel=tp,
+        )
+        per_degree = {1: act}
+    else:
+        per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
+        act = per_degree[recipe.engine.sequence_parallel]
     rows = []
     for strategy, spec in registry.STRATEGIES.items():  # in their order: least communication first
         if spec.memory is None:
             continue  # a user's strategy registered without one
+        if tp > 1 and strategy not in TENSOR_PARALLEL_STRATEGIES:
+            continue
         offload = spec.offload_for(recipe.engine.offload)
-        state = model_state(model, strategy, world, recipe.engine.precision, offload)
-        phases = phase_peaks(model, strategy, world, state, act, recipe, cpu)
+        state = model_state(model, strategy, world // tp, recipe.engine.precision, offload)
+        phases = phase_peaks(model, strategy, world // tp, state, act, recipe, cpu)
         rows.append(
             StrategyPlan(
                 strategy,
@@ -228,7 +250,8 @@ def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: 
     if not fitting:
         return _split_rows(rows, recipe, budget, memory_gib, device) or _nothing_fits(rows, memory_gib, device)
     choice = fitting[0]
-    groups = world // recipe.engine.sequence_parallel  # data-parallel: a sequence-parallel group shares its rows
+    # data-parallel: a sequence- or tensor-parallel group shares its rows
+    groups = world // (recipe.engine.sequence_parallel * recipe.engine.tensor_parallel)
     per_rank = recipe.batch.global_batch_size // groups
     base = choice.total - choice.activations
     per_sequence = choice.activations / choice.micro_batch_size

@@ -104,6 +104,15 @@ class EngineConfig(Section):
         "exchanges sequence shards for head shards (all-to-all); the world is data-parallel x this. Must divide the "
         "number of processes and the model's attention heads (sft and pretrain).",
     )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="Tensor parallelism (torch's parallelize_module): each decoder layer's attention heads and MLP "
+        "features are split over groups of this many consecutive ranks (keep a group inside a node), which train on "
+        "the same rows; the world is data-parallel x this, with ddp or fsdp over the data-parallel groups. Must "
+        "divide the processes, the attention and key/value heads and the intermediate size (sft, pretrain, classify, "
+        "reward; no LoRA).",
+    )
     zero1_implementation: Literal["auto", "deepspeed", "torch"] = Field(
         "auto",
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "

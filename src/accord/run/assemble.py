@@ -42,7 +42,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     task.configure_model(model)
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
-        model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed, recipe.model.path)
+        model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     facts = ModelFacts(
         name=type(model).__name__,
         num_params=num_params,

@@ -53,8 +53,10 @@ class Evaluator:
 
     def _task_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         totals: dict[str, torch.Tensor] = {}
-        batches = lockstep_batches(len(self.data), self.info.rank, self.info.world_size, self.cfg.eval_micro_batch_size)
+        rank, world, share = self._data_parallel()
+        batches = lockstep_batches(len(self.data), rank, world, self.cfg.eval_micro_batch_size)
         for indices, weight in batches:
+            weight = weight * share
             heartbeat.tick()  # a long evaluation is progress, batch by batch
             self._check_stop()
             batch = to_device(self.task.collate([[e] for e in fetch(self.data, indices)]), self.engine.device)
@@ -68,8 +70,9 @@ class Evaluator:
 
     def _generation_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         rows = fetch(self.data, range(min(self.cfg.eval_generate, len(self.data))))
-        per_rank = -(-len(rows) // self.info.world_size)
-        shard = rows[self.info.rank * per_rank : (self.info.rank + 1) * per_rank]
+        rank, world, share = self._data_parallel()
+        per_rank = -(-len(rows) // world)
+        shard = rows[rank * per_rank : (rank + 1) * per_rank]
         shard = shard + [{**rows[0], PADDING: True}] * (per_rank - len(shard))  # same count on every rank
         sums: dict[str, float] = {}
         # Every rank's shard has the same length, so every rank makes the same calls (lockstep).
@@ -85,7 +88,7 @@ class Evaluator:
                     lockstep=self.engine.lockstep,
                 )
             for name, value in part.items():
-                sums[name] = sums.get(name, 0.0) + value
+                sums[name] = sums.get(name, 0.0) + value * share
         if not sums:
             return {}
         names = sorted(sums)
@@ -95,6 +98,13 @@ class Evaluator:
         reduced = dict(zip(names, totals.tolist()))
         count = reduced.pop("count")
         return self.task.generation_results(reduced, count)
+
+    def _data_parallel(self) -> tuple[int, int, float]:
+        """This rank's data-parallel group, their number, and whether its sums count: the ranks
+        of a tensor-parallel group evaluate the same rows together (their forward is one
+        collective), and only the first one's sums count."""
+        tp = getattr(self.engine, "tensor_parallel", 1)  # an engine that predates Engine.tensor_parallel: 1
+        return self.info.rank // tp, self.info.world_size // tp, 1.0 if self.info.rank % tp == 0 else 0.0
 
     def _check_stop(self) -> None:
         if self._stop is None:

@@ -82,9 +82,11 @@ class Trainer:
                     "backward/all-reduce" if last else "backward", self.step + 1
                 )  # gradients sync on the last
                 self.engine.backward(out.loss_sum, max(targets, 1))
-            loss_sum += out.loss_sum.detach()
+            # A tensor-parallel group computes one loss on every rank: it counts once in the logged sums.
+            share = 1.0 if self.plan.counts(self.run.info.rank) else 0.0
+            loss_sum += out.loss_sum.detach() * share
             for name, value in out.metrics.items():
-                metrics[name] = metrics.get(name, 0) + value.detach().float()
+                metrics[name] = metrics.get(name, 0) + value.detach().float() * share
         lr = self.engine.lr
         heartbeat.phase("optimizer step", self.step + 1)
         grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
