@@ -166,6 +166,91 @@ def test_trackers_record_the_resolved_recipe_and_the_final_metrics(tracked_run, 
     assert {k: at_end[k][-1]["value"] for k in final} == final
 
 
+# ------------------------------------------------------------------ what MetricsWriter gives a tracker
+
+
+class _Recorder:
+    """A tracker that keeps what it is given; `fail_at`: the step whose log raises."""
+
+    name = "recorder"
+    run_id = None
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.logged, self.flushes, self.finished = fail_at, [], 0, None
+
+    def log(self, scalars, step):
+        if step == self.fail_at:
+            raise OSError("No space left on device")
+        self.logged.append((step, scalars))
+
+    def flush(self):
+        self.flushes += 1
+
+    def finish(self, final, status):
+        self.finished = (final, status)
+
+
+def test_trackers_get_finite_scalars_tagged_by_kind_and_the_final_metrics_with_the_status(tmp_path):
+    from accord.observe.metrics import MetricsWriter
+
+    tracker = _Recorder()
+    writer = MetricsWriter(tmp_path, trackers=[tracker])
+    writer.write({"kind": "train", "step": 1, "loss": 2.5, "lr": 0.1, "skipped": False, "time": 1.0})
+    writer.write({"kind": "train", "step": 2, "loss": float("nan"), "lr": 0.2, "path": "x"})
+    writer.flush()
+    writer.write({"kind": "eval", "step": 2, "loss": 2.0, "accuracy": 0.5})
+    writer.close("preempted")
+    assert tracker.logged == [
+        (1, {"train/loss": 2.5, "train/lr": 0.1, "train/skipped": False}),  # no wall-clock time, no text
+        (2, {"train/lr": 0.2}),  # a skipped step's non-finite loss is left out
+        (2, {"eval/loss": 2.0, "eval/accuracy": 0.5}),
+    ]
+    assert tracker.flushes == 1
+    final = {"final/train/loss": 2.5, "final/eval/loss": 2.0, "final/eval/accuracy": 0.5, "final/step": 2}
+    assert tracker.finished == (final, "preempted")
+
+
+def test_a_tracker_failing_mid_run_is_dropped_with_one_warning_and_the_run_goes_on(tmp_path, capsys):
+    from accord.observe.metrics import MetricsWriter, read_metrics
+
+    failing, other = _Recorder(fail_at=2), _Recorder()
+    writer = MetricsWriter(tmp_path, trackers=[failing, other])
+    for step in (1, 2, 3):
+        writer.write({"kind": "train", "step": step, "loss": 1.0})
+    writer.close()
+    assert [step for step, _ in failing.logged] == [1] and failing.finished is None
+    assert [step for step, _ in other.logged] == [1, 2, 3] and other.finished[1] == "completed"
+    assert capsys.readouterr().err.splitlines() == [
+        "accord: warning: recorder stopped recording at step 2: OSError: No space left on device "
+        "(metrics.jsonl holds every record)"
+    ]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.slow  # MLflow's import and a new store: ~5 s in one process
+def test_mlflow_takes_a_large_recipe_and_a_long_logging_interval_within_its_batch_limits(tmp_path, monkeypatch):
+    """MLflow takes at most 100 parameters and 1,000 metrics a call: a recipe of 250 keys and
+    an interval of 3,000 points arrive whole."""
+    from mlflow import MlflowClient
+
+    from accord.observe.trackers import TrackerStart
+    from accord.observe.trackers import mlflow as tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    config = {"section": {f"key{i}": i for i in range(250)}}
+    run = tracker.start(TrackerStart(tmp_path, "run", None, config, 0))
+    for step in range(1, 1001):
+        run.log({"train/loss": 1.0 / step, "train/lr": 0.1, "train/grad_norm": 2.0}, step)
+    run.flush()
+    run.finish({"final/step": 1000}, "completed")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = client.get_run(run.run_id)
+    assert len(logged.data.params) == 250 and logged.data.params["section.key249"] == "249"
+    assert len(client.get_metric_history(run.run_id, "train/loss")) == 1000
+    assert logged.info.status == "FINISHED"
+
+
 # ------------------------------------------------------------------ refused before any work
 
 
