@@ -15,8 +15,16 @@ Prints a table of:
      that a ~0.5B Llama with a 32k vocabulary trains on one GPU for two steps with the
      chunked loss (train.loss_chunk_size auto), offloaded activation checkpointing and the
      tiled MLP, with its tokens/s and peak memory (`--long-context` runs this phase alone).
-Everything runs through `accord train` itself; figures come from each run's metrics.jsonl.
-`--dry-run` needs no GPU: it writes the recipes and prints the plan's figures only.
+  6. against the peers at their best: benchmarks/throughput.py (SFT: Trainer plain and with
+     group_by_length, TRL SFTTrainer padded, wrapped and bfd packing) and benchmarks/grpo.py
+     (TRL GRPOTrainer's transformers generation, not vLLM, with and without gradient
+     checkpointing) on the GPU with the ~0.5B Llama in bf16, tokens (prompts) per second of wall
+     time, each with its `accord / best peer` line.
+Phases 1-5 run through `accord train` itself; figures come from each run's metrics.jsonl.
+`--out` writes every figure as JSON, `--markdown` the tables as markdown (for docs/benchmarks.md).
+`--dry-run` needs no GPU (under a minute or two on a CPU): it writes the recipes, prints the
+plan's figures, and runs phase 6's plumbing on the CPU with the tiny model (one step, two
+contenders each), writing the same JSON and markdown.
 """
 
 from __future__ import annotations
@@ -196,6 +204,76 @@ def print_phases(label: str, measured: dict[str, float], planned: dict[str, floa
     print(f"{label:24} " + " ".join(f"{cell(measured, p) + ' / ' + cell(planned, p):>13}" for p in PHASES))
 
 
+def peers(dry_run: bool) -> list[dict]:
+    """Phase 6: throughput.py and grpo.py on the GPU (the dry run: their plumbing on the CPU, tiny)."""
+    here = Path(__file__).resolve().parent
+    if dry_run:
+        runs = [
+            ("SFT throughput", "throughput.py", ["--steps", "1", "--only", "accord", "trl-wrapped"]),
+            ("GRPO", "grpo.py", ["--steps", "1", "--prompts", "2", "--group", "2", "--only", "accord", "trl"]),
+        ]
+    else:
+        gpu = ["--device", "cuda", "--model-size", "0.5b"]
+        runs = [
+            ("SFT throughput", "throughput.py", [*gpu, "--steps", "16"]),
+            ("GRPO", "grpo.py", [*gpu, "--steps", "4"]),
+        ]
+    results = []
+    for label, script, options in runs:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, str(here / script), *options, "--rounds", "1", "--json", out.name]
+            try:
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+            except subprocess.TimeoutExpired:
+                results.append({"run": label, "error": "past the 240 s limit"})
+                print(f"{label}: past the 240 s limit")
+                continue
+            if proc.returncode != 0:
+                error = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["failed"]
+                results.append({"run": label, "error": error[0][:200]})
+                print(f"{label}: failed: {error[0][:200]}")
+                continue
+            data = json.loads(Path(out.name).read_text())
+        table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+        shown = " ".join([f"benchmarks/{script}", *options])
+        summaries = {name: _plain(s) for name, s in data["summaries"].items()}
+        results.append(
+            {"run": label, "command": shown, "table": table, "verdict": data["verdict"], "summaries": summaries}
+        )
+        print(f"\n{label} ({'CPU plumbing only' if dry_run else 'GPU'}):")
+        print("\n".join(table))
+        print(data["verdict"])
+    return results
+
+
+def _plain(summary: dict) -> dict:
+    """A contender's summary without its per-round runs (the JSON stays readable)."""
+    return {k: v for k, v in summary.items() if k != "runs"}
+
+
+def markdown(results: list[dict], peer_results: list[dict], device: str) -> str:
+    lines = [f"GPU check on {device}:", ""]
+    own = [r for r in results if "tokens_per_s" in r or "error" in r]
+    if own:
+        lines += ["| run | tokens/s | MFU | peak GiB | planned GiB | loss |", "|---|---|---|---|---|---|"]
+        for r in own:
+            if "error" in r:
+                lines.append(f"| {r['run']} | failed: {r['error']} | | | | |")
+                continue
+            planned = f"{r['planned_gib']:.1f}" if r.get("planned_gib") is not None else "-"
+            lines.append(
+                f"| {r['run']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_memory_gib']:.1f} | "
+                f"{planned} | {r['final_loss']:.3f} |"
+            )
+        lines.append("")
+    for r in peer_results:
+        if "error" in r:
+            lines += [f"{r['run']}: failed: {r['error']}", ""]
+            continue
+        lines += [f"{r['run']} (`{r['command']}`):", "", *r["table"], "", r["verdict"], ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the results as JSON")
@@ -203,6 +281,7 @@ def main() -> None:
         "--dry-run", action="store_true", help="no GPU needed: write the recipes and print the plan's per-phase figures"
     )
     parser.add_argument("--long-context", action="store_true", help="run only phase 5 (the longest row)")
+    parser.add_argument("--markdown", help="also write the tables as markdown")
     args = parser.parse_args()
     import torch
 
@@ -245,6 +324,7 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
         long_context(folder, dry_run=True)
+        write_outputs(args, [], peers(dry_run=True), "the CPU (dry run: plumbing only, tiny model)")
         return
     results = []
     print(
@@ -289,8 +369,14 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"]
         )
     results += long_context(folder, dry_run=False)
+    write_outputs(args, results, peers(dry_run=False), torch.cuda.get_device_name(0))
+
+
+def write_outputs(args: argparse.Namespace, results: list[dict], peer_results: list[dict], device: str) -> None:
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"device": device, "runs": results, "peers": peer_results}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, peer_results, device))
 
 
 if __name__ == "__main__":

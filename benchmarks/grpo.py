@@ -1,248 +1,224 @@
-"""accord's grpo against TRL's GRPOTrainer on 1 and 2 CPU processes: the same starting model
-(a saved folder, e.g. the quickstart's final/), the same addition prompts, exact-match reward,
-group size, completion length, learning rate, beta, global batch and steps.
+"""GRPO against TRL's GRPOTrainer: prompts trained per CPU-second.
 
-    python benchmarks/grpo.py MODEL_FOLDER [--steps 10] [--prompts 16] [--group 8] [--processes 1 2] [--json out.json]
+    python benchmarks/grpo.py [--model FOLDER] [--steps 4] [--prompts 16] [--group 8] [--rounds 3] [--write-docs]
+    python benchmarks/grpo.py --device cuda --model-size 0.5b   # on a GPU: bf16, per wall-second
 
-Each contender runs as its own program under /usr/bin/time (peak RSS of the process tree's
-largest process, i.e. the peak of one process); reported per contender: wall seconds of the
-steps after the first, prompts/s and completion tokens/s over those steps, peak RSS, and the
-mean exact-match reward of the last step's completions (both sample with temperature 1).
-accord starts its 2 processes itself (engine.processes); TRL runs under
-`accelerate launch --multi_gpu --num_processes 2` (the accelerate launch that starts two
-gloo processes on a CPU machine; with use_cpu it starts one), each process taking half the global batch
-(per_device_train_batch_size = prompts × group / 2).
+Contenders: accord's `task: grpo` (no gradient checkpointing), TRL's GRPOTrainer with the same
+choice (gradient_checkpointing=False), and GRPOTrainer with its own default (gradient
+checkpointing on). Everything else is the same for all: the starting model (FOLDER, e.g. the
+quickstart's final/; by default a 4-layer Llama from a config, byte-level, saved once), the
+same addition prompts in the same order, the reward (the completion contains a digit: a
+regular expression both evaluate with re.fullmatch, which a random model satisfies often
+enough to give groups non-zero advantages), group size, completion length, temperature 1,
+beta (the KL weight to the reference), the DAPO normalisation (TRL's default loss_type, which
+is accord's), AdamW at the same constant learning rate with clipping at 1.0, fp32 (TRL's bf16
+default is turned off: identical precision; with --device cuda bf16 autocast for both), one
+optimizer step per generation batch. The harness (benchmarks/harness.py) runs each in its own
+pinned single-thread process, in interleaved rounds; the last column is the mean reward over the run's completions.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
 SEED = 0
 LR = 2e-4
-BETA = 0.04
-MAX_NEW = 4
+MODEL = {
+    "architecture": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+MODELS = {
+    "tiny": MODEL,
+    "0.5b": MODEL  # gpu_check's ~0.45B Llama
+    | {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
+}
+PATTERN = r"[\s\S]*\d[\s\S]*"  # the completion contains a digit
+
+CONTENDERS = [
+    harness.Contender("accord grpo (no gradient checkpointing)", "accord", kind="accord"),
+    harness.Contender("TRL GRPOTrainer (gradient_checkpointing=False, as accord)", "trl"),
+    harness.Contender("TRL GRPOTrainer (its default: gradient checkpointing on)", "trl-default"),
+]
 
 
-def prompts_file(folder: Path, count: int) -> Path:
-    """The addition rows accord generates from the seed (the same rows for both contenders),
-    the expected sum in `answer`."""
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="a saved model folder (default: a 4-layer Llama from a config)")
+    parser.add_argument("--model-size", choices=sorted(MODELS), default="tiny", help="without --model: this Llama")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (one generation batch each)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--beta", type=float, default=0.04, help="KL weight (accord's default)")
+
+
+def prepare(folder: Path, args) -> None:
     from accord.data.generated import generate
     from accord.recipe.schema import GeneratedData
 
-    train, _ = generate(GeneratedData(kind="addition", train_examples=4000, eval_examples=256, max_digits=2), SEED)
-    path = folder / "prompts.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in list(train)[: count * 40]
-        )
+    if args.model:
+        (folder / "model").symlink_to(Path(args.model).resolve())
+    else:
+        from accord.models.build import build_byte_tokenizer, build_model
+        from accord.recipe.schema import ModelConfig
+
+        tokenizer = build_byte_tokenizer()
+        build_model(
+            ModelConfig(config=MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=SEED
+        ).save_pretrained(folder / "model")
+        tokenizer.save_pretrained(folder / "model")
+    train, _ = generate(GeneratedData(kind="addition", train_examples=4000, eval_examples=16, max_digits=2), SEED)
+    rows = list(train)[: args.prompts * args.steps]
+    (folder / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in rows)
     )
-    return path
 
 
-def run_accord(model: str, data: Path, out: Path, steps: int, prompts: int, group: int, processes: int) -> None:
+def run_accord(folder: Path, args, recorder) -> dict:
     import yaml
 
+    import accord
+    from accord.observe.metrics import read_metrics
+
+    out = folder / f"accord-{os.getpid()}"
     recipe = {
         "seed": SEED,
-        "model": {"path": model},
+        "model": {"path": str(folder / "model")},
         "task": "grpo",
-        "data": {"train": str(data), "max_length": 32, "shuffle": False, "cache_dir": str(out / "cache")},
-        "batch": {"global_batch_size": prompts},
-        "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0},
-        "train": {"max_steps": steps, "log_every": 1},
-        "grpo": {
-            "group_size": group,
-            "max_new_tokens": MAX_NEW,
-            "beta": BETA,
-            "rewards": [{"kind": "exact_match", "column": "answer"}],
+        "data": {
+            "train": str(folder / "prompts.jsonl"),
+            "max_length": 32,
+            "shuffle": False,
+            "cache_dir": str(folder / "cache"),
         },
-        "engine": {"strategy": "ddp", "processes": processes, "device": "cpu"},
-        "output": {"dir": str(out / "accord"), "overwrite": True},
+        "batch": {"global_batch_size": args.prompts},
+        "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0},
+        "train": {"max_steps": args.steps, "log_every": 1000},
+        "grpo": {
+            "group_size": args.group,
+            "max_new_tokens": args.max_new_tokens,
+            "beta": args.beta,
+            "rewards": [{"kind": "regex", "pattern": PATTERN}],
+        },
+        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
+        "checkpoint": {"every_steps": None, "keep_last": 1},
+        "output": {"dir": str(out), "overwrite": True},
     }
-    (out / "grpo.yaml").write_text(yaml.safe_dump(recipe))
-    subprocess.run([sys.executable, "-m", "accord", "train", str(out / "grpo.yaml")], check=True)
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(recipe))
+    result = accord.train(path)
+    recorder.stop()
+    if result.status != "completed":
+        raise SystemExit(f"accord: {result.status} {result.message}")
+    steps = [r for r in read_metrics(out) if r["kind"] == "train"]
+    recorder.count(len(steps) * args.prompts)
+    return {"reward": sum(r["reward"] for r in steps) / len(steps)}
 
 
-def run_trl(model: str, data: Path, out: Path, steps: int, prompts: int, group: int, processes: int) -> None:
-    """TRL's GRPOTrainer with the same settings; its loss_type dapo is accord's normalisation.
-    Under accelerate launch each of the `processes` ranks takes its share of the global batch."""
-    import time
+def run_trl(folder: Path, key: str, args, recorder) -> dict:
+    import re
 
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    rows = datasets.load_dataset("json", data_files=str(data), split="train")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = datasets.load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     tokenizer.padding_side = "left"
 
-    def exact_match(prompts, completions, answer, **_):  # TRL keeps `completion` for itself: the answers are `answer`
-        return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+    def has_digit(prompts, completions, **_):
+        return [float(re.fullmatch(PATTERN, c) is not None) for c in completions]
 
-    log = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            log.append({"step": state.global_step, "time": time.perf_counter()})
-
+    checkpointing = {} if key == "trl-default" else {"gradient_checkpointing": False}
     config = GRPOConfig(
-        output_dir=str(out / "trl"),
-        per_device_train_batch_size=prompts * group // processes,
-        num_generations=group,
+        output_dir=str(folder / f"trl-{os.getpid()}"),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
         gradient_accumulation_steps=1,
-        max_completion_length=MAX_NEW,
+        max_completion_length=args.max_new_tokens,
         learning_rate=LR,
         lr_scheduler_type="constant",
-        max_steps=steps,
-        beta=BETA,
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=args.steps,
+        beta=args.beta,
         loss_type="dapo",
         temperature=1.0,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
+        fp16=False,
         report_to=[],
         logging_steps=1,
         save_strategy="no",
         seed=SEED,
         shuffle_dataset=False,
-        warmup_steps=0,
-        max_grad_norm=1.0,
+        **checkpointing,
     )
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model),
-        reward_funcs=exact_match,
+        model=AutoModelForCausalLM.from_pretrained(folder / "model"),
+        reward_funcs=has_digit,
         args=config,
         train_dataset=rows,
         processing_class=tokenizer,
-        callbacks=[Clock()],
     )
     trainer.train()
-    if not trainer.accelerator.is_main_process:
-        return
+    recorder.stop()
+    recorder.count(recorder.steps * args.prompts)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    lengths = [h.get("completions/mean_length", 0.0) for h in trainer.state.log_history if "reward" in h]
-    (out / "trl.json").write_text(
-        json.dumps(
-            {"clock": log, "rewards": rewards, "lengths": lengths, "processes": trainer.accelerator.num_processes}
-        )
-    )
-
-
-def measure(name: str, processes: int, args, out: Path) -> dict:
-    launch = [sys.executable]
-    if name != "accord" and processes > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-        ]
-    command = [
-        "/usr/bin/time",
-        "-v",
-        *launch,
-        str(HERE),
-        args.model,
-        "--run",
-        name,
-        "--out",
-        str(out),
-        "--steps",
-        str(args.steps),
-        "--prompts",
-        str(args.prompts),
-        "--group",
-        str(args.group),
-        "--processes",
-        str(processes),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
-    if proc.returncode:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 2**20
-    completions = args.prompts * args.group * (args.steps - 1)
-    if name == "accord":
-        steps = [
-            json.loads(line)
-            for line in (out / "accord" / "metrics.jsonl").read_text().splitlines()
-            if '"kind": "train"' in line
-        ]
-        seconds = sum(s["step_s"] for s in steps[1:])
-        tokens = sum(s["targets"] for s in steps[1:])
-        reward = steps[-1]["reward"]
-    else:
-        trl = json.loads((out / "trl.json").read_text())
-        if trl["processes"] != processes:  # the accelerate launch trap: one process where two were asked
-            raise SystemExit(f"TRL ran on {trl['processes']} process(es), not {processes}")
-        seconds = trl["clock"][-1]["time"] - trl["clock"][0]["time"]
-        tokens = sum(trl["lengths"][1:]) * args.prompts * args.group
-        reward = trl["rewards"][-1]
     return {
-        "contender": name,
-        "processes": processes,
-        "seconds": seconds,
-        "prompts_per_s": completions / args.group / seconds,
-        "completion_tokens_per_s": tokens / seconds,
-        "peak_rss_gib": rss,
-        "last_step_reward": reward,
+        "reward": sum(rewards) / max(len(rewards), 1),
+        "checkpointing": "on" if config.gradient_checkpointing else "off",
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument(
-        "--processes", type=int, nargs="+", default=[1, 2], help="process counts to run each contender on"
-    )
-    parser.add_argument("--json")
-    parser.add_argument("--run", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.run:
-        out = Path(args.out)
-        runner = run_accord if args.run == "accord" else run_trl
-        runner(
-            str(Path(args.model).resolve()),
-            out / "prompts.jsonl",
-            out,
-            args.steps,
-            args.prompts,
-            args.group,
-            args.processes[0],
-        )
-        return
-    with tempfile.TemporaryDirectory(dir=os.environ.get("ACCORD_BENCH_DIR")) as tmp:
-        out = Path(tmp)
-        prompts_file(out, args.prompts)
-        results = [measure(name, n, args, out) for n in args.processes for name in ("accord", "TRL GRPOTrainer")]
-    print(f"{'contender':<18} {'procs':>5} {'s':>7} {'prompts/s':>10} {'tok/s':>8} {'RSS GiB':>8} {'reward':>7}")
-    for r in results:
-        print(
-            f"{r['contender']:<18} {r['processes']:5d} {r['seconds']:7.1f} {r['prompts_per_s']:10.2f} "
-            f"{r['completion_tokens_per_s']:8.1f} {r['peak_rss_gib']:8.2f} {r['last_step_reward']:7.3f}"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+def run_child(key: str, folder: Path, args, recorder) -> dict:
+    if key == "accord":
+        return run_accord(folder, args, recorder) | {"checkpointing": "off"}
+    return run_trl(folder, key, args, recorder)
 
+
+def notes(args) -> str:
+    return (
+        f"{args.prompts} prompts x {args.group} completions of <= {args.max_new_tokens} tokens per step, beta "
+        f"{args.beta} (so both compute the reference model's log-probabilities), one optimizer step per "
+        "generation batch (so no old-policy log-probabilities are needed by either). TRL's generation here is "
+        "its transformers path (no vLLM, which needs a GPU). The mean reward is over every sampled completion "
+        "of the run; the two sample with different random streams, so it agrees only roughly."
+    )
+
+
+BENCHMARK = harness.Benchmark(
+    section="grpo",
+    unit="prompts",
+    contenders=CONTENDERS,
+    prepare=prepare,
+    child=run_child,
+    columns=[
+        harness.Column("gradient checkpointing", "checkpointing"),
+        harness.Column("mean reward", "reward", "{:.3f}"),
+    ],
+    add_arguments=add_arguments,
+    notes=notes,
+)
 
 if __name__ == "__main__":
-    main()
+    harness.main(BENCHMARK)

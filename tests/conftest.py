@@ -16,8 +16,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The platform module asks `uname -p` once per process, on first use (DeepSpeed's import does):
-# asked here, before any test, so that a unit test that imports such a library starts no process.
+# The platform module asks `uname -p` once per process, on first use (DeepSpeed's import does,
+# and MLflow's, which DeepSpeed imports when it is installed): asked here, before any test, so
+# that a unit test importing such a library (saving a model: transformers -> accelerate ->
+# DeepSpeed) starts no process.
 platform.processor()
 
 # A model and data small enough that a 2-process run takes seconds: a 2-layer Llama on
@@ -267,13 +269,17 @@ def run_process(command: list[str], *, timeout: float, **popen) -> subprocess.Co
 
 
 def run_accord(
-    *args: str | Path, cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None
+    *args: str | Path,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    launcher: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `python -m accord ARGS` (or under `launcher`) and return the finished process.
     A test that gets as far as training (a worker announces its batch) must be marked
     `distributed`, so that `-m "not distributed"` stays a fast tier without workers."""
     command = (launcher or [sys.executable]) + ["-m", "accord", *map(str, args)]
-    proc = run_process(command, cwd=cwd, env=accord_env(), timeout=timeout)
+    proc = run_process(command, cwd=cwd, env=accord_env() | (env_extra or {}), timeout=timeout)
     if not _is_distributed_test() and "accord: batch " in proc.stdout + proc.stderr:
         pytest.fail("this test started training workers: mark it @pytest.mark.distributed")
     return proc

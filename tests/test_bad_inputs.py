@@ -546,3 +546,43 @@ def test_empty_completions_give_a_warning_with_their_count(tmp_path):
             f"warning: 3 training example(s) have an empty completion, so only the EOS token is a target "
             f"(first: {train}: row 6); fill them in or remove them if that is not intended"
         ]
+
+
+# ------------------------------------------------------------------ experiment trackers
+
+
+def test_a_tracker_without_its_library_is_one_line_before_any_worker(tiny_recipe, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "wandb" else real(name, *a, **k)
+    )
+    out = tmp_path / "out"
+    proc = run_accord_here("train", tiny_recipe, "observe.report_to=[tensorboard,wandb]", f"output.dir={out}", HERE)
+    assert_one_line(proc, "observe.report_to: wandb needs wandb, which is not installed: pip install 'accord[wandb]'")
+    assert not out.exists()
+
+
+def test_an_unknown_tracker_is_one_line_with_the_closest_name(tiny_recipe, tmp_path):
+    proc = run_accord_here("train", tiny_recipe, "observe.report_to=[tensorbord]", f"output.dir={tmp_path / 'o'}")
+    assert_one_line(proc, "observe.report_to: unknown tracker 'tensorbord'; did you mean tensorboard?")
+
+
+@pytest.mark.slow  # the default tier has the message (tests/test_trackers.py) without the processes
+@pytest.mark.subprocess
+def test_a_tracker_that_cannot_start_refuses_on_every_rank_before_the_model_is_built(tiny_recipe, tmp_path):
+    # Found by rank 0 as it opens the trackers (the store is MLflow's to judge): every rank
+    # refuses in one line, exit 2, before loading the model, and the fresh folder holds no run.
+    out = tmp_path / "out"
+    proc = run_accord(
+        "train",
+        tiny_recipe,
+        "observe.report_to=[tensorboard,mlflow]",
+        f"output.dir={out}",
+        env_extra={"MLFLOW_TRACKING_URI": "bogus://nowhere"},
+        timeout=120,
+    )
+    assert_one_line(proc, "observe.report_to: mlflow cannot start with MLFLOW_TRACKING_URI=bogus://nowhere: ")
+    assert "accord: loading model" not in proc.stderr
+    assert not out.exists() or not any(out.iterdir())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from accord.checkpoint.store import COMPLETE, complete_checkpoints, identity_changes, incomplete_checkpoints, prune
+from accord.checkpoint.resume import identity_changes
+from accord.checkpoint.store import COMPLETE, complete_checkpoints, incomplete_checkpoints, prune
 from accord.observe.metrics import MetricsWriter, read_metrics
 from accord.recipe.schema import validate_recipe
 from conftest import TINY_RECIPE
@@ -128,7 +129,7 @@ def test_a_failed_checkpoint_names_the_first_ranks_own_error_not_dcps_wrapper():
 
 
 def test_disk_space_warning_when_checkpoints_would_not_fit(tmp_path):
-    from accord.checkpoint.store import disk_space_warning
+    from accord.checkpoint.disk_space import disk_space_warning
 
     assert disk_space_warning(tmp_path, params=1000, trained=1000, keep_last=2) is None
     warning = disk_space_warning(tmp_path, params=10**15, trained=10**15, keep_last=2)
@@ -241,7 +242,6 @@ def test_a_checkpoint_without_manifest_is_checked_against_its_index(tmp_path):
 
 
 def test_a_field_added_since_the_checkpoint_is_no_identity_change():
-    from accord.checkpoint.store import identity_changes
     from accord.recipe.schema import validate_recipe
     from conftest import TINY_RECIPE
 
@@ -256,7 +256,8 @@ def test_a_field_added_since_the_checkpoint_is_no_identity_change():
 def test_a_checkpoint_taken_in_another_data_order_is_refused_in_one_line(tmp_path):
     from dataclasses import asdict
 
-    from accord.checkpoint.store import STATE_FILE, TrainingState, order_change
+    from accord.checkpoint.resume import order_change
+    from accord.checkpoint.store import STATE_FILE, TrainingState
     from accord.data.order import ORDER_VERSION
 
     recipe = validate_recipe(TINY_RECIPE)

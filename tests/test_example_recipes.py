@@ -53,12 +53,16 @@ def _missing(packages: list[str]) -> list[str]:
 
 # Slow, with their behaviour kept in the default tier by cheaper equivalents:
 SLOW = {
+    # the GGUF model in a package, chat conversations and LoRA: a minute on a 2-core machine; the
+    # default tier keeps chat + LoRA (test_tasks[chat-sft-lora]), the GGUF tokenizer
+    # (test_bos_policy) and the GGUF name map (test_compat)
+    "smollm2-chat-sft",
     # a pretrained encoder folder: test_reference trains from a model folder; classification
     # with fields renamed from a CSV: test_tasks[classify]; latin-1 files: test_data
     "minilm-classify",
     # pre-training on a folder of text files: test_tasks[pretrain] and test_data's folder test
     "shakespeare-pretrain",
-    # the same GGUF model and LoRA as smollm2-chat-sft (kept); DPO: test_tasks[dpo]; the
+    # the same GGUF model and LoRA as smollm2-chat-sft; DPO: test_tasks[dpo]; the
     # contrastive adapter: test_data's chatterbot/contrastive test
     "dpo",
     # the same model, LoRA and pairs as dpo; the reward task: test_reward's 2-process run

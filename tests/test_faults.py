@@ -137,7 +137,11 @@ print("result: " + json.dumps(train_worker(validate_recipe(raw)).__dict__))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode, step, kept", [("first", 4, []), ("second", 8, ["step-000004"])])
+@pytest.mark.parametrize(
+    "mode, step, kept",
+    # the second save's refusal (a checkpoint kept on disk, counted in the space needed): slow
+    [("first", 4, []), pytest.param("second", 8, ["step-000004"], marks=pytest.mark.slow)],
+)
 def test_a_full_disk_is_named_with_the_space_free_and_needed(tmp_path, mode, step, kept):
     """The first checkpoint fails with torch's zip-writer message on a full disk, and the cause is named from the
     space left; a later one is not started when the disk cannot hold another of the last one's size."""

@@ -13,16 +13,19 @@ from accord.recipe.schema import RecipeError
 pytestmark = pytest.mark.subprocess  # each test forks a child
 
 
-def _load_a_module_and_answer(name: str) -> tuple[int, bool]:
+def _load_a_module_and_answer(folder: str, name: str) -> tuple[int, bool]:
+    sys.path.insert(0, folder)
     __import__(name)
     return os.getpid(), name in sys.modules
 
 
-def test_the_result_comes_back_and_the_imports_stay_in_the_child():
-    assert "wave" not in sys.modules  # a standard module nothing here imports
-    pid, imported = call_in_fork(_load_a_module_and_answer, "wave")
+def test_the_result_comes_back_and_the_imports_stay_in_the_child(tmp_path):
+    # A module of this test's own: no other test in this process can have imported it.
+    name = f"fork_probe_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text("LOADED = True\n")
+    pid, imported = call_in_fork(_load_a_module_and_answer, str(tmp_path), name)
     assert imported and pid != os.getpid()
-    assert "wave" not in sys.modules
+    assert name not in sys.modules and str(tmp_path) not in sys.path
 
 
 def _refuse(message: str) -> None:

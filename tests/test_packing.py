@@ -103,3 +103,74 @@ def test_rows_written_window_by_window_and_mapped_are_the_rows_built_in_memory(t
     assert isinstance(mapped.targets, np.memmap) and len(mapped) == len(built)
     assert list(mapped.members) == list(built.members)
     assert mapped.targets.tolist() == built.targets.tolist() and mapped.lengths.tolist() == built.lengths.tolist()
+
+
+def test_flattened_rows_attended_per_document_give_the_block_mask_loss_and_gradients():
+    """On the CPU a packed micro-batch is one unpadded sequence attended document by document
+    (accord.models.documents): the same loss and gradients as the padded rows under the
+    block-diagonal mask, and generation (no documents' lengths) is plain SDPA's."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    task = SFTTask(tokenizer, validate_recipe(TINY_RECIPE | {"engine": {"device": "cpu"}}))
+    rng = np.random.default_rng(3)
+
+    def example(n: int) -> dict:
+        ids = rng.integers(3, 200, n).tolist()
+        return {"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]}
+
+    rows = [[example(5), example(9), example(3)], [example(14)], [example(4), example(6)]]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    padded_model = LlamaForCausalLM(config)
+    flat_model = copy.deepcopy(padded_model)
+    task.configure_model(flat_model)
+    assert task.flatten and task.packing
+    flat_batch = task.collate(rows)
+    assert flat_batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for row in rows for e in row))
+    flat = task.loss(flat_model, flat_batch)
+    task.flatten = False
+    padded = task.loss(padded_model, task.collate(rows))
+    assert flat.num_targets == padded.num_targets
+    torch.testing.assert_close(flat.loss_sum, padded.loss_sum, rtol=1e-6, atol=1e-5)
+    flat.loss_sum.backward()
+    padded.loss_sum.backward()
+    for (name, a), b in zip(flat_model.named_parameters(), padded_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    prompts = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    generated = [
+        m.generate(prompts, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        for m in (flat_model, padded_model)
+    ]
+    assert torch.equal(*generated)
+
+
+def test_rows_stay_padded_under_a_mask_where_attention_per_document_does_not_apply():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    small = {"vocab_size": 300, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    small |= {"num_attention_heads": 2, "num_key_value_heads": 2}
+    cases = [
+        (
+            TINY_RECIPE | {"engine": {"device": "cpu"}},
+            LlamaForCausalLM(LlamaConfig(**small, attn_implementation="eager")),
+        ),
+        (TINY_RECIPE | {"engine": {"device": "cpu"}}, MistralForCausalLM(MistralConfig(**small, sliding_window=8))),
+    ]
+    for recipe, model in cases:
+        task = SFTTask(tokenizer, validate_recipe(recipe))
+        task.configure_model(model)
+        assert not task.flatten
+        assert "attention_mask" in task.collate([[{"input_ids": [1, 2], "labels": [-100, 2]}]])

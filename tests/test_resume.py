@@ -148,6 +148,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(uninterrupted, reci
     assert max_param_diff(final_params(uninterrupted), final_params(out)) <= TOLERANCE
 
 
+@pytest.mark.slow  # the default tier keeps a synchronous write's failure (test_faults) and a kill's restart
 def test_kill_during_an_async_checkpoint_write_keeps_the_previous_one(uninterrupted, recipe, tmp_path):
     """checkpoint.async: training goes on while step 20's files are written (the write is held
     open by the fault); the job killed then leaves step 10 as the latest, and resuming ends as

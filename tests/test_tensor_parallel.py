@@ -103,7 +103,7 @@ def test_the_plan_is_the_models_base_model_tp_plan_as_torch_styles():
 
 
 def test_a_tp_group_that_would_span_nodes_is_refused():
-    from accord.launch.preflight import tensor_parallel_nodes
+    from accord.launch.cluster import tensor_parallel_nodes
 
     assert tensor_parallel_nodes(2, 4, 2) is None
     assert tensor_parallel_nodes(8, 8, 1) is None

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 from accord.checkpoint.node_folders import complete_from_peers
+from accord.checkpoint.resume import order_change
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
     PendingCheckpoint,
     TrainingState,
-    order_change,
     read_state,
     restore_rng,
     save_checkpoint,

@@ -1,4 +1,5 @@
-"""Checkpoints that survive crashes, and the rules for resuming from them.
+"""Checkpoints that survive crashes: writing, sealing, pruning, finding and reading them (the
+rules for resuming from them are accord.checkpoint.resume).
 
 A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (every rank its shards of the
 model and optimizer state, see accord.engine.state; rank 0 the small files), flushed to
@@ -15,7 +16,6 @@ whose files still match it, naming the ones it skipped, which it leaves in place
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -31,14 +31,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from accord import __version__, faults
 from accord.atomic import fsync_folder, write_atomic
 from accord.checkpoint import node_folders as nodefolders
-from accord.checkpoint.manifest import file_entries, unlisted_entries, verify, write_manifest
-from accord.data.order import order_version, same_order
+from accord.checkpoint.disk_space import folder_bytes, raise_if_no_space, state_bytes
+from accord.checkpoint.manifest import file_entries, unlisted_entries, write_manifest
 from accord.distributed import group as dist
 from accord.errors import CheckpointError
-from accord.output.folder import earlier_run
 from accord.recipe.schema import Recipe, recipe_to_yaml
-from accord.stopping import StartRefused
-from accord.tasks import groups_by_length
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -87,7 +84,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while writing this step before
             previous = complete_checkpoints(root)
             if previous:  # the last one's size is what this one needs: stop before half-writing it
-                _raise_if_no_space(root, _folder_bytes(previous[-1]))
+                raise_if_no_space(root, folder_bytes(previous[-1]))
             (tmp / "rng").mkdir(parents=True)
         except OSError as e:
             error = e
@@ -98,7 +95,7 @@ def save_checkpoint(
         _save_rng(tmp, info)
     except (Exception, CheckpointException) as e:  # an OSError, or DCP's report of one on some rank (a BaseException)
         error = e
-    needed = _state_bytes(engine)
+    needed = state_bytes(engine)
     _agree_or_raise(error, state.step, tmp, info, needed)
     pending = PendingCheckpoint(state, recipe, root, final, tmp, info, write, asynchronous, needed)
     if not asynchronous:
@@ -213,7 +210,7 @@ def _agree_or_raise(
         # torch.save's zip writer reports a full disk as "unexpected pos ..." (the OSError is lost
         # in C++): with the partial checkpoint gone, a disk still short of one names the cause.
         try:
-            _raise_if_no_space(tmp.parent, needed)
+            raise_if_no_space(tmp.parent, needed)
         except OSError as e:
             reason = e.strerror
     raise CheckpointError(
@@ -282,51 +279,6 @@ def _fsync_tree(folder: Path) -> None:
         fsync_folder(path)
 
 
-def _raise_if_no_space(root: Path, needed: int) -> None:
-    free = shutil.disk_usage(root).free
-    if free < needed:
-        raise OSError(
-            errno.ENOSPC,
-            f"No space left on device: {root} has {_size(free)} free, a checkpoint needs ~{_size(needed)}",
-        )
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return ""
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def checkpoint_bytes(params: int, trained: int) -> int:
-    """A checkpoint's size, roughly: fp32 weights, and AdamW's two moments of the trained ones."""
-    return 4 * params + 8 * trained
-
-
-def _state_bytes(engine) -> int:
-    # ZeRO-3 leaves each parameter empty on the rank and keeps its size in ds_numel.
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in engine.module.parameters()]
-    return checkpoint_bytes(sum(n for n, _ in sizes), sum(n for n, trained in sizes if trained))
-
-
-def disk_space_warning(out_dir: Path, params: int, trained: int, keep_last: int) -> str | None:
-    """A warning when the output disk cannot hold keep_last + 1 checkpoints."""
-    estimate = checkpoint_bytes(params, trained)
-    needed = (keep_last + 1) * estimate
-    free = shutil.disk_usage(out_dir).free
-    if free >= needed:
-        return None
-    return (
-        f"only {free / 2**30:.1f} GiB free under {out_dir}, but {keep_last + 1} checkpoints of "
-        f"~{estimate / 2**30:.2f} GiB each may be on disk at once; a write that runs out of space stops the run"
-    )
-
-
 # ------------------------------------------------------------------ finding and reading
 
 
@@ -377,170 +329,3 @@ def restore_rng(folder: Path, state: TrainingState, info: dist.DistInfo, seed: i
 def seed_for(seed: int, step: int, rank: int) -> int:
     """A distinct, reproducible torch seed per (run seed, step, rank)."""
     return (seed * 1_000_003 + step) * 4099 + rank
-
-
-# ------------------------------------------------------------------ resume rules
-
-
-def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
-    """The checkpoints this run may continue from, in order of preference (none: a fresh
-    start): with resume=auto every complete one, newest first; with resume=PATH that one.
-
-    `restarted` is true in workers that the elastic agent restarted after a failure:
-    they always continue from the latest checkpoint that verifies.
-    """
-    setting = "auto" if restarted else recipe.resume
-    if setting == "never":
-        return []
-    out_dir = Path(recipe.output.dir)
-    if setting == "auto":
-        return complete_checkpoints(out_dir / CHECKPOINTS)[::-1]
-    folder = Path(setting)
-    if not (folder / COMPLETE).is_file():
-        raise CheckpointError(
-            f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with {COMPLETE})"
-        )
-    return [folder]
-
-
-def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool = False) -> Path | None:
-    """Collective: the newest candidate checkpoint whose files match their manifest, each rank
-    checking its share of the files (checksums included) and all agreeing; the skipped ones
-    are named, and left as they are. StartRefused when none verifies."""
-    (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
-    skipped: list[tuple[Path, list[str]]] = []
-    for folder in candidates:
-        # resume=auto: each rank checks the copy in its own output.dir (a node may have its own folder).
-        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if restarted or recipe.resume == "auto" else folder
-        problems = _unique(
-            p
-            for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size))
-            for p in rank_problems
-        )
-        if not problems:
-            for bad, reasons in skipped:
-                dist.print0(
-                    f"accord: warning: checkpoint {bad.name} skipped: {_summary(reasons)}; resuming from {folder.name}"
-                )
-            return mine
-        skipped.append((folder, problems))
-    if skipped:
-        raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))
-    return None
-
-
-def _unique(items) -> list[str]:
-    return list(dict.fromkeys(items))
-
-
-def _summary(reasons: list[str]) -> str:
-    return reasons[0] + (
-        f" (and {len(reasons) - 1} more file{'s' if len(reasons) > 2 else ''})" if len(reasons) > 1 else ""
-    )
-
-
-def _refusal(skipped: list[tuple[Path, list[str]]], explicit: bool) -> str:
-    """The one line for a resume with no usable checkpoint (`explicit`: the one resume=PATH
-    names); nothing was touched."""
-    if explicit:
-        folder, reasons = skipped[0]
-        return f"resume: {folder} is damaged: {_summary(reasons)}; resume from another checkpoint (resume=PATH)"
-    detail = "; ".join(f"{folder.name}: {_summary(reasons)}" for folder, reasons in skipped)
-    root = skipped[0][0].parent
-    return (
-        f"resume: no checkpoint in {root} verifies ({detail}); they are left as they are — restore their files, "
-        f"or start over with --overwrite"
-    )
-
-
-def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
-    """Fields that define the run and differ from the checkpoint's recipe. The saved recipe is
-    read with this version's defaults first, so a field added since it was written (at its
-    default) is no change."""
-    current = recipe.model_dump(mode="json")
-    try:
-        saved = Recipe.model_validate(saved).model_dump(mode="json")
-    except ValueError:
-        pass  # a field since renamed or removed: compare what was written
-    changes = []
-    for key in IDENTITY:
-        before, after = _get(saved, key), _get(current, key)
-        for name, old, new in _diff(key, before, after):
-            changes.append(f"{name} (checkpoint: {old!r}, recipe: {new!r})")
-    return changes
-
-
-def _get(tree: dict[str, Any], dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _diff(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in sorted(set(old) | set(new)):
-            out += _diff(f"{prefix}.{key}", old.get(key), new.get(key))
-        return out
-    return [] if old == new else [(prefix, old, new)]
-
-
-def order_change(folder: Path, recipe: Recipe) -> str | None:
-    """The line refusing a checkpoint taken in another global data order (an older accord's):
-    the same steps would see other examples, so the run would not continue where it was."""
-    saved = read_state(folder).data_order
-    grouped = groups_by_length(recipe)
-    if same_order(saved, recipe.data.shuffle, grouped):
-        return None
-    return (
-        f"resume: {folder} was written in another data order "
-        f"({saved or 'the stored permutation of checkpoints that do not record their order'}; "
-        f"this accord shuffles with {order_version(recipe.data.shuffle, grouped)}), "
-        "so the steps after it would see other examples; "
-        f"finish that run with the accord that wrote it, or start a new run in another output.dir"
-    )
-
-
-def resume_hint(out_dir: Path) -> str:
-    """How a run that stopped early continues, for the line that says it stopped."""
-    latest = latest_checkpoint(out_dir)
-    if latest is None:
-        return "no checkpoint was written yet"
-    return f"the latest checkpoint is {latest} — continue with --resume"
-
-
-def check_resume(recipe: Recipe) -> list[str]:
-    """Problems with resuming this recipe, found before any worker starts: sizes only (the
-    checksums are the workers' to check, in parallel)."""
-    try:
-        candidates = resume_candidates(recipe)
-    except CheckpointError as e:
-        return [str(e)]
-    out_dir = Path(recipe.output.dir)
-    if not candidates:
-        if recipe.resume == "auto":
-            if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():
-                return [
-                    f"resume: {out_dir} holds a run but no checkpoint to continue from; pass --overwrite to start over"
-                ]
-        return []
-    skipped = []
-    for folder in candidates:
-        problems = verify(folder, checksums=False)
-        if not problems:
-            break
-        skipped.append((folder, problems))
-    else:
-        return [_refusal(skipped, explicit=recipe.resume != "auto")]
-    changes = identity_changes(read_checkpoint_recipe(folder), recipe)
-    order = order_change(folder, recipe)
-    if order:
-        return [order]
-    if changes:
-        return [
-            f"resume: {folder} was written by a different run: {change}; a resumed run keeps "
-            f"{', '.join(IDENTITY)} — restore it, or start a new run in another output.dir"
-            for change in changes
-        ]
-    return []

@@ -93,7 +93,7 @@ def _checkpoint_bytes(recipe: Recipe) -> int:
     """keep_last + 1 checkpoints (what may be on disk at once), as the run's own disk warning
     estimates them (every parameter trained: an upper bound under LoRA); the model counted on
     the meta device."""
-    from accord.checkpoint.store import checkpoint_bytes
+    from accord.checkpoint.disk_space import checkpoint_bytes
     from accord.planner.estimate import meta_model
 
     params = sum(p.numel() for p in meta_model(recipe).parameters())
@@ -327,7 +327,7 @@ def _output_to(log: Path) -> Iterator[None]:
 def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     """Whether each engine.tensor_parallel group stays inside a node (its all-reduces run twice
     per layer: over the network they would dominate the step)."""
-    from accord.launch.preflight import tensor_parallel_nodes
+    from accord.launch.cluster import tensor_parallel_nodes
 
     nodes = world // max(local_world, 1)
     problem = tensor_parallel_nodes(tp, local_world, nodes)

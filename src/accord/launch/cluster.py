@@ -156,3 +156,17 @@ def _split_top_level(text: str) -> list[str]:
         else:
             current += ch
     return parts + [current] if current else parts
+
+
+def tensor_parallel_nodes(tensor_parallel: int, per_node: int, nodes: int) -> str | None:
+    """Why a tensor-parallel group would span nodes (None: each stays inside one). Its all-reduces
+    run twice per layer, forward and backward: over the network they would dominate the step."""
+    if tensor_parallel == 1 or nodes == 1:
+        return None
+    if per_node % tensor_parallel:
+        return (
+            f"engine.tensor_parallel={tensor_parallel} would span nodes: it must divide the {per_node} processes per "
+            f"node (a TP group all-reduces twice per layer and belongs inside one node); use a divisor of "
+            f"{per_node}, and engine.strategy=fsdp over the nodes"
+        )
+    return None

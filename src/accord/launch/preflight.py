@@ -5,12 +5,13 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from accord.checkpoint.store import check_resume
+from accord.checkpoint.resume import check_resume
 from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.errors import UserInputError
+from accord.observe.trackers import check_trackers
 from accord.output.folder import check_output_dir
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
@@ -196,20 +197,6 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     return check(recipe, _model_config(recipe.model), world_size)
 
 
-def tensor_parallel_nodes(tensor_parallel: int, per_node: int, nodes: int) -> str | None:
-    """Why a tensor-parallel group would span nodes (None: each stays inside one). Its all-reduces
-    run twice per layer, forward and backward: over the network they would dominate the step."""
-    if tensor_parallel == 1 or nodes == 1:
-        return None
-    if per_node % tensor_parallel:
-        return (
-            f"engine.tensor_parallel={tensor_parallel} would span nodes: it must divide the {per_node} processes per "
-            f"node (a TP group all-reduces twice per layer and belongs inside one node); use a divisor of "
-            f"{per_node}, and engine.strategy=fsdp over the nodes"
-        )
-    return None
-
-
 def _model_config(cfg: ModelConfig):
     """The model's transformers config, from its folder or the recipe's model.config."""
     from transformers import AutoConfig
@@ -221,9 +208,11 @@ def _model_config(cfg: ModelConfig):
 
 
 def check_environment(recipe: Recipe) -> list[str]:
-    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft.
-    Kept out of the recipe's schema, so a recipe validates alike on every machine."""
-    return check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe)
+    """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft,
+    the trackers' libraries. Kept out of the recipe's schema, so a recipe validates alike on every machine."""
+    return (
+        check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe) or check_trackers(recipe)
+    )
 
 
 def check_peft(recipe: Recipe) -> list[str]:

@@ -141,7 +141,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
 
 def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:
     from accord.distributed import group as dist
-    from accord.launch.preflight import tensor_parallel_nodes
+    from accord.launch.cluster import tensor_parallel_nodes
 
     if dist.outer_launcher() is not None:
         info = dist.env_info()
@@ -249,7 +249,7 @@ class _OutputHold:
 
 
 def _resume_hint(out_dir: Path) -> str:
-    from accord.checkpoint.store import resume_hint  # the checkpoint format's imports: only when needed
+    from accord.checkpoint.resume import resume_hint  # the checkpoint format's imports: only when needed
 
     return resume_hint(out_dir)
 

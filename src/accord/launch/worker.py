@@ -13,12 +13,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from accord.checkpoint.disk_space import disk_space_warning
+from accord.checkpoint.resume import verified_resume_source
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
-    disk_space_warning,
     incomplete_checkpoints,
-    verified_resume_source,
 )
 from accord.data.sources import DataError
 from accord.distributed import group as dist
@@ -112,6 +112,36 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
     source = _node_folders(recipe, info, source, restarted)
+    trackers = _start_trackers(recipe, info, source)
+    try:
+        run = _build(recipe, plan, info, device, out_dir)
+    except BaseException:
+        for tracker in trackers or []:  # the run never started: its tracker runs end as failed
+            tracker.finish({}, "failed")
+        raise
+    trainer = Trainer(run, trackers)
+    ended = "failed"
+    try:
+        if source is not None:
+            trainer.restore(source)
+            from accord.checkpoint.lr_on_resume import apply_on_resume
+
+            apply_on_resume(run, source, trainer.step)  # a changed train.max_steps: say and apply optim.extend
+        result = trainer.train(stop, after_first_step=(lambda: _discard_earlier_run(out_dir)) if info.is_main else None)
+        if result.status == "completed":
+            final = trainer.save()
+            if info.is_main:
+                dist.print0(f"accord: outputs in {out_dir}/ ({_outputs(recipe, out_dir, final)})")
+        ended = result.status
+        return result
+    except TrainingStopped:  # a non-finite loss, a failed checkpoint write: said on stderr
+        ended = "stopped"
+        raise
+    finally:
+        trainer.close(ended)
+
+
+def _build(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, out_dir):
     dist.print0("accord: loading model…")
     try:
         run = build_run(recipe, plan, info, device)
@@ -125,23 +155,45 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
         warning = disk_space_warning(out_dir, run.model.num_params, run.model.trainable, recipe.checkpoint.keep_last)
         if warning:
             dist.print0(f"accord: warning: {warning}")
-    trainer = Trainer(run)
-    try:
-        if source is not None:
-            trainer.restore(source)
-            from accord.checkpoint.lr_on_resume import apply_on_resume
+    return run
 
-            apply_on_resume(run, source, trainer.step)  # a changed train.max_steps: say and apply optim.extend
-        result = trainer.train(stop, after_first_step=(lambda: _discard_earlier_run(out_dir)) if info.is_main else None)
-        if result.status == "completed":
-            final = trainer.save()
-            dist.print0(
-                f"accord: outputs in {out_dir}/ (final model: {final}/, checkpoints: {out_dir}/{CHECKPOINTS}/, "
-                f"metrics: {out_dir}/metrics.jsonl, TensorBoard: {out_dir}/tensorboard)"
-            )
-        return result
-    finally:
-        trainer.close()
+
+def _start_trackers(recipe: Recipe, info: dist.DistInfo, source):
+    """Rank 0 opens observe.report_to's trackers before the model is built; one that cannot
+    start (a bad MLFLOW_TRACKING_URI, an unknown WANDB_MODE) refuses the run on every rank."""
+    trackers, refusal = None, None
+    if info.is_main:
+        from accord.checkpoint.store import read_state
+        from accord.observe.trackers import TrackerStartError, start_trackers
+
+        try:
+            step = read_state(source).step if source is not None else 0
+            trackers = start_trackers(recipe, Path(recipe.output.dir), step)
+        except TrackerStartError as e:
+            refusal = str(e)
+    refusal = dist.broadcast_object(refusal)
+    if refusal:
+        raise StartRefused(refusal)
+    return trackers
+
+
+def _outputs(recipe: Recipe, out_dir: Path, final: Path) -> str:
+    """Where the run's outputs are, for its last line."""
+    where = {
+        "tensorboard": f"TensorBoard: {out_dir}/tensorboard",
+        "mlflow": "MLflow: " + os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{out_dir}/mlflow.db"),
+        "wandb": f"W&B: {os.environ.get('WANDB_DIR', out_dir)}/wandb",
+        "trackio": f"Trackio: {os.environ.get('TRACKIO_DIR', out_dir / 'trackio')}",
+    }
+    named = [where[name] for name in recipe.observe.report_to]
+    return ", ".join(
+        [
+            f"final model: {final}/",
+            f"checkpoints: {out_dir}/{CHECKPOINTS}/",
+            f"metrics: {out_dir}/metrics.jsonl",
+            *named,
+        ]
+    )
 
 
 def _discard_earlier_run(out_dir) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from accord.distributed import group as dist
 from accord.observe.metrics import MetricsWriter
+from accord.observe.trackers import Tracker
 
 
 @dataclass
@@ -66,9 +67,17 @@ class Throughput:
 class StepLog:
     """Collects steps between flushes; every rank calls flush() together (it all-reduces)."""
 
-    def __init__(self, out_dir: Path, resume_step: int, throughput: Throughput, writer: bool):
+    def __init__(
+        self,
+        out_dir: Path,
+        resume_step: int,
+        throughput: Throughput,
+        writer: bool,
+        trackers: list[Tracker] | None = None,
+    ):
+        """`writer`: this rank writes the metrics (rank 0), to metrics.jsonl and `trackers`."""
         self.throughput = throughput
-        self.metrics = MetricsWriter(out_dir, resume_step=resume_step) if writer else None
+        self.metrics = MetricsWriter(out_dir, resume_step=resume_step, trackers=trackers) if writer else None
         self._pending: list[StepStats] = []
         self._since = time.perf_counter()
 
@@ -104,6 +113,7 @@ class StepLog:
             self.metrics.write(
                 {"kind": "throughput", "step": steps[-1].step, **self.throughput.numbers(steps, seconds)}
             )
+            self.metrics.flush()
         return logged, sum(s.tokens for s in steps) / seconds
 
     def record_model_state(self, step: int, held: dict[str, int]) -> None:
@@ -116,10 +126,12 @@ class StepLog:
     def write(self, record: dict) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
+            self.metrics.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "completed") -> None:
+        """`status`: how the run ended, for the trackers."""
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(status)
             self.metrics = None
 
 

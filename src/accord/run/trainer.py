@@ -22,6 +22,7 @@ from accord.observe import heartbeat
 from accord.observe.memory import memory_record
 from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
+from accord.observe.trackers import Tracker
 from accord.output.export import export_final
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
@@ -31,8 +32,10 @@ from accord.stopping import RunResult, StopRequest
 
 
 class Trainer:
-    def __init__(self, run: RunSetup):
+    def __init__(self, run: RunSetup, trackers: list[Tracker] | None = None):
+        """`trackers`: rank 0's open experiment trackers (None: TensorBoard only)."""
         self.run = run
+        self.trackers = trackers
         self.engine, self.plan, self.rows, self.order = run.engine, run.plan, run.rows, run.order
         self.task = faults.maybe_poison_loss(run.task, lambda: self.step + 1)  # only under ACCORD_FAULTS
         self.task = faults.maybe_stop_rank(self.task, lambda: self.step + 1, run.info.rank, dist.restart_count())
@@ -95,7 +98,9 @@ class Trainer:
                 "step_s": time.perf_counter() - started,
             }
         else:
-            tokens, padded, means = int(self.rows.lengths[global_batch].sum()), self._padded(global_batch), {}
+            tokens, means = int(self.rows.lengths[global_batch].sum()), {}
+            # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
+            padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
         return StepStats(
             self.step,
             loss_sum,
@@ -142,7 +147,7 @@ class Trainer:
             run.model.peak_tflops,
             self.engine.device,
         )
-        self.log = StepLog(run.out_dir, self.step, throughput, writer=run.info.is_main)
+        self.log = StepLog(run.out_dir, self.step, throughput, writer=run.info.is_main, trackers=self.trackers)
         self.log.write(memory_record(self.step, "build", self.engine.device))  # construction, loading, resume
         self.engine.module.train()
         progress = Progress(run.total_steps, self.step, enabled=run.info.is_main)
@@ -242,8 +247,12 @@ class Trainer:
         self.log.write(memory_record(self.step, "export", self.engine.device))
         return final
 
-    def close(self) -> None:
+    def close(self, status: str = "failed") -> None:
+        """`status`: how the run ended (completed, preempted, stopped, failed), for the trackers."""
         gc.unfreeze()  # the run's objects become collectable again (a caller's process lives on)
         self.engine.close()
         if self.log is not None:
-            self.log.close()
+            self.log.close(status)
+        else:
+            for tracker in self.trackers or []:  # opened, but the loop never started
+                tracker.finish({}, status)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from accord.compat.transformers import attn_implementation
+from accord.models.documents import flat_inputs, install_document_attention
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, token_loss_sum
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
@@ -23,11 +24,19 @@ class CausalLMTask(Task):
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
         self.attn_implementation = "sdpa"
+        self.flatten = False  # packed micro-batches as one sequence, attended document by document
         self.logprobs: TargetLogprobs | None = None  # the chunked loss (train.loss_chunk_size)
         self.plain_loss_reason: str | None = None
 
     def configure_model(self, model: nn.Module) -> None:
         self.attn_implementation = attn_implementation(model.config) or "sdpa"
+        engine = self.recipe.engine
+        on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+        # On the CPU, attention per document beats SDPA under a block-diagonal mask and the
+        # padding goes (accord.models.documents); GPUs keep their fused kernels (flash-attention's
+        # varlen path where the model selects it). Sequence parallelism slices rows: not flattened.
+        if self.packing and on_cpu and engine.sequence_parallel == 1:
+            self.flatten = install_document_attention(model)
         self.plain_loss_reason = chunking_blocker(model, self.recipe)
         if self.plain_loss_reason is None:
             self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)
@@ -36,6 +45,8 @@ class CausalLMTask(Task):
         return super().describe() + plain_loss_note(self.plain_loss_reason)
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        if self.packing and self.flatten:
+            return self._flat(rows)
         input_ids = pad_rows([[t for ex in row for t in ex["input_ids"]] for row in rows], self.pad_id)
         labels = pad_rows([[t for ex in row for t in ex["labels"]] for row in rows], IGNORE)
         if not self.packing:
@@ -55,6 +66,19 @@ class CausalLMTask(Task):
                 doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager"
             )
         return batch
+
+    def _flat(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        """The rows one after another as one unpadded sequence (accord.models.documents)."""
+        documents = [len(ex["input_ids"]) for row in rows for ex in row]
+        # A row's first label is never a target (nothing precedes it); set to IGNORE it stays
+        # none here too, where the previous row's last token comes before it.
+        labels = [t for row in rows for t in [IGNORE] + [t for ex in row for t in ex["labels"]][1:]]
+        return {
+            "input_ids": torch.tensor([[t for row in rows for ex in row for t in ex["input_ids"]]]),
+            "labels": torch.tensor([labels]),
+            "position_ids": packed_position_ids([documents], sum(documents)),
+            **flat_inputs(documents),
+        }
 
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         results = super().eval_summary(sums)
