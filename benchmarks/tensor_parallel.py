@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: per-rank peak memory and tokens per CPU-second, against fsdp.
 
-    python benchmarks/tensor_parallel.py [--hidden 256] [--intermediate 8192] [--layers 4] [--steps 2 8] [--write-docs]
+    python benchmarks/tensor_parallel.py [--hidden 256] [--intermediate 8192] [--layers 4] [--steps 2 8]
+        [--batch 16] [--write-docs]
 
 Trains a Llama whose MLP is wide (intermediate size 32 × hidden: the layers TP splits hold
 nearly all the parameters) through `accord train` itself, in each layout: 1 process; ddp with
@@ -47,7 +48,7 @@ LAYOUTS = {
 }
 
 
-def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int) -> Path:
+def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int, batch: int = 16) -> Path:
     heads = max(4, hidden // 64)
     data = {
         "seed": 0,
@@ -69,7 +70,7 @@ def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int) -> P
             "max_length": 32,
             "cache_dir": str(folder / "cache"),
         },
-        "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+        "batch": {"global_batch_size": batch, "micro_batch_size": batch // 4},  # 4 data-parallel ranks at most
         "optim": {"lr": 1e-3, "warmup_steps": 0},
         "train": {"max_steps": 2, "log_every": 1},
         "engine": {"device": "cpu", "release_host_memory": True},
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, nargs=2, default=[2, 8], metavar=("SHORT", "LONG"))
+    parser.add_argument("--batch", type=int, default=16, help="global batch (rows of <= 32 tokens), a multiple of 4")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {harness.DOCS}")
     parser.add_argument("--docs", default=str(harness.DOCS), help=argparse.SUPPRESS)  # another file (tests)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < short < long:
         parser.error(f"--steps {short} {long}: the second count must be larger than the first, both above 0")
     work = Path(tempfile.mkdtemp(prefix="accord-tp-"))
-    recipe = write_recipe(work, args.hidden, args.intermediate, args.layers)
+    recipe = write_recipe(work, args.hidden, args.intermediate, args.layers, args.batch)
     n = parameters(args.hidden, args.intermediate, args.layers)
     model = (
         f"Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
