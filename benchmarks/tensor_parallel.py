@@ -22,12 +22,12 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -87,20 +87,19 @@ def parameters(hidden: int, intermediate: int, layers: int) -> int:
     return layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + 2 * vocab * hidden + hidden
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def train(recipe: Path, out: Path, steps: int, layout: list[str]) -> tuple[float, dict]:
-    """CPU seconds of the whole run (every process it waited for) and its metrics records."""
-    before = children_cpu()
+    """CPU seconds of the whole run (the command and every process it waited for) and its metrics records."""
     command = [sys.executable, "-m", "accord", "train", str(recipe), *layout]
     command += [f"train.max_steps={steps}", f"output.dir={out}", "--overwrite"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=harness.child_environment(None))
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    cpu = children_cpu() - before
+    log = out.with_suffix(".log")
+    with log.open("w") as stream:
+        proc = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, env=harness.child_environment(None))
+        # wait4: this run's own tree, whatever else this script runs beside it (--jobs)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"{' '.join(command)} failed (exit {code}):\n{log.read_text()[-3000:]}")
+    cpu = usage.ru_utime + usage.ru_stime
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # checkpoint and export: not needed, and 4 runs of them add up
     return cpu, {
@@ -112,8 +111,10 @@ def train(recipe: Path, out: Path, steps: int, layout: list[str]) -> tuple[float
 def measure(recipe: Path, work: Path, name: str, steps: tuple[int, int]) -> dict:
     """One layout, run for both step counts: its peak RSS per rank and its tokens per CPU-second."""
     short, long = steps
-    cpu_short, first = train(recipe, work / "short", short, LAYOUTS[name])
-    cpu_long, second = train(recipe, work / "long", long, LAYOUTS[name])
+    folder = work / name.replace(" ", "-").replace("(", "").replace(")", "")
+    folder.mkdir()
+    cpu_short, first = train(recipe, folder / "short", short, LAYOUTS[name])
+    cpu_long, second = train(recipe, folder / "long", long, LAYOUTS[name])
     tokens, cpu = second["tokens"] - first["tokens"], cpu_long - cpu_short
     # Below zero (or about it) the extra steps cost less than the runs' own noise: no rate.
     return {
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, nargs=2, default=[2, 8], metavar=("SHORT", "LONG"))
     parser.add_argument("--batch", type=int, default=16, help="global batch (rows of <= 32 tokens), a multiple of 4")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="layouts measured at once (CPU time and RSS are per run; wall time is not)"
+    )
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {harness.DOCS}")
     parser.add_argument("--docs", default=str(harness.DOCS), help=argparse.SUPPRESS)  # another file (tests)
     args = parser.parse_args(argv)
@@ -169,11 +173,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{n / 1e6:.1f}M parameters; training state (16 B/param) {16 * n / 2**30:.2f} GiB"
     )
     print(f"model: {model}; runs in {work}", flush=True)
+    # The data's cache first, so that no run's CPU time includes preparing it (runs at once would race to).
+    prepare = [sys.executable, "-m", "accord", "prepare", str(recipe)]
+    subprocess.run(prepare, check=True, capture_output=True, env=harness.child_environment(None))
     load_before, started = os.getloadavg(), time.time()
-    results = []
-    for name in args.layouts:
-        results.append(measure(recipe, work, name, (short, long)))
+
+    def one(name: str) -> dict:
+        result = measure(recipe, work, name, (short, long))
         print(f"  {name}: done", flush=True)
+        return result
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one, args.layouts))
     load_after = os.getloadavg()
     shutil.rmtree(work, ignore_errors=True)
     lines = rows(results)
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         body = [
             f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
             f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); "
-            f"{model}; one thread per process:",
+            f"{model}; one thread per process, {args.jobs} layout(s) at a time:",
             "",
             *lines,
             "",
