@@ -131,8 +131,8 @@ def rows(results: list[dict]) -> list[str]:
     base = results[0] if results and results[0]["layout"] == "1 process" else None
     lines = [
         "| layout | peak RSS per rank (GiB) | largest | largest vs 1 process | sum over ranks "
-        "| tokens per CPU-s | vs 1 process |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens | CPU s | tokens per CPU-s | vs 1 process |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         peaks, rate = r["peaks"], r["rate"]
@@ -141,7 +141,8 @@ def rows(results: list[dict]) -> list[str]:
         speed_ratio = f"{rate / base['rate']:.2f}x" if base and rate and base["rate"] else "-"
         lines.append(
             f"| {r['layout']} | {' '.join(f'{p:.2f}' for p in peaks)} | {largest:.2f} | {memory_ratio} | "
-            f"{sum(peaks):.2f} | {f'{rate:,.0f}' if rate else 'n/a (noise)'} | {speed_ratio} |"
+            f"{sum(peaks):.2f} | {r['tokens']:,} | {r['cpu_s']:.1f} | {f'{rate:,.0f}' if rate else 'n/a (noise)'} "
+            f"| {speed_ratio} |"
         )
     return lines
 
@@ -191,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     footer = (
         f"Peak RSS: each rank's high-water mark at the end of training (its `memory` record). Tokens per "
-        f"CPU-s: the tokens of steps {short + 1}..{long} over the CPU time they added to the whole process "
-        f"tree (a {long}-step run against a {short}-step one)."
+        f"CPU-s: the tokens of steps {short + 1}..{long} over the CPU time (CPU s) they added to the whole "
+        f"process tree: the {long}-step run's against the {short}-step run's."
     )
     print(footer)
     if args.write_docs:
