@@ -112,7 +112,7 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
-        timeout=900,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
