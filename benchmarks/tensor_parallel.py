@@ -1,15 +1,20 @@
 """Tensor parallelism on the CPU: per-rank peak memory and tokens per CPU-second, against fsdp.
 
     python benchmarks/tensor_parallel.py [--hidden 256] [--intermediate 8192] [--layers 4] [--steps 2 8]
-        [--batch 16] [--write-docs]
+        [--batch 16] [--jobs 1] [--write-docs]
+
+docs/benchmarks.md's table: --hidden 256 --intermediate 16384 --layers 2 --steps 2 8 --jobs 3
+(5-8 minutes on a loaded 2-core machine).
 
 Trains a Llama whose MLP is wide (intermediate size 32 × hidden: the layers TP splits hold
 nearly all the parameters) through `accord train` itself, in each layout: 1 process; ddp with
 engine.tensor_parallel 2 and 4; fsdp on 2 and 4 processes; fsdp × TP 2 on 4. Each rank's peak
 RSS comes from the run's own `memory` records (metrics.jsonl, engine.release_host_memory on,
 so RSS follows live tensors). Tokens per CPU-second: each layout runs twice, for the two
---steps counts; the difference in the CPU time of the whole process tree (getrusage of the
-waited children) over the difference in trained tokens leaves start-up, data and export out.
+--steps counts; the difference in the CPU time of the whole process tree (os.wait4 on the
+command) over the difference in trained tokens leaves start-up and export out, and the data's
+cache is prepared before any timed run. --jobs N measures N layouts at once (each run's CPU
+time and RSS are its own).
 Every process runs one thread (OMP_NUM_THREADS=1, as the peer benchmarks' harness sets it), so
 CPU time is not inflated by idle threads spinning. A table, not a test: 4 processes on 2 cores
 is fine for memory and for CPU time (not for wall time). --write-docs rewrites the
