@@ -20,11 +20,15 @@ Prints a table of:
      (TRL GRPOTrainer's transformers generation, not vLLM, with and without gradient
      checkpointing) on the GPU with the ~0.5B Llama in bf16, tokens (prompts) per second of wall
      time, each with its `accord / best peer` line.
-Phases 1-5 run through `accord train` itself; figures come from each run's metrics.jsonl.
+  7. tensor parallelism (engine.tensor_parallel 2, which needs 2 GPUs: on one it says it skips
+     and why): the ~0.5B Llama under fsdp alone and fsdp x TP 2 on the same GPUs (an even
+     number of them), tokens/s and each rank's peak memory.
+Phases 1-5 and 7 run through `accord train` itself; figures come from each run's metrics.jsonl.
 `--out` writes every figure as JSON, `--markdown` the tables as markdown (for docs/benchmarks.md).
-`--dry-run` needs no GPU (under a minute or two on a CPU): it writes the recipes, prints the
-plan's figures, and runs phase 6's plumbing on the CPU with the tiny model (one step, two
-contenders each), writing the same JSON and markdown.
+`--dry-run` needs no GPU (a few minutes on a CPU): it writes the recipes, prints the plan's
+figures, runs phase 6's plumbing on the CPU with the tiny model (one step, two contenders
+each) and phase 7's on 2 gloo processes with a tiny Llama (fsdp, then fsdp x TP 2), writing
+the same JSON and markdown.
 """
 
 from __future__ import annotations
@@ -140,13 +144,14 @@ def long_context(folder: Path, dry_run: bool) -> list[dict]:
 PHASES = ("build", "train", "checkpoint", "export", "resume")
 
 
-def train(path: Path, timeout: int, *overrides: str) -> tuple[float, dict]:
+def train(path: Path, timeout: int, *overrides: str, env: dict[str, str] | None = None) -> tuple[float, dict]:
     start = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "accord", "train", str(path), *overrides],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     if proc.returncode != 0:
         return time.time() - start, {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]}
@@ -160,6 +165,9 @@ def train(path: Path, timeout: int, *overrides: str) -> tuple[float, dict]:
         "peak_memory_gib": max(r["peak_memory_gib"] for r in throughput),
         "final_loss": [r for r in records if r["kind"] == "train"][-1]["loss"],
     }
+    trained = [r for r in records if r["kind"] == "memory" and r["phase"] == "train"]
+    if trained:  # every rank's peak, where the run recorded it (phase 7 compares them)
+        summary["peak_gib_per_rank"] = trained[0]["peak_gib_per_rank"]
     return time.time() - start, summary
 
 
@@ -202,6 +210,64 @@ def measured_phases(path: Path) -> dict[str, float]:
 def print_phases(label: str, measured: dict[str, float], planned: dict[str, float]) -> None:
     cell = lambda d, p: f"{d[p]:.2f}" if p in d else "-"  # noqa: E731
     print(f"{label:24} " + " ".join(f"{cell(measured, p) + ' / ' + cell(planned, p):>13}" for p in PHASES))
+
+
+TP_TINY = {  # the dry run's Llama: 4 heads (TP 2 splits them), a wide MLP
+    "architecture": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
+
+
+def tp_gpus(visible: int) -> str:
+    """Why phase 7 cannot run on `visible` GPUs ("" when it can)."""
+    if visible < 2:
+        return f"engine.tensor_parallel=2 needs 2 GPUs (one per TP rank); this machine has {visible}"
+    return ""
+
+
+def tensor_parallel(folder: Path, dry_run: bool, visible: int) -> list[dict]:
+    """Phase 7: fsdp alone, then fsdp x TP 2, on the same processes; the dry run: 2 gloo processes, tiny."""
+    import os
+
+    why = "" if dry_run else tp_gpus(visible)
+    if why:
+        print(f"\ntensor parallel: skipped: {why}")
+        return [{"run": "fsdp x tp2", "skipped": why}]
+    world = 2 if dry_run else visible - visible % 2
+    env = dict(os.environ)
+    if not dry_run:  # an even number of GPUs, so that TP 2 divides the world
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
+    print(f"\ntensor parallel on {where}:")
+    results = []
+    for label, tp in ((f"fsdp ({world})", 1), (f"fsdp x tp2 ({world})", 2)):
+        name = f"tp{tp}-fsdp"
+        path = recipe(folder, name, "fsdp", 2 if dry_run else 8, False, 4 if dry_run else 8)
+        data = yaml.safe_load(path.read_text())
+        data["engine"] |= {"tensor_parallel": tp, "processes": world}
+        del data["batch"]["micro_batch_size"]  # the default: the global batch over the data-parallel ranks
+        if dry_run:
+            data["model"]["config"] = TP_TINY
+            data["data"]["max_length"] = 64
+            data["engine"] |= {"device": "cpu", "precision": "no"}
+        path.write_text(yaml.safe_dump(data))
+        seconds, summary = train(path, 300, env=env)
+        summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
+            continue
+        peaks = " ".join(f"{p:.2f}" for p in summary.get("peak_gib_per_rank", []))
+        print(
+            f"{label:24} {seconds:>7.0f} s {summary['tokens_per_s']:>10,.0f} tokens/s, peak per rank "
+            f"{peaks} GiB, loss {summary['final_loss']:.3f}"
+        )
+    return results
 
 
 def peers(dry_run: bool) -> list[dict]:
@@ -253,16 +319,19 @@ def _plain(summary: dict) -> dict:
 
 def markdown(results: list[dict], peer_results: list[dict], device: str) -> str:
     lines = [f"GPU check on {device}:", ""]
-    own = [r for r in results if "tokens_per_s" in r or "error" in r]
+    own = [r for r in results if "tokens_per_s" in r or "error" in r or "skipped" in r]
     if own:
         lines += ["| run | tokens/s | MFU | peak GiB | planned GiB | loss |", "|---|---|---|---|---|---|"]
         for r in own:
-            if "error" in r:
-                lines.append(f"| {r['run']} | failed: {r['error']} | | | | |")
+            if "error" in r or "skipped" in r:
+                what = f"failed: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+                lines.append(f"| {r['run']} | {what} | | | | |")
                 continue
             planned = f"{r['planned_gib']:.1f}" if r.get("planned_gib") is not None else "-"
+            ranks = r.get("peak_gib_per_rank", [])  # several ranks: each one's peak
+            peak = " / ".join(f"{p:.2f}" for p in ranks) if len(ranks) > 1 else f"{r['peak_memory_gib']:.1f}"
             lines.append(
-                f"| {r['run']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_memory_gib']:.1f} | "
+                f"| {r['run']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} | "
                 f"{planned} | {r['final_loss']:.3f} |"
             )
         lines.append("")
@@ -324,7 +393,8 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
         long_context(folder, dry_run=True)
-        write_outputs(args, [], peers(dry_run=True), "the CPU (dry run: plumbing only, tiny model)")
+        tp = tensor_parallel(folder, dry_run=True, visible=0)
+        write_outputs(args, tp, peers(dry_run=True), "the CPU (dry run: plumbing only, tiny model)")
         return
     results = []
     print(
@@ -369,6 +439,7 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             label, {k: v for k, v in summary["phases_gib"].items() if k in PHASES}, summary["planned_phases_gib"]
         )
     results += long_context(folder, dry_run=False)
+    results += tensor_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
     write_outputs(args, results, peers(dry_run=False), torch.cuda.get_device_name(0))
 
 

@@ -320,9 +320,9 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def check_markers(bench: Benchmark, docs: Path) -> str:
+def check_markers(section: str, docs: Path) -> str:
     """The docs file's text, or one line saying why --write-docs cannot write it (checked before the runs)."""
-    start, end = f"<!-- {bench.section}:start -->", f"<!-- {bench.section}:end -->"
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
     try:
         text = docs.read_text()
     except OSError as error:
@@ -334,12 +334,27 @@ def check_markers(bench: Benchmark, docs: Path) -> str:
     return text
 
 
-def write_docs(bench: Benchmark, body: list[str], docs: Path = DOCS) -> None:
-    start, end = f"<!-- {bench.section}:start -->", f"<!-- {bench.section}:end -->"
-    text = check_markers(bench, docs)
+def write_docs(section: str, body: list[str], docs: Path = DOCS) -> None:
+    """Replace the text between the section's markers in `docs` with `body` (the rest stays as it is)."""
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
+    text = check_markers(section, docs)
     before, rest = text.split(start, 1)
     after = rest.split(end, 1)[1]
     docs.write_text(before + start + "\n" + "\n".join(body) + "\n" + end + after)
+
+
+def shown_command(script: Path, given: list[str]) -> str:
+    """The command as docs show it: without where this run's files went (--json, --docs, --keep)."""
+    shown, skip = [], False
+    for a in given:
+        if skip or a == "--keep":
+            skip = False
+            continue
+        if a in ("--json", "--docs"):
+            skip = True
+            continue
+        shown.append(a)
+    return shlex.join(["python", f"benchmarks/{script.name}", *shown])
 
 
 def main(bench: Benchmark, argv: list[str] | None = None) -> None:
@@ -373,7 +388,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         return
 
     if args.write_docs:
-        check_markers(bench, Path(args.docs))
+        check_markers(bench.section, Path(args.docs))
     given = list(argv if argv is not None else sys.argv[1:])
     # The child parses the same options (and ignores the parent's own): its settings are the parent's.
     forwarded = [a for a in given if a != "--write-docs"]
@@ -406,16 +421,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()
     lines = table(bench, summaries, primary)
     last = verdict(bench, summaries)
-    shown, skip = [], False  # the command as docs show it: without where this run's files went
-    for a in given:
-        if skip or a == "--keep":
-            skip = False
-            continue
-        if a in ("--json", "--docs"):
-            skip = True
-            continue
-        shown.append(a)
-    command = shlex.join(["python", f"benchmarks/{script.name}", *shown])
+    command = shown_command(script, given)
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "verdict": last}, indent=1, default=str))
     if args.write_docs:
@@ -432,7 +438,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
         notes = bench.notes(args)
         if notes:
             body += ["", notes]
-        write_docs(bench, body, Path(args.docs))
+        write_docs(bench.section, body, Path(args.docs))
     if not args.keep:
         import shutil
 

@@ -1,29 +1,47 @@
 """Tensor parallelism on the CPU: per-rank peak memory and tokens per CPU-second, against fsdp.
 
     python benchmarks/tensor_parallel.py [--hidden 256] [--intermediate 8192] [--layers 4] [--steps 2 8]
+        [--batch 16] [--jobs 1] [--write-docs]
+
+docs/benchmarks.md's table: --hidden 256 --intermediate 16384 --layers 2 --steps 2 8 --jobs 3
+(5-8 minutes on a loaded 2-core machine).
 
 Trains a Llama whose MLP is wide (intermediate size 32 × hidden: the layers TP splits hold
 nearly all the parameters) through `accord train` itself, in each layout: 1 process; ddp with
 engine.tensor_parallel 2 and 4; fsdp on 2 and 4 processes; fsdp × TP 2 on 4. Each rank's peak
 RSS comes from the run's own `memory` records (metrics.jsonl, engine.release_host_memory on,
 so RSS follows live tensors). Tokens per CPU-second: each layout runs twice, for the two
---steps counts; the difference in the CPU time of the whole process tree (getrusage of the
-waited children) over the difference in trained tokens leaves start-up, data and export out.
-A table, not a test: 4 processes on 2 cores is fine for memory and for CPU time (not for
-wall time).
+--steps counts; the difference in the CPU time of the whole process tree (os.wait4 on the
+command) over the difference in trained tokens leaves start-up and export out, and the data's
+cache is prepared before any timed run. --jobs N measures N layouts at once (each run's CPU
+time and RSS are its own).
+Every process runs one thread (OMP_NUM_THREADS=1, as the peer benchmarks' harness sets it), so
+CPU time is not inflated by idle threads spinning. A table, not a test: 4 processes on 2 cores
+is fine for memory and for CPU time (not for wall time). --write-docs rewrites the
+tensor-parallel section of docs/benchmarks.md (between its markers).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import resource
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+SECTION = "tensor-parallel"
 
 LAYOUTS = {
     "1 process": ["engine.processes=1"],
@@ -35,7 +53,7 @@ LAYOUTS = {
 }
 
 
-def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int) -> Path:
+def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int, batch: int = 16) -> Path:
     heads = max(4, hidden // 64)
     data = {
         "seed": 0,
@@ -57,7 +75,7 @@ def write_recipe(folder: Path, hidden: int, intermediate: int, layers: int) -> P
             "max_length": 32,
             "cache_dir": str(folder / "cache"),
         },
-        "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+        "batch": {"global_batch_size": batch, "micro_batch_size": batch // 4},  # 4 data-parallel ranks at most
         "optim": {"lr": 1e-3, "warmup_steps": 0},
         "train": {"max_steps": 2, "log_every": 1},
         "engine": {"device": "cpu", "release_host_memory": True},
@@ -74,59 +92,128 @@ def parameters(hidden: int, intermediate: int, layers: int) -> int:
     return layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + 2 * vocab * hidden + hidden
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def train(recipe: Path, out: Path, steps: int, layout: list[str]) -> tuple[float, dict]:
-    """CPU seconds of the whole run (every process it waited for) and its metrics records."""
-    before = children_cpu()
+    """CPU seconds of the whole run (the command and every process it waited for) and its metrics records."""
     command = [sys.executable, "-m", "accord", "train", str(recipe), *layout]
     command += [f"train.max_steps={steps}", f"output.dir={out}", "--overwrite"]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    cpu = children_cpu() - before
+    log = out.with_suffix(".log")
+    with log.open("w") as stream:
+        proc = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, env=harness.child_environment(None))
+        # wait4: this run's own tree, whatever else this script runs beside it (--jobs)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"{' '.join(command)} failed (exit {code}):\n{log.read_text()[-3000:]}")
+    cpu = usage.ru_utime + usage.ru_stime
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out, ignore_errors=True)  # checkpoint and export: not needed, and 4 runs of them add up
     return cpu, {
         "tokens": sum(r["tokens"] for r in records if r["kind"] == "train"),
         "train_peaks": next(r["peak_gib_per_rank"] for r in records if r["kind"] == "memory" and r["phase"] == "train"),
     }
 
 
-def main() -> None:
+def measure(recipe: Path, work: Path, name: str, steps: tuple[int, int]) -> dict:
+    """One layout, run for both step counts: its peak RSS per rank and its tokens per CPU-second."""
+    short, long = steps
+    folder = work / name.replace(" ", "-").replace("(", "").replace(")", "")
+    folder.mkdir()
+    cpu_short, first = train(recipe, folder / "short", short, LAYOUTS[name])
+    cpu_long, second = train(recipe, folder / "long", long, LAYOUTS[name])
+    tokens, cpu = second["tokens"] - first["tokens"], cpu_long - cpu_short
+    # Below zero (or about it) the extra steps cost less than the runs' own noise: no rate.
+    return {
+        "layout": name,
+        "peaks": second["train_peaks"],
+        "tokens": tokens,
+        "cpu_s": cpu,
+        "rate": tokens / cpu if cpu > 0.05 else None,
+    }
+
+
+def rows(results: list[dict]) -> list[str]:
+    """The markdown table; "vs 1 process" relative to the first layout measured when it is the 1-process one."""
+    base = results[0] if results and results[0]["layout"] == "1 process" else None
+    lines = [
+        "| layout | peak RSS per rank (GiB) | largest | largest vs 1 process | sum over ranks "
+        "| tokens | CPU s | tokens per CPU-s | vs 1 process |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        peaks, rate = r["peaks"], r["rate"]
+        largest = max(peaks)
+        memory_ratio = f"{largest / max(base['peaks']):.2f}x" if base else "-"
+        speed_ratio = f"{rate / base['rate']:.2f}x" if base and rate and base["rate"] else "-"
+        lines.append(
+            f"| {r['layout']} | {' '.join(f'{p:.2f}' for p in peaks)} | {largest:.2f} | {memory_ratio} | "
+            f"{sum(peaks):.2f} | {r['tokens']:,} | {r['cpu_s']:.1f} | {f'{rate:,.0f}' if rate else 'n/a (noise)'} "
+            f"| {speed_ratio} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, nargs=2, default=[2, 8], metavar=("SHORT", "LONG"))
+    parser.add_argument("--batch", type=int, default=16, help="global batch (rows of <= 32 tokens), a multiple of 4")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="accord-tp-"))
-    recipe = write_recipe(work, args.hidden, args.intermediate, args.layers)
-    n = parameters(args.hidden, args.intermediate, args.layers)
-    print(
-        f"model: Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
-        f"{n / 1e6:.1f}M parameters; training state (16 B/param) {16 * n / 2**30:.2f} GiB; runs in {work}",
-        flush=True,
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="layouts measured at once (CPU time and RSS are per run; wall time is not)"
     )
+    parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {harness.DOCS}")
+    parser.add_argument("--docs", default=str(harness.DOCS), help=argparse.SUPPRESS)  # another file (tests)
+    args = parser.parse_args(argv)
+    if args.write_docs:
+        harness.check_markers(SECTION, Path(args.docs))
     short, long = args.steps
-    rows = []
-    for name in args.layouts:
-        layout = LAYOUTS[name]
-        cpu_short, first = train(recipe, work / "short", short, layout)
-        cpu_long, second = train(recipe, work / "long", long, layout)
-        tokens = second["tokens"] - first["tokens"]
-        rows.append((name, second["train_peaks"], tokens / max(cpu_long - cpu_short, 1e-9)))
+    if not 0 < short < long:
+        parser.error(f"--steps {short} {long}: the second count must be larger than the first, both above 0")
+    work = Path(tempfile.mkdtemp(prefix="accord-tp-"))
+    recipe = write_recipe(work, args.hidden, args.intermediate, args.layers, args.batch)
+    n = parameters(args.hidden, args.intermediate, args.layers)
+    model = (
+        f"Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+        f"{n / 1e6:.1f}M parameters; training state (16 B/param) {16 * n / 2**30:.2f} GiB"
+    )
+    print(f"model: {model}; runs in {work}", flush=True)
+    # The data's cache first, so that no run's CPU time includes preparing it (runs at once would race to).
+    prepare = [sys.executable, "-m", "accord", "prepare", str(recipe)]
+    subprocess.run(prepare, check=True, capture_output=True, env=harness.child_environment(None))
+    load_before, started = os.getloadavg(), time.time()
+
+    def one(name: str) -> dict:
+        result = measure(recipe, work, name, (short, long))
         print(f"  {name}: done", flush=True)
-    header = f"{'layout':16} {'peak RSS per rank (GiB)':>26} {'largest':>8} {'tokens / CPU-s':>15}"
-    print(header)
-    print("-" * len(header))
-    for name, peaks, rate in rows:
-        per_rank = " ".join(f"{p:.2f}" for p in peaks)
-        print(f"{name:16} {per_rank:>26} {max(peaks):>8.2f} {rate:>15.0f}")
-    print(f"peak RSS: the training phase's high-water mark; tokens / CPU-s: steps {short + 1}..{long}")
+        return result
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one, args.layouts))
+    load_after = os.getloadavg()
+    shutil.rmtree(work, ignore_errors=True)
+    lines = rows(results)
+    print("\n".join(lines))
+    footer = (
+        f"Peak RSS: each rank's high-water mark at the end of training (its `memory` record). Tokens per "
+        f"CPU-s: the tokens of steps {short + 1}..{long} over the CPU time (CPU s) they added to the whole "
+        f"process tree: the {long}-step run's against the {short}-step run's."
+    )
+    print(footer)
+    if args.write_docs:
+        given = list(argv if argv is not None else sys.argv[1:])
+        command = harness.shown_command(Path(__file__), given)
+        body = [
+            f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
+            f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); "
+            f"{model}; one thread per process, {args.jobs} layout(s) at a time:",
+            "",
+            *lines,
+            "",
+            footer,
+        ]
+        harness.write_docs(SECTION, body, Path(args.docs))
 
 
 if __name__ == "__main__":

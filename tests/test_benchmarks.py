@@ -1,7 +1,8 @@
-"""The peer benchmarks still run end to end (slow tier): every contender of throughput.py and
+"""The benchmarks still run end to end (slow tier): every contender of throughput.py and
 grpo.py trains for a step in its own pinned process, none fails, the last line is the verdict,
-and --write-docs rewrites only the text between the section's markers; gpu_check's --dry-run
-runs its peer phase's plumbing on the CPU and writes its JSON and markdown."""
+and --write-docs rewrites only the text between the section's markers; tensor_parallel.py
+measures each layout it is given and writes its section; gpu_check's --dry-run runs its peer
+and tensor-parallel phases' plumbing on the CPU and writes its JSON and markdown."""
 
 from __future__ import annotations
 
@@ -64,6 +65,29 @@ def test_grpo_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_pat
     check(lines, written, [c.name for c in grpo.CONTENDERS])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_section(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("before\n<!-- tensor-parallel:start -->\nSTALE-TABLE\n<!-- tensor-parallel:end -->\nafter\n")
+    tiny = ["--hidden", "64", "--intermediate", "256", "--layers", "1", "--steps", "1", "2", "--batch", "4"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tensor_parallel.py"), *tiny]
+        + ["--layouts", "1 process", "ddp x tp2 (2)", "--write-docs", "--docs", str(docs)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows] == ["| layout", "| 1 process", "| ddp x tp2 (2)"]
+    assert [len(row[1].split()) for row in rows[1:]] == [1, 2]  # one peak per rank
+    written = docs.read_text()
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
+    assert "| ddp x tp2 (2) |" in written and "--docs" not in written
+
+
 @pytest.mark.subprocess
 def test_write_docs_without_markers_stops_before_any_run(tmp_path):
     docs = tmp_path / "benchmarks.md"
@@ -88,7 +112,7 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
-        timeout=900,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -96,3 +120,18 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
     for peer in data["peers"]:
         assert "error" not in peer, peer
         assert VERDICT.fullmatch(peer["verdict"]) and peer["verdict"] in table.read_text()
+    assert [r["run"] for r in data["runs"]] == ["fsdp (2)", "fsdp x tp2 (2)"]
+    for run in data["runs"]:
+        assert "error" not in run and len(run["peak_gib_per_rank"]) == 2, run
+        assert f"| {run['run']} | {run['tokens_per_s']:,.0f} |" in table.read_text()
+
+
+def test_gpu_check_skips_tensor_parallel_on_one_gpu_and_says_why():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    assert "needs 2 GPUs" in gpu_check.tp_gpus(1) and "has 1" in gpu_check.tp_gpus(1)
+    assert gpu_check.tp_gpus(2) == ""
+    skipped = gpu_check.tensor_parallel(REPO, dry_run=False, visible=1)
+    assert skipped == [{"run": "fsdp x tp2", "skipped": gpu_check.tp_gpus(1)}]
+    assert "skipped: engine.tensor_parallel=2 needs 2 GPUs" in gpu_check.markdown(skipped, [], "one GPU")
