@@ -406,9 +406,36 @@ def main_longest(args) -> None:
         at_common = probes.get(common)
         speed = f"{common / at_common['step_s']:.0f}" if at_common and at_common.get("fits") else "not measured"
         print(f"| {name} | {best or 'none'} | {_peaks(there) if there else 0} | {speed} |")
+    for name, why in unavailable_peers():
+        print(f"| {name} | cannot run here: {why} | | |")
     import shutil
 
     shutil.rmtree(SCRATCH, ignore_errors=True)
+    peers = {n: best for n, (best, _) in results.items() if not n.startswith("accord")}
+    if "accord" in results and peers:
+        peer = max(peers, key=lambda n: peers[n] or 0)
+        print(f"accord / best peer: {(results['accord'][0] or 0) / max(peers[peer] or 1, 1):.2f}x ({PEER_NAMES[peer]})")
+
+
+PEER_NAMES = {
+    "trainer": "transformers.Trainer, gradient checkpointing",
+    "trl": "TRL SFTTrainer, gradient checkpointing, fused LM head",
+}
+
+
+def unavailable_peers() -> list[tuple[str, str]]:
+    """The peers' documented long-row options this machine cannot run, each with why."""
+    import importlib.util
+
+    import torch
+
+    out = []
+    if not torch.cuda.is_available():
+        out.append(("TRL SFTTrainer, activation_offloading=True", "offloading needs an accelerator (CPU only here)"))
+    if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
+        why = "Liger's kernels are Triton, with no CPU backend" if not torch.cuda.is_available() else "not installed"
+        out += [(f"{peer}, use_liger_kernel=True", why) for peer in ("transformers.Trainer", "TRL SFTTrainer")]
+    return out
 
 
 # ---------------------------------------------------------------- the chunked loss alone
