@@ -30,27 +30,7 @@ import harness  # noqa: E402
 
 SEED = 0
 LR = 2e-4
-MODEL = {
-    "architecture": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
-MODELS = {
-    "tiny": MODEL,
-    "0.5b": MODEL  # gpu_check's ~0.45B Llama
-    | {
-        "hidden_size": 1536,
-        "intermediate_size": 4096,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 12,
-    },
-}
+MODEL, MODELS = harness.MODEL, harness.MODELS
 PATTERN = r"[\s\S]*\d[\s\S]*"  # the completion contains a digit
 
 CONTENDERS = [

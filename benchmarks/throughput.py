@@ -36,28 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 
-MODEL = {
-    "architecture": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
-# gpu_check's ~0.45B Llama (byte-level vocabulary), for --device cuda.
-MODELS = {
-    "tiny": MODEL,
-    "0.5b": MODEL
-    | {
-        "hidden_size": 1536,
-        "intermediate_size": 4096,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 12,
-    },
-}
+MODEL, MODELS = harness.MODEL, harness.MODELS
 MAX_LENGTH = 256
 LR = 1e-3
 BATCH = 8  # rows (packed contenders) or sequences (padded contenders) per optimizer step
