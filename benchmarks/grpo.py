@@ -30,7 +30,7 @@ import harness  # noqa: E402
 
 SEED = 0
 LR = 2e-4
-MODEL, MODELS = harness.MODEL, harness.MODELS
+MODELS = harness.MODELS
 PATTERN = r"[\s\S]*\d[\s\S]*"  # the completion contains a digit
 
 CONTENDERS = [

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 
-MODEL, MODELS = harness.MODEL, harness.MODELS
+MODELS = harness.MODELS
 MAX_LENGTH = 256
 LR = 1e-3
 BATCH = 8  # rows (packed contenders) or sequences (padded contenders) per optimizer step
