@@ -239,3 +239,22 @@ def test_bf16_is_the_same_autocast_under_every_strategy(tmp_path):
     # in bf16 where autocast keeps those in fp32: a small gap from step 1, measured 2.5e-4 on
     # the quickstart (docs/strategies-and-multinode.md).
     assert gaps["fsdp"] < FSDP_BF16_GAP, losses
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_a_deepspeed_op_build_lock_left_behind_is_named_before_the_wait(tmp_path, monkeypatch, capsys, locked):
+    """DeepSpeed's CPU op build waits for ever on a lock a killed build left; the run says which
+    file before it waits (seen: every zero run of a test session hanging at "loading model")."""
+    from accord.engine.deepspeed.engine import _CPU_OP, _say_if_the_op_build_is_locked
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / _CPU_OP / "lock"
+    if locked:
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    _say_if_the_op_build_is_locked()
+    err = capsys.readouterr().err
+    if locked:
+        assert err.count("\n") == 1 and f"waiting for {lock}" in err and "delete the file" in err
+    else:
+        assert err == ""

@@ -17,6 +17,7 @@ Public API is used wherever it does the same: `DTensor.to_local()` for the local
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from accord.compat import incompatible
@@ -85,3 +86,13 @@ def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float
     if "_last_lr" not in scheduler.__dict__:
         raise _missing(f"{type(scheduler).__name__} has no '_last_lr'", "resuming with another train.max_steps")
     scheduler._last_lr = list(lrs)
+
+
+def extension_build_lock(name: str) -> Path:
+    """The file torch's JIT build of C++ extension `name` holds while it compiles (in
+    TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions); a later build waits while it exists."""
+    from torch.utils import cpp_extension
+
+    if not hasattr(cpp_extension, "_get_build_directory"):
+        raise _missing("torch.utils.cpp_extension has no '_get_build_directory'", "the DeepSpeed op build check")
+    return Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"

@@ -21,6 +21,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch import nn
 
 from accord import registry
 from accord.compat.deepspeed import reuse_fp32_partitions
+from accord.compat.torch import extension_build_lock
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
@@ -55,6 +57,27 @@ def build(
     return DeepSpeedEngine(model, recipe, info, device, plan, total_steps)
 
 
+# The C++ op DeepSpeed builds (once, cached) when its process group starts on the CPU.
+_CPU_OP = "deepspeed_shm_comm"
+
+
+def _say_if_the_op_build_is_locked() -> None:
+    """DeepSpeed's op build waits, silently and for ever, while another build's lock file
+    exists; a build that was killed leaves it behind. Said before the wait, so a run that
+    stops here names the file."""
+    try:
+        lock = extension_build_lock(_CPU_OP)
+    except Exception:  # noqa: BLE001 - only a hint: torch without the helper just waits as before
+        return
+    if lock.exists():
+        print(
+            f"accord: warning: waiting for {lock}: another process is building DeepSpeed's CPU op; if none is "
+            "(a build that was killed leaves this file behind), delete the file and the run goes on",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class DeepSpeedEngine(Engine):
     def __init__(
         self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
@@ -70,6 +93,8 @@ class DeepSpeedEngine(Engine):
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
         # accord's dist.init created the process group: DeepSpeed adopts it. (On the CPU it
         # also loads a shared-memory op used only for inference, printing a line per rank.)
+        if device.type == "cpu" and info.local_rank == 0:
+            _say_if_the_op_build_is_locked()
         with contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(
                 dist_backend="nccl" if device.type == "cuda" else "gloo", dist_init_required=False
