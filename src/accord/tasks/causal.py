@@ -34,9 +34,11 @@ class CausalLMTask(Task):
         on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
         # On the CPU, attention per document beats SDPA under a block-diagonal mask and the
         # padding goes (accord.models.documents); GPUs keep their fused kernels (flash-attention's
-        # varlen path where the model selects it). Sequence parallelism slices rows, and a compiled
-        # forward would meet a new length every step and a Python loop over documents: not flattened.
-        if self.packing and on_cpu and engine.sequence_parallel == 1 and not engine.compile:
+        # varlen path where the model selects it). Sequence parallelism slices rows, tensor
+        # parallelism shards the attention (not measured flattened), and a compiled forward would
+        # meet a new length every step and a Python loop over documents: not flattened.
+        whole = engine.sequence_parallel == 1 and engine.tensor_parallel == 1
+        if self.packing and on_cpu and whole and not engine.compile:
             self.flatten = install_document_attention(model)
         self.plain_loss_reason = chunking_blocker(model, self.recipe)
         if self.plain_loss_reason is None:
