@@ -6,18 +6,19 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from accord.atomic import write_atomic
-from accord.observe.trackers import Tracker, TrackerStart
+from accord.observe.trackers import Tracker
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, resume_step: int = 0, trackers: list[Tracker] | None = None):
+    def __init__(self, out_dir: Path, resume_step: int = 0, trackers: Sequence[Tracker] = ()):
         """Append to the run's metrics; a resumed run first drops what was logged after
         the step it resumes from (those steps are trained again), but not the hang records
-        that explain why it resumed. `trackers`: the open experiment trackers (default: TensorBoard)."""
+        that explain why it resumed. `trackers`: the experiment trackers rank 0 opened (observe.report_to)."""
         path = out_dir / "metrics.jsonl"
         if resume_step and path.exists():
             kept = [
@@ -27,11 +28,7 @@ class MetricsWriter:
             ]
             write_atomic(path, "".join(line + "\n" for line in kept))
         self._jsonl = path.open("a", encoding="utf-8")
-        if trackers is None:
-            from accord.observe.trackers import tensorboard
-
-            trackers = [tensorboard.start(TrackerStart(out_dir, out_dir.resolve().name, None, {}, resume_step))]
-        self._trackers = trackers
+        self._trackers = list(trackers)
         self._last: dict[str, float] = {}  # each scalar's latest value, for the final metrics
         self._step = resume_step
 

@@ -77,7 +77,7 @@ class StepLog:
     ):
         """`writer`: this rank writes the metrics (rank 0), to metrics.jsonl and `trackers`."""
         self.throughput = throughput
-        self.metrics = MetricsWriter(out_dir, resume_step=resume_step, trackers=trackers) if writer else None
+        self.metrics = MetricsWriter(out_dir, resume_step=resume_step, trackers=trackers or ()) if writer else None
         self._pending: list[StepStats] = []
         self._since = time.perf_counter()
 

@@ -33,7 +33,7 @@ from accord.stopping import RunResult, StopRequest
 
 class Trainer:
     def __init__(self, run: RunSetup, trackers: list[Tracker] | None = None):
-        """`trackers`: rank 0's open experiment trackers (None: TensorBoard only)."""
+        """`trackers`: rank 0's open experiment trackers (observe.report_to; None on the other ranks)."""
         self.run = run
         self.trackers = trackers
         self.engine, self.plan, self.rows, self.order = run.engine, run.plan, run.rows, run.order
