@@ -73,11 +73,6 @@ def prepare(folder: Path, args) -> None:
 
 
 def run_accord(folder: Path, args, recorder) -> dict:
-    import yaml
-
-    import accord
-    from accord.observe.metrics import read_metrics
-
     out = folder / f"accord-{os.getpid()}"
     recipe = {
         "seed": SEED,
@@ -98,17 +93,8 @@ def run_accord(folder: Path, args, recorder) -> dict:
             "beta": args.beta,
             "rewards": [{"kind": "regex", "pattern": PATTERN}],
         },
-        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
-        "checkpoint": {"every_steps": None, "keep_last": 1},
-        "output": {"dir": str(out), "overwrite": True},
     }
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(recipe))
-    result = accord.train(path)
-    recorder.stop()
-    if result.status != "completed":
-        raise SystemExit(f"accord: {result.status} {result.message}")
-    steps = [r for r in read_metrics(out) if r["kind"] == "train"]
+    _, steps = harness.train_accord(recipe, out, args.device, recorder)
     recorder.count(len(steps) * args.prompts)
     return {"reward": sum(r["reward"] for r in steps) / len(steps)}
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -65,6 +66,30 @@ MODELS = {
         "num_key_value_heads": 12,
     },
 }
+
+
+def train_accord(recipe: dict, out: Path, device: str, recorder) -> tuple[Any, list[dict]]:
+    """accord's contender: `recipe` (its task, model, data, batch, optim, train) trained through
+    `accord.train` in this process as one worker, in `out`, with the precision every contender
+    shares on `device`; the recorder stopped at the end. Returns the run's result and its
+    training records (metrics.jsonl)."""
+    import yaml
+
+    import accord
+    from accord.observe.metrics import read_metrics
+
+    recipe = recipe | {
+        "engine": {"processes": 1, "device": device, "precision": "bf16" if device == "cuda" else "no"},
+        "checkpoint": {"every_steps": None, "keep_last": 1},
+        "output": {"dir": str(out), "overwrite": True},
+    }
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(recipe))
+    result = accord.train(path)
+    recorder.stop()
+    if result.status != "completed":
+        raise SystemExit(f"accord: {result.status} {result.message}")
+    return result, [r for r in read_metrics(out) if r["kind"] == "train"]
 
 
 @dataclass(frozen=True)

@@ -172,11 +172,7 @@ def autocast(device):
 
 
 def run_accord(folder: Path, args, recorder) -> dict:
-    import yaml
     from transformers import AutoModelForCausalLM
-
-    import accord
-    from accord.observe.metrics import read_metrics
 
     out = folder / f"accord-{os.getpid()}"
     recipe = {
@@ -192,17 +188,9 @@ def run_accord(folder: Path, args, recorder) -> dict:
         "batch": {"global_batch_size": BATCH, "micro_batch_size": BATCH},
         "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0},
         "train": {"epochs": 1, "log_every": 1000},
-        "engine": {"processes": 1, "device": args.device, "precision": "bf16" if args.device == "cuda" else "no"},
-        "checkpoint": {"every_steps": None, "keep_last": 1},
-        "output": {"dir": str(out), "overwrite": True},
     }
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(recipe))
-    result = accord.train(path)
-    recorder.stop()
-    if result.status != "completed":
-        raise SystemExit(f"accord: {result.status} {result.message}")
-    recorder.count(sum(r["targets"] for r in read_metrics(out) if r["kind"] == "train"))
+    result, steps = harness.train_accord(recipe, out, args.device, recorder)
+    recorder.count(sum(r["targets"] for r in steps))
     model = AutoModelForCausalLM.from_pretrained(result.final).to(args.device)
     return {"held_out_loss": held_out_loss(folder, model)}
 
