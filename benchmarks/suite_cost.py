@@ -3,7 +3,8 @@
 As a pytest plugin (no conftest needed) it records every test's cost into a JSON file:
 
     PYTHONPATH=src:benchmarks python -m pytest -p suite_cost tests/test_x.py
-    (ACCORD_SUITE_COST=path.json chooses the file; default suite-cost.json)
+    (ACCORD_SUITE_COST=path.json chooses the file; default suite-cost.json; under pytest-xdist each
+    worker writes path.json.gw0, path.json.gw1, ... and the script below reads them together)
 
 As a script it prints a table per test file, and with two records the change between them:
 
@@ -20,6 +21,7 @@ figures. The file is rewritten after every test, so an interrupted run keeps its
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import resource
@@ -53,9 +55,25 @@ def pytest_sessionstart(session):
 
 def _write(load: list[float]) -> None:
     path = os.environ.get("ACCORD_SUITE_COST", "suite-cost.json")
+    # Under pytest-xdist each worker records its own tests in a file of its own (PATH.gw0, ...);
+    # reading PATH merges them.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path += "." + os.environ["PYTEST_XDIST_WORKER"]
     with open(path + ".partial", "w") as f:
         json.dump({"load": load, "tests": _records}, f, indent=1)
     os.replace(path + ".partial", path)
+
+
+def _read(path: str) -> dict:
+    """The record at PATH, merged with its xdist workers' (PATH.gw0, PATH.gw1, ...)."""
+    parts = [json.load(open(p)) for p in [path, *sorted(glob.glob(glob.escape(path) + ".gw*"))] if os.path.exists(p)]
+    if not parts:
+        raise SystemExit(f"suite_cost: no record at {path} (nor {path}.gw*)")
+    loads = [p["load"] for p in parts]
+    return {
+        "load": [min(load[0] for load in loads), max(load[-1] for load in loads)],
+        "tests": {k: v for p in parts for k, v in p["tests"].items()},
+    }
 
 
 def _per_file(record: dict) -> dict[str, list[float]]:
@@ -71,7 +89,7 @@ def _per_file(record: dict) -> dict[str, list[float]]:
 def main(argv: list[str]) -> None:
     per_test = "--tests" in argv
     paths = [a for a in argv if not a.startswith("--")]
-    records = [json.load(open(p)) for p in paths]
+    records = [_read(p) for p in paths]
     for path, record in zip(paths, records):
         start, end = record["load"][0], record["load"][-1]
         print(f"{path}: load average {start:.1f} at the start, {end:.1f} at the end")

@@ -22,6 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 # DeepSpeed) starts no process.
 platform.processor()
 
+# One OpenMP thread per process, here and in every run a test starts: the suite runs a pytest
+# worker per core, each starting runs of its own, so a second thread per process only
+# oversubscribes the cores, and OpenMP's spinning waits then cost far more than they save (a
+# tiny in-process training step took 40x longer with two threads on a busy 2-core machine).
+# Tests of accord's own thread split set the variable themselves.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # A model and data small enough that a 2-process run takes seconds: a 2-layer Llama on
 # accord's generated additions (sequences of 6-13 tokens, so padding varies per micro-batch).
 TINY_RECIPE = {
@@ -85,7 +92,6 @@ def tiny_recipe(tmp_path: Path) -> Path:
 
 def accord_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("OMP_NUM_THREADS", None)  # let accord split the cores itself
     env["HF_HUB_OFFLINE"] = "1"  # the tests must never touch a hub
     env["PYTHONUNBUFFERED"] = "1"
     # The suite tests the CPU (gloo) paths with several processes: on a GPU machine a recipe
