@@ -516,10 +516,11 @@ def recipe_for(task: str, folder: Path, **sections) -> dict:
 def tiny_reference(tmp_path_factory) -> tuple[Path, Path]:
     """(recipe, output dir) of TINY_RECIPE on 2 processes with DDP (2 × 8 × 2), with a
     checkpoint at step 5: the run that many tests compare against, made once per session."""
-    root = tmp_path_factory.mktemp("reference")
-    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
-    out = root / "ddp"
-    assert_ok(run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}"))
+    with _once_per_session(tmp_path_factory, "reference") as (root, make):
+        recipe, out = root / "tiny.yaml", root / "ddp"
+        if make:
+            write_recipe(recipe, TINY_RECIPE)
+            assert_ok(run_accord("train", recipe, "checkpoint.every_steps=5", f"output.dir={out}"))
     return recipe, out
 
 
@@ -527,20 +528,44 @@ def tiny_reference(tmp_path_factory) -> tuple[Path, Path]:
 def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
     """(recipe, output dir) of TINY_RECIPE on 1 process (1 × 8 × 4), with a checkpoint at
     step 6 (mid-epoch): the invariance layout 1x8x4 and the run the resume tests start from."""
-    root = tmp_path_factory.mktemp("reference-1")
-    recipe = write_recipe(root / "tiny.yaml", TINY_RECIPE)
-    out = root / "1x8x4"
-    assert_ok(
-        run_accord(
-            "train",
-            recipe,
-            "engine.processes=1",
-            "batch.micro_batch_size=8",
-            "checkpoint.every_steps=6",
-            f"output.dir={out}",
-        )
-    )
+    with _once_per_session(tmp_path_factory, "reference-1") as (root, make):
+        recipe, out = root / "tiny.yaml", root / "1x8x4"
+        if make:
+            write_recipe(recipe, TINY_RECIPE)
+            assert_ok(
+                run_accord(
+                    "train",
+                    recipe,
+                    "engine.processes=1",
+                    "batch.micro_batch_size=8",
+                    "checkpoint.every_steps=6",
+                    f"output.dir={out}",
+                )
+            )
     return recipe, out
+
+
+@contextlib.contextmanager
+def _once_per_session(tmp_path_factory, name: str):
+    """(folder, whether to make its contents) for a run shared by the whole session: under
+    pytest-xdist the first worker to ask makes it in the session's common temp folder while
+    the others wait, then all read it (each worker would otherwise train it again). Readers
+    must not write into it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield tmp_path_factory.mktemp(name), True
+        return
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
+    with FileLock(str(root) + ".lock"):
+        made = root / ".made"
+        if made.exists():
+            yield root, False
+            return
+        shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+        root.mkdir()
+        yield root, True
+        made.touch()
 
 
 # Two hosts on this machine: two network namespaces joined by a veth pair (needs root and iproute2).

@@ -190,6 +190,7 @@ def _nan_run(tmp_path, strategy: str, on_nonfinite: str, *overrides: str):
 
 @needs_deepspeed
 @pytest.mark.distributed
+@pytest.mark.slow  # default-suite budget: DDP's stop is in the default tier (test_faults)
 def test_deepspeed_stops_on_a_nonfinite_step_like_ddp(tmp_path, nan_at_step_7):
     """DeepSpeed drops the NaN update itself; under on_nonfinite=stop the run still stops there."""
     proc, out = _nan_run(tmp_path, "zero2", "stop", "train.log_every=4", "checkpoint.every_steps=5")
