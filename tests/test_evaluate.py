@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 
 from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
 from accord.recipe.schema import TrainConfig
 from accord.run.evaluate import GENERATION_ROWS_PER_CHECK, EvaluationStopped, Evaluator
 from accord.stopping import StopRequest
@@ -58,7 +59,8 @@ def _evaluator(task, rows: int, eval_generate: int) -> Evaluator:
     )
     info = dist.DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
     cfg = TrainConfig(max_steps=1, eval_micro_batch_size=8, eval_generate=eval_generate)
-    return Evaluator(task, engine, info, Dataset.from_dict({"x": list(range(rows))}), cfg)
+    plan = BatchPlan.derive(8, 8, 1)
+    return Evaluator(task, engine, info, plan, Dataset.from_dict({"x": list(range(rows))}), cfg)
 
 
 def test_a_stop_request_ends_the_held_out_loss_between_batches():

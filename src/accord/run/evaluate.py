@@ -15,6 +15,7 @@ import torch
 
 from accord.data.fetch import fetch, lockstep_batches, to_device
 from accord.distributed import group as dist
+from accord.distributed.batch_plan import BatchPlan
 from accord.observe import heartbeat
 from accord.recipe.schema import TrainConfig
 from accord.stopping import StopRequest
@@ -29,10 +30,11 @@ class EvaluationStopped(Exception):
 
 
 class Evaluator:
-    def __init__(self, task: Task, engine, info: dist.DistInfo, eval_data, cfg: TrainConfig):
+    def __init__(self, task: Task, engine, info: dist.DistInfo, plan: BatchPlan, eval_data, cfg: TrainConfig):
         self.task = task
         self.engine = engine
         self.info = info
+        self.plan = plan
         self.data = eval_data
         self.cfg = cfg
 
@@ -103,8 +105,8 @@ class Evaluator:
         """This rank's data-parallel group, their number, and whether its sums count: the ranks
         of a tensor-parallel group evaluate the same rows together (their forward is one
         collective), and only the first one's sums count."""
-        tp = getattr(self.engine, "tensor_parallel", 1)  # an engine that predates Engine.tensor_parallel: 1
-        return self.info.rank // tp, self.info.world_size // tp, 1.0 if self.info.rank % tp == 0 else 0.0
+        tp = self.plan.tensor_parallel
+        return self.info.rank // tp, self.info.world_size // tp, 1.0 if self.plan.counts(self.info.rank) else 0.0
 
     def _check_stop(self) -> None:
         if self._stop is None:

@@ -41,7 +41,7 @@ class Trainer:
         self.task = faults.maybe_stop_rank(self.task, lambda: self.step + 1, run.info.rank, dist.restart_count())
         self.step = 0
         self.evaluator = (
-            Evaluator(run.task, run.engine, run.info, run.eval_data, run.recipe.train)
+            Evaluator(run.task, run.engine, run.info, run.plan, run.eval_data, run.recipe.train)
             if run.eval_data is not None
             else None
         )
