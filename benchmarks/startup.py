@@ -1,6 +1,6 @@
 """Start to the first optimizer step, against transformers.Trainer and TRL's SFTTrainer, in one run.
 
-    python benchmarks/startup.py [--processes 2] [--repeat 3] [--baseline-src PATH/src] [--write-docs]
+    python benchmarks/startup.py [--processes 2] [--repeat 3] [--baseline-src PATH/src] [--write-docs] [--json FILE]
 
 The workload is throughput.py's model and data (a 4-layer Llama saved once, 640 prompt ->
 completion examples), 8 sequences per process per step, trained for 2 steps: accord with
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {harness.DOCS}")
     parser.add_argument("--docs", default=str(harness.DOCS), help=argparse.SUPPRESS)  # another file (tests)
+    parser.add_argument("--json", help="also write every round's measurements here")
     for option in ("--bench-run", "--bench-folder", "--bench-log", "--bench-out"):
         parser.add_argument(option, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -255,6 +256,8 @@ def measure_all(folder: Path, args: argparse.Namespace, given: list[str]) -> Non
             results[name].append(run_once(name, folder, args.processes, src))
             print(f"  round {round_ + 1}: {name} {results[name][-1]['first step']:.1f} s", file=sys.stderr, flush=True)
     load_after = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     lines = table(results, args.processes)
     last = verdict(results)
     heading = (
