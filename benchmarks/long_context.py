@@ -21,6 +21,7 @@ reports its own peak (getrusage), which must also be under the cap. Contenders:
   trl      TRL SFTTrainer with gradient_checkpointing=True and its fused, chunked LM head (TRL
            1.16 always uses it; loss_type nll); activation_offloading=True where TRL can run
            it (it needs an accelerator: not on a CPU-only machine)
+           (the peers' runners are in long_context_peers.py)
   accord-sp2  the accord contender on two processes (torchrun, gloo) with
            engine.sequence_parallel: 2 (Ulysses, accord.engine.sequence_parallel.ulysses): each process holds
            the whole model and half of every row's tokens (accord.tasks.sequence_shards);
@@ -43,6 +44,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from long_context_peers import PEER_NAMES, run_trainer, run_trl, unavailable_peers  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 128, 2, 2, 344, 32000
 SCRATCH = Path(os.environ.get("ACCORD_BENCH_SCRATCH", "/tmp/accord-long-context"))
@@ -131,108 +135,6 @@ def run_accord(length: int, overrides: list[str], steps: int = 2) -> dict:
     return {"step_s": times[-1], "loss": float(out.loss_sum.detach() / out.num_targets)}
 
 
-class _StepTimer:
-    """A transformers TrainerCallback (built lazily: transformers is imported in the child only)."""
-
-    @staticmethod
-    def make(times: list[float]):
-        from transformers import TrainerCallback
-
-        class Timer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                times.append(time.perf_counter() - self.start)
-
-        return Timer()
-
-
-def _hf_model(length: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = {k: v for k, v in llama_config(length).items() if k != "architecture"}
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa", tie_word_embeddings=False))
-
-
-def _rows(length: int, steps: int):
-    from datasets import Dataset
-
-    ids = random_row(length, VOCAB)[0].tolist()
-    return Dataset.from_dict({"input_ids": [ids] * steps})
-
-
-def run_trainer(length: int, steps: int = 2) -> dict:
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
-    work = SCRATCH / f"trainer-{length}"
-    args = TrainingArguments(
-        output_dir=str(work),
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        gradient_checkpointing=True,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    data = _rows(length, steps).map(lambda row: {"labels": row["input_ids"]})
-    times: list[float] = []
-    trainer = Trainer(
-        model=_hf_model(length),
-        args=args,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        callbacks=[_StepTimer.make(times)],
-    )
-    result = trainer.train()
-    return {"step_s": times[-1], "loss": result.training_loss}
-
-
-def run_trl(length: int, steps: int = 2) -> dict:
-    import torch
-    from trl import SFTConfig, SFTTrainer
-
-    from accord.models.build import build_byte_tokenizer
-
-    work = SCRATCH / f"trl-{length}"
-    # TRL's activation offloading asks torch for the current accelerator: there is none on a CPU machine.
-    offload = getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is not None
-    args = SFTConfig(
-        output_dir=str(work),
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        gradient_checkpointing=True,
-        activation_offloading=offload,
-        use_cpu=True,
-        bf16=False,
-        max_length=length,
-        packing=False,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        dataset_num_proc=None,
-    )
-    times: list[float] = []
-    trainer = SFTTrainer(
-        model=_hf_model(length),
-        args=args,
-        train_dataset=_rows(length, steps),
-        processing_class=build_byte_tokenizer(),
-        callbacks=[_StepTimer.make(times)],
-    )
-    result = trainer.train()
-    return {"step_s": times[-1], "loss": result.training_loss, "activation_offloading": offload}
-
-
 def run_accord_sp2(length: int, overrides: list[str], steps: int = 2) -> dict:
     """One process of two (under torchrun): accord's levers plus engine.sequence_parallel=2."""
     import torch
@@ -266,6 +168,7 @@ def run_accord_sp2(length: int, overrides: list[str], steps: int = 2) -> dict:
 
 
 CONTENDERS = {"accord": run_accord, "trainer": run_trainer, "trl": run_trl, "accord-sp2": run_accord_sp2}
+PEERS = ("trainer", "trl")  # long_context_peers' runners: given the model's config, the row and a work folder
 MULTI_PROCESS = {"accord-sp2": 2}  # contenders that run on this many processes (torchrun)
 
 
@@ -273,7 +176,11 @@ def child(name: str, length: int, overrides: list[str]) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    result = CONTENDERS[name](length, overrides) if name.startswith("accord") else CONTENDERS[name](length)
+    if name in PEERS:
+        row = random_row(length, VOCAB)[0].tolist()
+        result = CONTENDERS[name](llama_config(length), row, SCRATCH / f"{name}-{length}")
+    else:
+        result = CONTENDERS[name](length, overrides)
     if result.pop("rank", 0) == 0:
         print(json.dumps(result | {"peak_mib": max(result.get("peaks_mib") or [peak_mib()])}))
 
@@ -415,27 +322,6 @@ def main_longest(args) -> None:
     if "accord" in results and peers:
         peer = max(peers, key=lambda n: peers[n] or 0)
         print(f"accord / best peer: {(results['accord'][0] or 0) / max(peers[peer] or 1, 1):.2f}x ({PEER_NAMES[peer]})")
-
-
-PEER_NAMES = {
-    "trainer": "transformers.Trainer, gradient checkpointing",
-    "trl": "TRL SFTTrainer, gradient checkpointing, fused LM head",
-}
-
-
-def unavailable_peers() -> list[tuple[str, str]]:
-    """The peers' documented long-row options this machine cannot run, each with why."""
-    import importlib.util
-
-    import torch
-
-    out = []
-    if not torch.cuda.is_available():
-        out.append(("TRL SFTTrainer, activation_offloading=True", "offloading needs an accelerator (CPU only here)"))
-    if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
-        why = "Liger's kernels are Triton, with no CPU backend" if not torch.cuda.is_available() else "not installed"
-        out += [(f"{peer}, use_liger_kernel=True", why) for peer in ("transformers.Trainer", "TRL SFTTrainer")]
-    return out
 
 
 # ---------------------------------------------------------------- the chunked loss alone

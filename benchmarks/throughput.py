@@ -89,15 +89,7 @@ def make_workload(folder: Path, args) -> None:
     built = build_model(ModelConfig(config=MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=0)
     built.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    rng = random.Random(0)
-    rows = []
-    for _ in range(4000):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
-        # completions from a few words to a few hundred characters: lengths 32-256 tokens
-        completion = " ".join(rng.choice(WORDS) for _ in range(int(rng.lognormvariate(3.0, 0.6))))[
-            : MAX_LENGTH - len(prompt) - 3
-        ]
-        rows.append({"prompt": prompt + " =>", "completion": " " + completion})
+    rows = prompt_completion_rows(4000)
     (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:HELD_OUT]))
     pool = rows[HELD_OUT:]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pool))
@@ -116,6 +108,20 @@ def make_workload(folder: Path, args) -> None:
     ):
         count += 1
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pool[:count]))
+
+
+def prompt_completion_rows(count: int) -> list[dict]:
+    """`count` prompt -> completion rows (the same ones every time): completions from a few words
+    to a few hundred characters, lengths 32-256 tokens."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(count):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
+        completion = " ".join(rng.choice(WORDS) for _ in range(int(rng.lognormvariate(3.0, 0.6))))[
+            : MAX_LENGTH - len(prompt) - 3
+        ]
+        rows.append({"prompt": prompt + " =>", "completion": " " + completion})
+    return rows
 
 
 def encoded_rows(folder: Path, split: str) -> list[dict]:

@@ -1,8 +1,9 @@
 """The benchmarks still run end to end (slow tier): every contender of throughput.py and
 grpo.py trains for a step in its own pinned process, none fails, the last line is the verdict,
-and --write-docs rewrites only the text between the section's markers; tensor_parallel.py
-measures each layout it is given and writes its section; gpu_check's --dry-run runs its peer
-and tensor-parallel phases' plumbing on the CPU and writes its JSON and markdown."""
+and --write-docs rewrites only the text between the section's markers; startup.py times each
+contender to its first step and writes its section; tensor_parallel.py measures each layout
+it is given and writes its section; gpu_check's --dry-run runs its peer and tensor-parallel
+phases' plumbing on the CPU and writes its JSON and markdown."""
 
 from __future__ import annotations
 
@@ -86,6 +87,45 @@ def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_sect
     written = docs.read_text()
     assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
     assert "| ddp x tp2 (2) |" in written and "--docs" not in written
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_startup_benchmark_times_every_contender_to_its_first_step_and_writes_its_docs_section(tmp_path):
+    docs, measured = tmp_path / "benchmarks.md", tmp_path / "startup.json"
+    docs.write_text("before\n<!-- startup:start -->\nSTALE-TABLE\n<!-- startup:end -->\nafter\n")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "startup.py"), "--repeat", "1", "--write-docs"]
+        + ["--docs", str(docs), "--json", str(measured)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert VERDICT.fullmatch(lines[-1]), lines[-1]
+    runs = json.loads(measured.read_text())
+    assert list(runs) == ["accord", "transformers.Trainer", "TRL SFTTrainer"]
+    for name, (run,) in runs.items():
+        assert 0 < run["first step"] < run["exit"] and run["CPU s"] > 0, (name, run)
+        assert any(line.startswith(f"{name} ") for line in lines), name
+    assert set(runs["accord"][0]) >= {"first output", "workers started", "data check", "loading model"}
+    written = docs.read_text()
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
+    assert lines[-1] in written and "--docs" not in written and "--json" not in written
+
+
+def test_startup_verdict_is_the_best_peers_median_first_step_over_accords():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import startup
+
+    def runs(*seconds):
+        return [{"first step": s} for s in seconds]
+
+    results = {"accord": runs(2, 3, 9), "transformers.Trainer": runs(4, 4.5, 5), "TRL SFTTrainer": runs(6, 6, 6)}
+    assert startup.verdict(results).startswith("accord / best peer: 1.50x (transformers.Trainer")
+    assert VERDICT.fullmatch(startup.verdict(results))
 
 
 @pytest.mark.subprocess
