@@ -94,9 +94,7 @@ def _strategy_params(names: list[str], slow: set[str] = frozenset()) -> list:
     "name",
     _strategy_params(
         ["fsdp", "zero1", "zero2", "zero3", "zero1-torch", "zero2-offload", "zero3-offload"],
-        # default-suite budget: DeepSpeed's zero1 runs zero2's engine (stage 1 partitions the
-        # optimizer state only), so zero2 stands for both by default.
-        slow={"zero1", "zero2-offload", "zero3-offload"},
+        slow={"zero2-offload", "zero3-offload"},
     ),
 )
 def test_strategy_matches_ddp_and_exports_a_loadable_model(run, name):
