@@ -48,22 +48,27 @@ def _rows(row: list[int], steps: int):
     return Dataset.from_dict({"input_ids": [row] * steps})
 
 
+def _same_training(work: Path, steps: int) -> dict:
+    """What both peers train with: one row a step, gradient checkpointing, nothing saved or logged."""
+    return {
+        "output_dir": str(work),
+        "per_device_train_batch_size": 1,
+        "max_steps": steps,
+        "learning_rate": 1e-4,
+        "gradient_checkpointing": True,
+        "use_cpu": True,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+
+
 def run_trainer(config: dict, row: list[int], work: Path, steps: int = 2) -> dict:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    args = TrainingArguments(
-        output_dir=str(work),
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        gradient_checkpointing=True,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = TrainingArguments(**_same_training(work, steps))
     data = _rows(row, steps).map(lambda example: {"labels": example["input_ids"]})
     times: list[float] = []
     trainer = Trainer(
@@ -86,21 +91,11 @@ def run_trl(config: dict, row: list[int], work: Path, steps: int = 2) -> dict:
     # TRL's activation offloading asks torch for the current accelerator: there is none on a CPU machine.
     offload = getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is not None
     args = SFTConfig(
-        output_dir=str(work),
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        gradient_checkpointing=True,
+        **_same_training(work, steps),
         activation_offloading=offload,
-        use_cpu=True,
         bf16=False,
         max_length=len(row),
         packing=False,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         dataset_num_proc=None,
     )
     times: list[float] = []

@@ -69,18 +69,7 @@ def make_workload(folder: Path) -> None:
 def accord_recipe(folder: Path, processes: int, out: Path) -> Path:
     import yaml
 
-    recipe = {
-        "seed": 0,
-        "model": {"path": str(folder / "model")},
-        "task": "sft",
-        "data": {
-            "train": str(folder / "train.jsonl"),
-            "max_length": throughput.MAX_LENGTH,
-            "packing": True,
-            "cache_dir": str(folder / "cache"),
-        },
-        "batch": {"global_batch_size": throughput.BATCH * processes, "micro_batch_size": throughput.BATCH},
-        "optim": {"lr": throughput.LR, "schedule": "constant", "max_grad_norm": 1.0},
+    recipe = throughput.sft_recipe(folder, processes) | {
         "train": {"max_steps": STEPS, "log_every": 1},
         "engine": {"processes": processes},
         "checkpoint": {"every_steps": None, "keep_last": 1},

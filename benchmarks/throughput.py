@@ -177,11 +177,9 @@ def autocast(device):
 # ---------------------------------------------------------------- contenders (each in its own process)
 
 
-def run_accord(folder: Path, args, recorder) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    out = folder / f"accord-{os.getpid()}"
-    recipe = {
+def sft_recipe(folder: Path, processes: int = 1) -> dict:
+    """accord's recipe for the workload in `folder` (packed SFT, BATCH sequences per process)."""
+    return {
         "seed": 0,
         "model": {"path": str(folder / "model")},
         "task": "sft",
@@ -191,10 +189,16 @@ def run_accord(folder: Path, args, recorder) -> dict:
             "packing": True,
             "cache_dir": str(folder / "cache"),
         },
-        "batch": {"global_batch_size": BATCH, "micro_batch_size": BATCH},
+        "batch": {"global_batch_size": BATCH * processes, "micro_batch_size": BATCH},
         "optim": {"lr": LR, "schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0},
-        "train": {"epochs": 1, "log_every": 1000},
     }
+
+
+def run_accord(folder: Path, args, recorder) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    out = folder / f"accord-{os.getpid()}"
+    recipe = sft_recipe(folder) | {"train": {"epochs": 1, "log_every": 1000}}
     result, steps = harness.train_accord(recipe, out, args.device, recorder)
     recorder.count(sum(r["targets"] for r in steps))
     model = AutoModelForCausalLM.from_pretrained(result.final).to(args.device)
