@@ -121,6 +121,25 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.distributed)
 
 
+class _FilesThatTrainMostFirst:
+    """pytest-xdist (--dist loadfile) hands out whole files in collection order; alphabetically
+    the files that train the most came last and one worker trained them alone while
+    the other had nothing left. The files with the most training tests first, the others
+    filling the end."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest's own fixture-based ordering and -m
+    def pytest_collection_modifyitems(self, items):
+        weight: dict[str, int] = {}
+        for item in items:
+            file = item.nodeid.split("::")[0]
+            weight[file] = weight.get(file, 0) + (item.get_closest_marker("distributed") is not None)
+        items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a file keeps its order
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_FilesThatTrainMostFirst(), "accord-file-order")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     global _current_test
