@@ -211,7 +211,7 @@ def test_a_group_gets_the_sampling_policys_log_probs_of_its_completion_positions
     task.policy = model
     prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
     rollout = Rollout(prompt, completions, {}, [])
-    task._add_old_logps(model, rollout)
+    task._add_old_logps(model, [rollout])
 
     def alone(completion) -> torch.Tensor:
         with torch.no_grad():

@@ -223,11 +223,11 @@ class GRPOTask(Task):
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
         if c.num_iterations > 1:
-            # One pass per group, not several groups padded together: a group's log-probs are
-            # then the same floats on any world size (batching them across groups moved the
-            # 1- vs 2-process parameters past the invariance test's 1e-5).
-            for rollout in rollouts:
-                self._add_old_logps(model, rollout)
+            # At most a micro-batch of groups at a time (the memory the loss's passes are sized
+            # for); a group's floats do not depend on which others share the pass (_group_logps).
+            chunk = self.recipe.batch.micro_batch_size or len(rollouts)
+            for k in range(0, len(rollouts), chunk):
+                self._add_old_logps(model, rollouts[k : k + chunk])
         return rollouts
 
     def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
@@ -250,30 +250,36 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _add_old_logps(self, model: nn.Module, r: Rollout) -> None:
-        """Per-token log-probabilities of the group's completions under the sampling policy,
-        over its completion positions (G, longest completion): the ratios' denominator when a
-        generation batch serves several steps (with one step the ratio is 1 and needs none)."""
-        batch = self._collate_groups([r], with_logps=False)
-        ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
-        columns = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + max(len(c) for c in r.completions))
-        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
+    def _add_old_logps(self, model: nn.Module, rollouts: list[Rollout]) -> None:
+        """Per-token log-probabilities of the groups' completions under the sampling policy,
+        over each group's completion positions (G, its longest completion): the ratios'
+        denominator when a generation batch serves several steps (with one step the ratio is 1
+        and needs none). Taken as the loss takes the policy's (_group_logps): the same floats."""
+        batch = self._collate_groups(rollouts, with_logps=False)
+        batch = {key: value.to(self._device) for key, value in batch.items()}
+        logps = self._group_logps(
+            lambda ids, m, rows: token_logprobs(model, ids, m, self.cfg.temperature, rows), batch
+        ).cpu()
+        size = self.cfg.group_size
+        for k, r in enumerate(rollouts):
+            start = len(r.prompt_ids) - 1
+            r.old_logps = logps[k * size : (k + 1) * size, start : start + max(len(c) for c in r.completions)]
 
     @torch.no_grad()
-    def _reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _reference_logps(self, ids: torch.Tensor, mask: torch.Tensor, embed_rows: int | None = None) -> torch.Tensor:
         """The reference's log-probabilities, taken in the loss over the same group shapes as the
         policy's (same shapes, same floats): at the first step (policy = reference) the KL
         term's gradient is then exactly zero, not rounding noise, which AdamW would turn into
         full-size steps whose sign depends on how the batch was split (1 vs 2 processes: 0.01
         apart at lr 3e-3 on an embedding row no reward moved)."""
         if self.reference is not None:
-            return token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+            return token_logprobs(self.reference, ids, mask, self.cfg.temperature, embed_rows)
         assert self.policy is not None, "setup() first"
         was_training = self.policy.training
         self.policy.eval()  # as the frozen copy is
         try:
             with _adapters_off(self.policy):
-                return token_logprobs(self.policy, ids, mask, self.cfg.temperature)
+                return token_logprobs(self.policy, ids, mask, self.cfg.temperature, embed_rows)
         finally:
             self.policy.train(was_training)
 
@@ -319,8 +325,11 @@ class GRPOTask(Task):
                 sequences.append(g.prompt_ids + completion)
                 starts.append(len(g.prompt_ids) - 1)  # the shifted position that predicts the first completion token
                 lengths.append(len(completion))
+        # As wide as the widest group's forward (_group_width), so each group's slice exists.
         input_ids = pad_rows(sequences, self.pad_id)
-        width = input_ids.shape[1]
+        size = self.cfg.group_size
+        width = max(self._group_width(max(lengths[k : k + size]) + starts[k] + 1) for k in range(0, len(starts), size))
+        input_ids = torch.nn.functional.pad(input_ids, (0, width - input_ids.shape[1]), value=self.pad_id)
         total = torch.tensor([len(s) for s in sequences])
         batch = {"input_ids": input_ids, "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long()}
         if not with_logps:
@@ -338,7 +347,7 @@ class GRPOTask(Task):
         # The reference's passes first: forwards without gradients before the training ones,
         # not between them and their backward (sharded strategies track the forward's order).
         ref = self._group_logps(self._reference_logps, batch) if self._has_reference else None
-        logps = self._group_logps(lambda ids, m: token_logprobs(model, ids, m, self.cfg.temperature), batch)
+        logps = self._group_logps(lambda ids, m, rows: token_logprobs(model, ids, m, self.cfg.temperature, rows), batch)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
         advantages = batch["advantages"][:, None]
         per_token, ratio = grpo_token_loss(logps, old, advantages, ref, self.cfg.beta, self.cfg.epsilon)
@@ -349,23 +358,44 @@ class GRPOTask(Task):
             metrics["kl"] = (kl_k3(logps.detach(), ref) * mask).sum()
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
 
+    def _group_width(self, longest: int) -> int:
+        """The width of a group's forward pass: its longest sequence rounded up to a multiple
+        of WIDTH_MULTIPLE (within data.max_length), so groups of nearby lengths share a pass
+        while each group's shapes depend on the group alone."""
+        return max(longest, min(-(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, self.max_length))
+
     def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`logprobs(ids, mask)` of the micro-batch, one group (G rows) at a time, each cut to
-        its own longest sequence, then laid out as the batch is (B, L-1). A group's floats are
-        then those of its own shapes whatever else shares its micro-batch (the micro batch
-        size differs with the world size), as the sampling policy's were (_add_old_logps), so
-        the update is the same on any number of processes: padded together, rounding differed
-        by ~1e-7, which AdamW turns into steps of up to its full size where a gradient is
-        that small."""
+        """`logprobs(ids, mask)` of the micro-batch, each group (G rows) cut to its own width
+        (_group_width), laid out as the batch is (B, L-1). Its floats are then those of its
+        own shapes whatever else shares its micro-batch (which changes with the world size), as
+        the sampling policy's were (_add_old_logps), so the update is the same on any number of
+        processes: padded to the micro-batch's width, rounding differed by ~1e-7, which AdamW
+        turns into steps of up to its full size where a gradient is that small.
+
+        On the CPU the groups of one width share a pass: there a row's floats do not depend on
+        how many rows share its batch (a test pins it). Elsewhere (GPU kernels are chosen by
+        shape) and under lockstep (every rank must make the same number of passes: the same
+        number of groups, not of widths) each group has its own pass."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         size, width = self.cfg.group_size, ids.shape[1]
-        out = []
-        for start in range(0, ids.shape[0], size):
-            rows = slice(start, start + size)
-            longest = int(mask[rows].sum(1).max())
-            part = logprobs(ids[rows, :longest], mask[rows, :longest])
-            out.append(torch.nn.functional.pad(part, (0, width - longest)))
-        return torch.cat(out)
+        longest = mask.view(-1, size, mask.shape[1]).sum(2).amax(1).tolist()
+        passes: dict[int, list[int]] = {}  # width -> the groups (their first row) of its pass
+        for k, n in enumerate(longest):
+            key = k if self.lockstep or ids.device.type != "cpu" else self._group_width(n)
+            passes.setdefault(key, []).append(k * size)
+        parts, order = [], []
+        for starts in passes.values():
+            w = self._group_width(longest[starts[0] // size])
+            if len(passes) == 1:
+                rows = slice(None)
+            else:
+                rows = torch.cat([torch.arange(s, s + size) for s in starts])
+                order.append(rows)
+            part = logprobs(ids[rows, :w], mask[rows, :w], size)
+            parts.append(torch.nn.functional.pad(part, (0, width - w)))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
     # ---------------------------------------------------------------- evaluation
 
@@ -456,6 +486,8 @@ def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
     return out
 
 
+# A group's forward pass is its longest sequence rounded up to a multiple of this (_group_width).
+WIDTH_MULTIPLE = 8
 # Prompts sampled in one `generate` call at most (their groups' KV caches exist together).
 PROMPTS_PER_CALL = 16
 # Held-out prompts completed greedily in one call (one sequence each, not a group).

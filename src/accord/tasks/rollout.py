@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 
@@ -117,9 +118,24 @@ def sample_groups(
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    embed_rows: int | None = None,
 ) -> torch.Tensor:
     """(B, L-1) log-probability of each next token under the sampling temperature (fp32), as
-    TRL computes the policy's: logits divided by the temperature."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    TRL computes the policy's: logits divided by the temperature.
+
+    `embed_rows`: look the input embeddings up this many rows at a time (one GRPO group each),
+    so that an embedding row's gradient is summed within each group as when the group has its
+    own pass; the layers above still take the whole batch at once."""
+    if embed_rows is None or embed_rows >= input_ids.shape[0]:
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    else:
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        embed = inner.get_input_embeddings()
+        embeds = torch.cat([embed(input_ids[k : k + embed_rows]) for k in range(0, input_ids.shape[0], embed_rows)])
+        out = model(inputs_embeds=embeds, attention_mask=attention_mask)
+    logits = out.logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
