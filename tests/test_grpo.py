@@ -56,9 +56,9 @@ def test_completion_depends_only_on_its_own_seed_not_on_its_batch():
     assert together == alone
     assert reordered == [together[2], together[1]]
     assert len({tuple(c) for c in together}) > 1, "different seeds should give different completions"
-    # Beside another prompt of the same length in one generate call (how a rank samples its
-    # prompts under ddp), each group is the one it is alone.
-    other, other_seeds = [1, 8, 3, 6], [sample_seed(3, 0, 12, k) for k in range(2)]
+    # Beside a prompt of another length in one generate call (how a rank samples its prompts
+    # of one padded width under ddp, left-padded), each group is the one it is alone.
+    other, other_seeds = [1, 8, 3], [sample_seed(3, 0, 12, k) for k in range(2)]
     both = sample_groups(model, [other, prompt], [other_seeds, seeds], **kwargs)
     assert both == [sample_group(model, other, other_seeds, **kwargs), together]
     assert sample_seed(3, 0, 11, 0) != sample_seed(3, 1, 11, 0) != sample_seed(3, 0, 12, 0)

@@ -27,7 +27,7 @@ from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
-from accord.tasks.rollout import sample_groups, sample_seed, token_logprobs
+from accord.tasks.rollout import padded_width, sample_groups, sample_seed, token_logprobs
 
 ROW = "row_json"  # the raw row (all its columns), for the rewards
 
@@ -196,16 +196,16 @@ class GRPOTask(Task):
         return self._summary
 
     def _sample(self, model: nn.Module, generation: int, row_ids: list[int], rows: list[dict]) -> list[Rollout]:
-        """The groups of this rank's prompts. Prompts of one length share a `generate` call
-        (no padding, each completion's noise from its own seed); under lockstep every rank
-        must call generate equally often, so there each prompt has its own call (every rank
-        holds the same number of prompts)."""
+        """The groups of this rank's prompts. Prompts of one padded_width share a `generate`
+        call (each left-padded to that width, each completion's noise from its own seed);
+        under lockstep every rank must call generate equally often, so there each prompt has
+        its own call (every rank holds the same number of prompts)."""
         c = self.cfg
         seeds = [[sample_seed(self.recipe.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
         calls = (
             [[i] for i in range(len(rows))]
             if self.lockstep
-            else _same_length_calls([len(row["prompt_ids"]) for row in rows])
+            else _same_length_calls([padded_width(len(row["prompt_ids"])) for row in rows])
         )
         completions: dict[int, list[list[int]]] = {}
         for call in calls:
@@ -359,10 +359,10 @@ class GRPOTask(Task):
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
 
     def _group_width(self, longest: int) -> int:
-        """The width of a group's forward pass: its longest sequence rounded up to a multiple
-        of WIDTH_MULTIPLE (within data.max_length), so groups of nearby lengths share a pass
-        while each group's shapes depend on the group alone."""
-        return max(longest, min(-(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, self.max_length))
+        """The width of a group's forward pass: its longest sequence's padded_width (within
+        data.max_length), so groups of nearby lengths share a pass while each group's shapes
+        depend on the group alone."""
+        return max(longest, min(padded_width(longest), self.max_length))
 
     def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """`logprobs(ids, mask)` of the micro-batch, each group (G rows) cut to its own width
@@ -486,8 +486,6 @@ def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
     return out
 
 
-# A group's forward pass is its longest sequence rounded up to a multiple of this (_group_width).
-WIDTH_MULTIPLE = 8
 # Prompts sampled in one `generate` call at most (their groups' KV caches exist together).
 PROMPTS_PER_CALL = 16
 # Held-out prompts completed greedily in one call (one sequence each, not a group).
@@ -495,7 +493,7 @@ EVAL_PROMPTS_PER_CALL = 64
 
 
 def _same_length_calls(lengths: list[int], per_call: int = PROMPTS_PER_CALL) -> list[list[int]]:
-    """Indices of prompts grouped by length, in order, at most `per_call` a call."""
+    """Indices of prompts grouped by length (or padded width), in order, at most `per_call` a call."""
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)

@@ -6,7 +6,9 @@ batch, so a completion would depend on which other prompts shared its batch and 
 prompts were split over ranks. Here decoding is greedy over logits plus Gumbel noise drawn
 from the sample's own generator (argmax(logits + Gumbel) is a sample of softmax(logits)), seeded
 by (seed, generation batch, prompt index, sample index): the same completion wherever and
-beside whatever it is generated.
+beside whatever it is generated. Prompts are left-padded to a width that depends on the
+prompt's length alone (padded_width), so prompts of nearby lengths share a `generate` call
+while each row's shapes, and so its floats, are those it has alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+
+# Sequences are padded to a multiple of this many tokens (padded_width).
+WIDTH_MULTIPLE = 8
+
+
+def padded_width(length: int) -> int:
+    """The width a sequence of `length` tokens is padded to (a prompt when sampled, a group in
+    GRPO's loss): a function of its length alone, so a row's shapes do not depend on what
+    shares its batch, while sequences of nearby lengths can share one."""
+    return -(-length // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
 
 
 def sample_seed(seed: int, generation: int, prompt: int, sample: int) -> int:
@@ -32,12 +45,11 @@ class PerSampleGumbel(LogitsProcessor):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        vocab = scores.shape[-1]
+        noise = torch.empty(len(self.generators), scores.shape[-1])
+        for row, g in zip(noise, self.generators):
+            row.exponential_(generator=g)
         # -log(Exp(1)) is Gumbel(0, 1); the clamp keeps a (vanishingly rare) 0 draw finite.
-        noise = torch.stack(
-            [-torch.empty(vocab).exponential_(generator=g).clamp_min(1e-30).log() for g in self.generators]
-        )
-        return scores.float() + noise.to(scores.device)
+        return scores.float() + noise.clamp_min_(1e-30).log_().neg_().to(scores.device)
 
 
 @torch.no_grad()
@@ -53,7 +65,7 @@ def sample_group(
     pad_id: int,
     lockstep: bool,
 ) -> list[list[int]]:
-    """One completion per seed for one prompt (one batch, no padding), each cut after its EOS.
+    """One completion per seed for one prompt (one batch), each cut after its EOS.
 
     `lockstep`: sharded parameters are gathered in every forward, so ranks keep decoding
     (transformers' synced_gpus) until all of them are done."""
@@ -84,19 +96,23 @@ def sample_groups(
     lockstep: bool,
 ) -> list[list[list[int]]]:
     """Each prompt's group (one completion per seed), sampled in one batch: the prompts must
-    have the same length, so no row is padded and each row's tokens depend only on its prompt
-    and its seed (up to floating-point differences between batch shapes)."""
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("sample_groups: prompts of one call must have the same length")
+    have the same padded_width, to which each is left-padded, so each row's tokens depend only
+    on its prompt and its seed."""
+    widths = {padded_width(len(p)) for p in prompts}
+    if len(widths) != 1:
+        raise ValueError("sample_groups: prompts of one call must have the same padded_width")
+    (width,) = widths
     device = next(model.parameters()).device
-    input_ids = torch.tensor([p for p, group in zip(prompts, seeds) for _ in group], device=device)
+    rows = [[pad_id] * (width - len(p)) + p for p, group in zip(prompts, seeds) for _ in group]
+    masks = [[0] * (width - len(p)) + [1] * len(p) for p, group in zip(prompts, seeds) for _ in group]
+    input_ids = torch.tensor(rows, device=device)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
     processors.append(PerSampleGumbel([seed for group in seeds for seed in group]))
     out = model.generate(
         input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.tensor(masks, device=device),
         max_new_tokens=max_new_tokens,
         do_sample=False,  # greedy over the noised scores: the sampling is the processors'
         logits_processor=processors,
@@ -108,7 +124,7 @@ def sample_groups(
         top_k=None,
     )
     completions = []
-    for ids in out[:, len(prompts[0]) :].tolist():
+    for ids in out[:, width:].tolist():
         completions.append(ids[: ids.index(eos_id) + 1] if eos_id in ids else ids)
     groups, start = [], 0
     for group in seeds:
