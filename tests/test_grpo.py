@@ -248,6 +248,37 @@ def test_while_the_policy_is_the_reference_the_kl_term_adds_exactly_no_gradient(
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
+def test_a_groups_log_probs_are_the_same_floats_alone_or_beside_other_groups():
+    """The loss batches the groups of one padded width (on the CPU), where a micro-batch holds
+    a different set of groups on each world size: each group's log-probabilities (policy and
+    reference passes alike) must be the floats it gets alone, to the last bit."""
+    model = _tiny_llama().train()
+    raw = json.loads(
+        json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}})
+    )
+    raw["data"]["add_bos"] = "never"
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task.policy = model
+    groups = [
+        Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []),
+        Rollout([5, 9], [[20, 21, 22], [23]], {}, []),  # a narrower pass
+        Rollout([1, 7, 3, 6, 4, 9, 10, 11, 12], [[24, 25, 26], [27, 28, 29, 30]], {}, []),  # the first's width
+        Rollout(list(range(3, 17)), [[31, 32], [33, 34, 35, 36]], {}, []),  # a wider pass
+    ]
+    for g in groups:
+        g.advantages = torch.zeros(2)
+
+    def logps(batch):
+        return task._group_logps(lambda ids, m, rows: token_logprobs(model, ids, m, 1.0, rows), batch)
+
+    together = logps(task._collate_groups(groups, with_logps=True))
+    for k, g in enumerate(groups):
+        alone = task._collate_groups([g], with_logps=True)
+        width = alone["completion_mask"].shape[1]
+        mask = alone["completion_mask"].bool()
+        assert torch.equal(logps(alone)[mask], together[2 * k : 2 * k + 2, :width][mask]), k
+
+
 # ---------------------------------------------------------------- rewards and bad input
 
 
