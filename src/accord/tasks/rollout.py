@@ -19,7 +19,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-
 # Sequences are padded to a multiple of this many tokens (padded_width).
 WIDTH_MULTIPLE = 8
 
