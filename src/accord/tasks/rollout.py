@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from accord.compat.transformers import cache_argument, prefill_cache
+
 # Sequences are padded to a multiple of this many tokens (padded_width).
 WIDTH_MULTIPLE = 8
 
@@ -102,16 +104,21 @@ def sample_groups(
         raise ValueError("sample_groups: prompts of one call must have the same padded_width")
     (width,) = widths
     device = next(model.parameters()).device
-    rows = [[pad_id] * (width - len(p)) + p for p, group in zip(prompts, seeds) for _ in group]
-    masks = [[0] * (width - len(p)) + [1] * len(p) for p, group in zip(prompts, seeds) for _ in group]
-    input_ids = torch.tensor(rows, device=device)
+    padded = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    # Each prompt's keys and values up to its last token once, then shared by its group's rows
+    # (rather than computed G times): generate takes them up from the last prompt token on.
+    cache = prefill_cache(model, padded[:, :-1], mask[:, :-1])
+    rows = torch.tensor([i for i, group in enumerate(seeds) for _ in group], device=device)
+    cache.batch_select_indices(rows)
+    input_ids, attention_mask = padded[rows], mask[rows]
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
     processors.append(PerSampleGumbel([seed for group in seeds for seed in group]))
     out = model.generate(
         input_ids=input_ids,
-        attention_mask=torch.tensor(masks, device=device),
+        attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
         do_sample=False,  # greedy over the noised scores: the sampling is the processors'
         logits_processor=processors,
@@ -121,6 +128,7 @@ def sample_groups(
         temperature=None,
         top_p=None,
         top_k=None,
+        **{cache_argument(model): cache},
     )
     completions = []
     for ids in out[:, width:].tolist():
