@@ -91,11 +91,16 @@ def cache_argument(model: Any) -> str:
 def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
     """A DynamicCache holding the keys and values of left-padded `input_ids`, at the positions
     generate gives them (counted from each row's first real token)."""
+    import inspect
+
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Only the cache is wanted: logits for one position, not (rows × length × vocabulary).
+    logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     with torch.no_grad():
         model(
             input_ids=input_ids,
@@ -103,5 +108,6 @@ def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
             position_ids=positions,
             use_cache=True,
             **{cache_argument(model): cache},
+            **logits,
         )
     return cache
