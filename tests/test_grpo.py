@@ -19,7 +19,14 @@ from accord.recipe.grpo import GRPOConfig
 from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
-from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed, token_logprobs
+from accord.tasks.rollout import (
+    PerSampleGumbel,
+    completion_logprobs,
+    sample_group,
+    sample_groups,
+    sample_seed,
+    token_logprobs,
+)
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
 
@@ -269,7 +276,7 @@ def test_a_groups_log_probs_are_the_same_floats_alone_or_beside_other_groups():
         g.advantages = torch.zeros(2)
 
     def logps(batch):
-        return task._group_logps(lambda ids, m, rows: token_logprobs(model, ids, m, 1.0, rows), batch)
+        return task._group_logps(lambda p: completion_logprobs(model, p, 1.0), batch)
 
     together = logps(task._collate_groups(groups, with_logps=True))
     for k, g in enumerate(groups):

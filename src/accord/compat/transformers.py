@@ -88,19 +88,29 @@ def cache_argument(model: Any) -> str:
     raise _missing("a KV-cache argument of the model's forward (`cache` or `past_key_values`)", "grpo sampling")
 
 
+def new_cache(model: Any) -> Any:
+    """An empty DynamicCache for `model` (its layer kinds from its config)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def one_logit(model: Any) -> dict[str, int]:
+    """The forward argument that keeps the logits of the last position only (a pass wanted for
+    its cache need not make rows × length × vocabulary logits), where the model takes it."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+
 def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
     """A DynamicCache holding the keys and values of left-padded `input_ids`, at the positions
     generate gives them (counted from each row's first real token)."""
-    import inspect
-
     import torch
-    from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # Only the cache is wanted: logits for one position, not (rows × length × vocabulary).
-    logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     with torch.no_grad():
         model(
             input_ids=input_ids,
@@ -108,6 +118,6 @@ def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
             position_ids=positions,
             use_cache=True,
             **{cache_argument(model): cache},
-            **logits,
+            **one_logit(model),
         )
     return cache

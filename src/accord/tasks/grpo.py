@@ -27,7 +27,7 @@ from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
-from accord.tasks.rollout import padded_width, sample_groups, sample_seed, token_logprobs
+from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
 
 ROW = "row_json"  # the raw row (all its columns), for the rewards
 
@@ -257,29 +257,27 @@ class GRPOTask(Task):
         and needs none). Taken as the loss takes the policy's (_group_logps): the same floats."""
         batch = self._collate_groups(rollouts, with_logps=False)
         batch = {key: value.to(self._device) for key, value in batch.items()}
-        logps = self._group_logps(
-            lambda ids, m, rows: token_logprobs(model, ids, m, self.cfg.temperature, rows), batch
-        ).cpu()
+        logps = self._group_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), batch).cpu()
         size = self.cfg.group_size
         for k, r in enumerate(rollouts):
             start = len(r.prompt_ids) - 1
             r.old_logps = logps[k * size : (k + 1) * size, start : start + max(len(c) for c in r.completions)]
 
     @torch.no_grad()
-    def _reference_logps(self, ids: torch.Tensor, mask: torch.Tensor, embed_rows: int | None = None) -> torch.Tensor:
+    def _reference_logps(self, p: GroupsPass) -> torch.Tensor:
         """The reference's log-probabilities, taken in the loss over the same group shapes as the
         policy's (same shapes, same floats): at the first step (policy = reference) the KL
         term's gradient is then exactly zero, not rounding noise, which AdamW would turn into
         full-size steps whose sign depends on how the batch was split (1 vs 2 processes: 0.01
         apart at lr 3e-3 on an embedding row no reward moved)."""
         if self.reference is not None:
-            return token_logprobs(self.reference, ids, mask, self.cfg.temperature, embed_rows)
+            return completion_logprobs(self.reference, p, self.cfg.temperature)
         assert self.policy is not None, "setup() first"
         was_training = self.policy.training
         self.policy.eval()  # as the frozen copy is
         try:
             with _adapters_off(self.policy):
-                return token_logprobs(self.policy, ids, mask, self.cfg.temperature, embed_rows)
+                return completion_logprobs(self.policy, p, self.cfg.temperature)
         finally:
             self.policy.train(was_training)
 
@@ -325,13 +323,14 @@ class GRPOTask(Task):
                 sequences.append(g.prompt_ids + completion)
                 starts.append(len(g.prompt_ids) - 1)  # the shifted position that predicts the first completion token
                 lengths.append(len(completion))
-        # As wide as the widest group's forward (_group_width), so each group's slice exists.
         input_ids = pad_rows(sequences, self.pad_id)
-        size = self.cfg.group_size
-        width = max(self._group_width(max(lengths[k : k + size]) + starts[k] + 1) for k in range(0, len(starts), size))
-        input_ids = torch.nn.functional.pad(input_ids, (0, width - input_ids.shape[1]), value=self.pad_id)
+        width = input_ids.shape[1]
         total = torch.tensor([len(s) for s in sequences])
-        batch = {"input_ids": input_ids, "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long()}
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long(),
+            "prompt_lengths": torch.tensor(starts) + 1,
+        }
         if not with_logps:
             return batch
         positions = torch.arange(width - 1)[None, :]
@@ -347,7 +346,7 @@ class GRPOTask(Task):
         # The reference's passes first: forwards without gradients before the training ones,
         # not between them and their backward (sharded strategies track the forward's order).
         ref = self._group_logps(self._reference_logps, batch) if self._has_reference else None
-        logps = self._group_logps(lambda ids, m, rows: token_logprobs(model, ids, m, self.cfg.temperature, rows), batch)
+        logps = self._group_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), batch)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
         advantages = batch["advantages"][:, None]
         per_token, ratio = grpo_token_loss(logps, old, advantages, ref, self.cfg.beta, self.cfg.epsilon)
@@ -358,44 +357,50 @@ class GRPOTask(Task):
             metrics["kl"] = (kl_k3(logps.detach(), ref) * mask).sum()
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
 
-    def _group_width(self, longest: int) -> int:
-        """The width of a group's forward pass: its longest sequence's padded_width (within
-        data.max_length), so groups of nearby lengths share a pass while each group's shapes
-        depend on the group alone."""
-        return max(longest, min(padded_width(longest), self.max_length))
-
     def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`logprobs(ids, mask)` of the micro-batch, each group (G rows) cut to its own width
-        (_group_width), laid out as the batch is (B, L-1). Its floats are then those of its
-        own shapes whatever else shares its micro-batch (which changes with the world size), as
-        the sampling policy's were (_add_old_logps), so the update is the same on any number of
-        processes: padded to the micro-batch's width, rounding differed by ~1e-7, which AdamW
-        turns into steps of up to its full size where a gradient is that small.
+        """`logprobs(GroupsPass)` of the micro-batch's completion tokens, laid out as the batch
+        is (B, L-1). Each group is cut to shapes of its own: its prompt left-padded to the
+        prompt's padded_width, its completions right-padded to their longest one's. A group's
+        floats are then those of its own shapes whatever else shares its micro-batch (which
+        changes with the world size), as the sampling policy's were (_add_old_logps), so the
+        update is the same on any number of processes: padded to the micro-batch's width,
+        rounding differed by ~1e-7, which AdamW turns into steps of up to its full size where a
+        gradient is that small.
 
-        On the CPU the groups of one width share a pass: there a row's floats do not depend on
+        On the CPU the groups of one shape share a pass: there a row's floats do not depend on
         how many rows share its batch (a test pins it). Elsewhere (GPU kernels are chosen by
         shape) and under lockstep (every rank must make the same number of passes: the same
-        number of groups, not of widths) each group has its own pass."""
+        number of groups, not of shapes) each group has its own pass."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         size, width = self.cfg.group_size, ids.shape[1]
-        longest = mask.view(-1, size, mask.shape[1]).sum(2).amax(1).tolist()
-        passes: dict[int, list[int]] = {}  # width -> the groups (their first row) of its pass
-        for k, n in enumerate(longest):
-            key = k if self.lockstep or ids.device.type != "cpu" else self._group_width(n)
-            passes.setdefault(key, []).append(k * size)
+        prompt = batch["prompt_lengths"][::size].tolist()
+        longest = (mask.view(-1, size, width).sum(2).amax(1) - batch["prompt_lengths"][::size]).tolist()
+        batched = not self.lockstep and ids.device.type == "cpu"
+        passes: dict[Any, list[int]] = {}  # (prompt width, completion width) -> its groups
+        for k, (p, c) in enumerate(zip(prompt, longest)):
+            passes.setdefault((padded_width(p), padded_width(c)) if batched else k, []).append(k)
         parts, order = [], []
-        for starts in passes.values():
-            w = self._group_width(longest[starts[0] // size])
-            if len(passes) == 1:
-                rows = slice(None)
-            else:
-                rows = torch.cat([torch.arange(s, s + size) for s in starts])
-                order.append(rows)
-            part = logprobs(ids[rows, :w], mask[rows, :w], size)
-            parts.append(torch.nn.functional.pad(part, (0, width - w)))
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts)[torch.argsort(torch.cat(order))]
+        for groups in passes.values():
+            p_width, c_width = padded_width(prompt[groups[0]]), padded_width(longest[groups[0]])
+            prompts = torch.full((len(groups), p_width), self.pad_id, dtype=ids.dtype, device=ids.device)
+            prompt_mask = torch.zeros_like(prompts)
+            completions = torch.full((len(groups) * size, c_width), self.pad_id, dtype=ids.dtype, device=ids.device)
+            completion_mask = torch.zeros_like(completions)
+            for j, k in enumerate(groups):
+                p, rows = prompt[k], slice(k * size, (k + 1) * size)
+                n = min(c_width, width - p)
+                prompts[j, p_width - p :], prompt_mask[j, p_width - p :] = ids[k * size, :p], 1
+                completions[j * size : (j + 1) * size, :n] = ids[rows, p : p + n]
+                completion_mask[j * size : (j + 1) * size, :n] = mask[rows, p : p + n]
+            part = logprobs(GroupsPass(prompts, prompt_mask, completions, completion_mask, size, batched))
+            for j, k in enumerate(groups):  # back to the batch's layout: completion token t at t-1
+                p, n = prompt[k], min(c_width, width - prompt[k])
+                rows = part[j * size : (j + 1) * size, :n]
+                parts.append(torch.nn.functional.pad(rows, (p - 1, width - 1 - (p - 1) - n)))
+                order.append(k)
+        if order == sorted(order):
+            return torch.cat(parts)
+        return torch.cat([parts[i] for i in sorted(range(len(order)), key=order.__getitem__)])
 
     # ---------------------------------------------------------------- evaluation
 

@@ -13,13 +13,15 @@ while each row's shapes, and so its floats, are those it has alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from accord.compat.transformers import cache_argument, prefill_cache
+from accord.compat.transformers import cache_argument, new_cache, prefill_cache
 
 # Sequences are padded to a multiple of this many tokens (padded_width).
 WIDTH_MULTIPLE = 8
@@ -162,3 +164,57 @@ def token_logprobs(
         out = model(inputs_embeds=embeds, attention_mask=attention_mask)
     logits = out.logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class GroupsPass:
+    """The groups of one forward pass of GRPO's loss: each group's prompt once (left-padded,
+    P wide) and its G completions (right-padded, C wide)."""
+
+    prompts: torch.Tensor  # (n, P)
+    prompt_mask: torch.Tensor  # (n, P)
+    completions: torch.Tensor  # (n·G, C)
+    completion_mask: torch.Tensor  # (n·G, C)
+    group: int  # G
+    split_embeddings: bool  # look the input embeddings up one group at a time
+
+
+def completion_logprobs(model: nn.Module, p: GroupsPass, temperature: float) -> torch.Tensor:
+    """(n·G, C) log-probability of each completion token under the sampling temperature (fp32),
+    as TRL computes the policy's (logits divided by the temperature). Each prompt takes one
+    pass, whose last position scores its completions' first token and whose keys and values
+    its G completion rows then share (differentiably): a prompt is computed once per group,
+    not G times.
+
+    `split_embeddings`: the input embeddings are looked up one group at a time, so an embedding
+    row's gradient is summed within each group as when the group has its own pass."""
+    # The model under an engine's wrapper (DDP, DeepSpeed): the prompt pass is not one of the
+    # wrapper's training forwards, and the cache is built from the model's own config.
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    n, g = p.prompts.shape[0], p.group
+    mask = torch.cat([p.prompt_mask.repeat_interleave(g, 0), p.completion_mask], 1)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    prompt_inputs: dict[str, torch.Tensor] = {"input_ids": p.prompts}
+    inputs: dict[str, torch.Tensor] = {"input_ids": p.completions}
+    if p.split_embeddings and n > 1:
+        embed = inner.get_input_embeddings()
+        prompt_inputs = {"inputs_embeds": torch.cat([embed(p.prompts[k : k + 1]) for k in range(n)])}
+        inputs = {"inputs_embeds": torch.cat([embed(p.completions[k * g : (k + 1) * g]) for k in range(n)])}
+    cache = new_cache(inner)
+    first = inner(
+        **prompt_inputs,
+        attention_mask=p.prompt_mask,
+        position_ids=positions[::g, : p.prompts.shape[1]],
+        use_cache=True,
+        **{cache_argument(inner): cache},
+    ).logits[:, -1:]  # every position's logits: the head on n rows alone would take another kernel
+    cache.batch_repeat_interleave(g)
+    rest = model(
+        **inputs,
+        attention_mask=mask,
+        position_ids=positions[:, p.prompts.shape[1] :],
+        use_cache=True,
+        **{cache_argument(inner): cache},
+    ).logits[:, :-1]
+    logits = torch.cat([first.repeat_interleave(g, 0), rest], 1).float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, p.completions.unsqueeze(-1)).squeeze(-1)
