@@ -8,7 +8,8 @@ from the sample's own generator (argmax(logits + Gumbel) is a sample of softmax(
 by (seed, generation batch, prompt index, sample index): the same completion wherever and
 beside whatever it is generated. Prompts are left-padded to a width that depends on the
 prompt's length alone (padded_width), so prompts of nearby lengths share a `generate` call
-while each row's shapes, and so its floats, are those it has alone.
+while each row's shapes are those it has alone (its floats too, on the CPU, except where a
+kernel depends on the batch size: a linear layer over 3 rows or fewer takes another one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from accord.compat.transformers import cache_argument, new_cache, prefill_cache
@@ -100,7 +100,7 @@ def sample_groups(
 ) -> list[list[list[int]]]:
     """Each prompt's group (one completion per seed), sampled in one batch: the prompts must
     have the same padded_width, to which each is left-padded, so each row's tokens depend only
-    on its prompt and its seed."""
+    on its prompt and its seed (up to rounding where a kernel depends on the batch size)."""
     widths = {padded_width(len(p)) for p in prompts}
     if len(widths) != 1:
         raise ValueError("sample_groups: prompts of one call must have the same padded_width")
@@ -143,26 +143,11 @@ def sample_groups(
 
 
 def token_logprobs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float,
-    embed_rows: int | None = None,
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """(B, L-1) log-probability of each next token under the sampling temperature (fp32), as
-    TRL computes the policy's: logits divided by the temperature.
-
-    `embed_rows`: look the input embeddings up this many rows at a time (one GRPO group each),
-    so that an embedding row's gradient is summed within each group as when the group has its
-    own pass; the layers above still take the whole batch at once."""
-    if embed_rows is None or embed_rows >= input_ids.shape[0]:
-        out = model(input_ids=input_ids, attention_mask=attention_mask)
-    else:
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        embed = inner.get_input_embeddings()
-        embeds = torch.cat([embed(input_ids[k : k + embed_rows]) for k in range(0, input_ids.shape[0], embed_rows)])
-        out = model(inputs_embeds=embeds, attention_mask=attention_mask)
-    logits = out.logits[:, :-1].float() / temperature
+    TRL computes the policy's: logits divided by the temperature (whole sequences, one pass)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
