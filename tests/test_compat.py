@@ -297,6 +297,37 @@ def test_transformers_names_the_blocks_not_to_split(tiny_llama):
     assert no_split_modules(tiny_llama) == ["LlamaDecoderLayer"]
 
 
+def test_transformers_generate_continues_from_a_prefilled_cache_shared_by_several_rows(tiny_llama):
+    """GRPO prefills each prompt's keys and values once (all but the last token, left-padded)
+    and hands them, one copy per completion, to generate under the cache argument's name:
+    greedy decoding from there equals decoding the same rows from scratch."""
+    import torch
+
+    from accord.compat.transformers import cache_argument, prefill_cache
+
+    assert cache_argument(tiny_llama) in inspect.signature(tiny_llama.forward).parameters
+    ids = torch.tensor([[0, 0, 0, 1, 5, 9, 7, 11], [0, 0, 0, 0, 0, 1, 8, 3]])
+    mask = (torch.arange(8)[None] >= torch.tensor([[3], [5]])).long()
+    rows = torch.tensor([0, 0, 1, 1])
+    settings = dict(
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        cache = prefill_cache(tiny_llama, ids[:, :-1], mask[:, :-1])
+        cache.batch_select_indices(rows)
+        shared = tiny_llama.generate(
+            input_ids=ids[rows], attention_mask=mask[rows], **settings, **{cache_argument(tiny_llama): cache}
+        )
+        scratch = tiny_llama.generate(input_ids=ids[rows], attention_mask=mask[rows], **settings)
+    assert shared.sequences.tolist() == scratch.sequences.tolist()
+    assert torch.allclose(torch.stack(shared.logits), torch.stack(scratch.logits), atol=1e-5)
+
+
 # ---------------------------------------------------------------- gguf
 
 

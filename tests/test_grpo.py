@@ -19,7 +19,14 @@ from accord.recipe.grpo import GRPOConfig
 from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
-from accord.tasks.rollout import PerSampleGumbel, sample_group, sample_groups, sample_seed, token_logprobs
+from accord.tasks.rollout import (
+    PerSampleGumbel,
+    completion_logprobs,
+    sample_group,
+    sample_groups,
+    sample_seed,
+    token_logprobs,
+)
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
 
 
@@ -56,9 +63,9 @@ def test_completion_depends_only_on_its_own_seed_not_on_its_batch():
     assert together == alone
     assert reordered == [together[2], together[1]]
     assert len({tuple(c) for c in together}) > 1, "different seeds should give different completions"
-    # Beside another prompt of the same length in one generate call (how a rank samples its
-    # prompts under ddp), each group is the one it is alone.
-    other, other_seeds = [1, 8, 3, 6], [sample_seed(3, 0, 12, k) for k in range(2)]
+    # Beside a prompt of another length in one generate call (how a rank samples its prompts
+    # of one padded width under ddp, left-padded), each group is the one it is alone.
+    other, other_seeds = [1, 8, 3], [sample_seed(3, 0, 12, k) for k in range(2)]
     both = sample_groups(model, [other, prompt], [other_seeds, seeds], **kwargs)
     assert both == [sample_group(model, other, other_seeds, **kwargs), together]
     assert sample_seed(3, 0, 11, 0) != sample_seed(3, 1, 11, 0) != sample_seed(3, 0, 12, 0)
@@ -211,7 +218,7 @@ def test_a_group_gets_the_sampling_policys_log_probs_of_its_completion_positions
     task.policy = model
     prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
     rollout = Rollout(prompt, completions, {}, [])
-    task._add_old_logps(model, rollout)
+    task._add_old_logps(model, [rollout])
 
     def alone(completion) -> torch.Tensor:
         with torch.no_grad():
@@ -246,6 +253,37 @@ def test_while_the_policy_is_the_reference_the_kl_term_adds_exactly_no_gradient(
     out.loss_sum.backward()
     assert float(out.metrics["kl"]) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_groups_log_probs_are_the_same_floats_alone_or_beside_other_groups():
+    """The loss batches the groups of one padded width (on the CPU), where a micro-batch holds
+    a different set of groups on each world size: each group's log-probabilities (policy and
+    reference passes alike) must be the floats it gets alone, to the last bit."""
+    model = _tiny_llama().train()
+    raw = json.loads(
+        json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}})
+    )
+    raw["data"]["add_bos"] = "never"
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task.policy = model
+    groups = [
+        Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []),
+        Rollout([5, 9], [[20, 21, 22], [23]], {}, []),  # a narrower pass
+        Rollout([1, 7, 3, 6, 4, 9, 10, 11, 12], [[24, 25, 26], [27, 28, 29, 30]], {}, []),  # the first's width
+        Rollout(list(range(3, 17)), [[31, 32], [33, 34, 35, 36]], {}, []),  # a wider pass
+    ]
+    for g in groups:
+        g.advantages = torch.zeros(2)
+
+    def logps(batch):
+        return task._group_logps(lambda p: completion_logprobs(model, p, 1.0), batch)
+
+    together = logps(task._collate_groups(groups, with_logps=True))
+    for k, g in enumerate(groups):
+        alone = task._collate_groups([g], with_logps=True)
+        width = alone["completion_mask"].shape[1]
+        mask = alone["completion_mask"].bool()
+        assert torch.equal(logps(alone)[mask], together[2 * k : 2 * k + 2, :width][mask]), k
 
 
 # ---------------------------------------------------------------- rewards and bad input

@@ -7,7 +7,9 @@
   accord sets the text model's config only, as it always has;
 - each model's `_init_weights` (models.weights initialises a meta-device model one module
   at a time, as transformers' own initialisation dispatches to it);
-- a model's `_no_split_modules`, the blocks FSDP wraps one by one (engine.wrapping).
+- a model's `_no_split_modules`, the blocks FSDP wraps one by one (engine.wrapping);
+- the name of the KV-cache argument of `forward` and `generate` (`past_key_values` before
+  5.x renamed it `cache`), for GRPO's prompts prefilled once per group (tasks.rollout).
 
 Public API is used wherever it does the same: `config.name_or_path`, a fast tokenizer's
 `backend_tokenizer`, AttentionInterface / AttentionMaskInterface registration.
@@ -72,3 +74,50 @@ def no_split_modules(model: Any) -> list[str]:
     if isinstance(model, PreTrainedModel) and not hasattr(type(model), "_no_split_modules"):
         raise _missing("PreTrainedModel has no '_no_split_modules'", "accord's FSDP wrapping")
     return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which `model.forward` and `model.generate` take a KV cache."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own forward
+    parameters = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise _missing("a KV-cache argument of the model's forward (`cache` or `past_key_values`)", "grpo sampling")
+
+
+def new_cache(model: Any) -> Any:
+    """An empty DynamicCache for `model` (its layer kinds from its config)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def one_logit(model: Any) -> dict[str, int]:
+    """The forward argument that keeps the logits of the last position only (a pass wanted for
+    its cache need not make rows × length × vocabulary logits), where the model takes it."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+
+def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
+    """A DynamicCache holding the keys and values of left-padded `input_ids`, at the positions
+    generate gives them (counted from each row's first real token)."""
+    import torch
+
+    cache = new_cache(model)
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    with torch.no_grad():
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_argument(model): cache},
+            **one_logit(model),
+        )
+    return cache

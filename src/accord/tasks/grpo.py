@@ -27,7 +27,7 @@ from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
-from accord.tasks.rollout import sample_groups, sample_seed, token_logprobs
+from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
 
 ROW = "row_json"  # the raw row (all its columns), for the rewards
 
@@ -196,16 +196,16 @@ class GRPOTask(Task):
         return self._summary
 
     def _sample(self, model: nn.Module, generation: int, row_ids: list[int], rows: list[dict]) -> list[Rollout]:
-        """The groups of this rank's prompts. Prompts of one length share a `generate` call
-        (no padding, each completion's noise from its own seed); under lockstep every rank
-        must call generate equally often, so there each prompt has its own call (every rank
-        holds the same number of prompts)."""
+        """The groups of this rank's prompts. Prompts of one padded_width share a `generate`
+        call (each left-padded to that width, each completion's noise from its own seed);
+        under lockstep every rank must call generate equally often, so there each prompt has
+        its own call (every rank holds the same number of prompts)."""
         c = self.cfg
         seeds = [[sample_seed(self.recipe.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
         calls = (
             [[i] for i in range(len(rows))]
             if self.lockstep
-            else _same_length_calls([len(row["prompt_ids"]) for row in rows])
+            else _same_length_calls([padded_width(len(row["prompt_ids"])) for row in rows])
         )
         completions: dict[int, list[list[int]]] = {}
         for call in calls:
@@ -223,11 +223,11 @@ class GRPOTask(Task):
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
         if c.num_iterations > 1:
-            # One pass per group, not several groups padded together: a group's log-probs are
-            # then the same floats on any world size (batching them across groups moved the
-            # 1- vs 2-process parameters past the invariance test's 1e-5).
-            for rollout in rollouts:
-                self._add_old_logps(model, rollout)
+            # At most a micro-batch of groups at a time (the memory the loss's passes are sized
+            # for); a group's floats do not depend on which others share the pass (_group_logps).
+            chunk = self.recipe.batch.micro_batch_size or len(rollouts)
+            for k in range(0, len(rollouts), chunk):
+                self._add_old_logps(model, rollouts[k : k + chunk])
         return rollouts
 
     def _rollout(self, row: dict, completions: list[list[int]]) -> Rollout:
@@ -250,30 +250,34 @@ class GRPOTask(Task):
         return self.cfg.beta > 0
 
     @torch.no_grad()
-    def _add_old_logps(self, model: nn.Module, r: Rollout) -> None:
-        """Per-token log-probabilities of the group's completions under the sampling policy,
-        over its completion positions (G, longest completion): the ratios' denominator when a
-        generation batch serves several steps (with one step the ratio is 1 and needs none)."""
-        batch = self._collate_groups([r], with_logps=False)
-        ids, mask = batch["input_ids"].to(self._device), batch["attention_mask"].to(self._device)
-        columns = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + max(len(c) for c in r.completions))
-        r.old_logps = token_logprobs(model, ids, mask, self.cfg.temperature)[:, columns].cpu()
+    def _add_old_logps(self, model: nn.Module, rollouts: list[Rollout]) -> None:
+        """Per-token log-probabilities of the groups' completions under the sampling policy,
+        over each group's completion positions (G, its longest completion): the ratios'
+        denominator when a generation batch serves several steps (with one step the ratio is 1
+        and needs none). Taken as the loss takes the policy's (_group_logps): the same floats."""
+        batch = self._collate_groups(rollouts, with_logps=False)
+        batch = {key: value.to(self._device) for key, value in batch.items()}
+        logps = self._group_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), batch).cpu()
+        size = self.cfg.group_size
+        for k, r in enumerate(rollouts):
+            start = len(r.prompt_ids) - 1
+            r.old_logps = logps[k * size : (k + 1) * size, start : start + max(len(c) for c in r.completions)]
 
     @torch.no_grad()
-    def _reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _reference_logps(self, p: GroupsPass) -> torch.Tensor:
         """The reference's log-probabilities, taken in the loss over the same group shapes as the
         policy's (same shapes, same floats): at the first step (policy = reference) the KL
         term's gradient is then exactly zero, not rounding noise, which AdamW would turn into
         full-size steps whose sign depends on how the batch was split (1 vs 2 processes: 0.01
         apart at lr 3e-3 on an embedding row no reward moved)."""
         if self.reference is not None:
-            return token_logprobs(self.reference, ids, mask, self.cfg.temperature)
+            return completion_logprobs(self.reference, p, self.cfg.temperature)
         assert self.policy is not None, "setup() first"
         was_training = self.policy.training
         self.policy.eval()  # as the frozen copy is
         try:
             with _adapters_off(self.policy):
-                return token_logprobs(self.policy, ids, mask, self.cfg.temperature)
+                return completion_logprobs(self.policy, p, self.cfg.temperature)
         finally:
             self.policy.train(was_training)
 
@@ -322,7 +326,11 @@ class GRPOTask(Task):
         input_ids = pad_rows(sequences, self.pad_id)
         width = input_ids.shape[1]
         total = torch.tensor([len(s) for s in sequences])
-        batch = {"input_ids": input_ids, "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long()}
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long(),
+            "prompt_lengths": torch.tensor(starts) + 1,
+        }
         if not with_logps:
             return batch
         positions = torch.arange(width - 1)[None, :]
@@ -338,7 +346,7 @@ class GRPOTask(Task):
         # The reference's passes first: forwards without gradients before the training ones,
         # not between them and their backward (sharded strategies track the forward's order).
         ref = self._group_logps(self._reference_logps, batch) if self._has_reference else None
-        logps = self._group_logps(lambda ids, m: token_logprobs(model, ids, m, self.cfg.temperature), batch)
+        logps = self._group_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), batch)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
         advantages = batch["advantages"][:, None]
         per_token, ratio = grpo_token_loss(logps, old, advantages, ref, self.cfg.beta, self.cfg.epsilon)
@@ -350,22 +358,49 @@ class GRPOTask(Task):
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
 
     def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`logprobs(ids, mask)` of the micro-batch, one group (G rows) at a time, each cut to
-        its own longest sequence, then laid out as the batch is (B, L-1). A group's floats are
-        then those of its own shapes whatever else shares its micro-batch (the micro batch
-        size differs with the world size), as the sampling policy's were (_add_old_logps), so
-        the update is the same on any number of processes: padded together, rounding differed
-        by ~1e-7, which AdamW turns into steps of up to its full size where a gradient is
-        that small."""
+        """`logprobs(GroupsPass)` of the micro-batch's completion tokens, laid out as the batch
+        is (B, L-1). Each group is cut to shapes of its own: its prompt left-padded to the
+        prompt's padded_width, its completions right-padded to their longest one's. A group's
+        floats are then those of its own shapes whatever else shares its micro-batch (which
+        changes with the world size), as the sampling policy's were (_add_old_logps), so the
+        update is the same on any number of processes: padded to the micro-batch's width,
+        rounding differed by ~1e-7, which AdamW turns into steps of up to its full size where a
+        gradient is that small.
+
+        On the CPU the groups of one shape share a pass: there a row's floats do not depend on
+        how many rows share its batch (a test pins it). Elsewhere (GPU kernels are chosen by
+        shape) and under lockstep (every rank must make the same number of passes: the same
+        number of groups, not of shapes) each group has its own pass."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         size, width = self.cfg.group_size, ids.shape[1]
-        out = []
-        for start in range(0, ids.shape[0], size):
-            rows = slice(start, start + size)
-            longest = int(mask[rows].sum(1).max())
-            part = logprobs(ids[rows, :longest], mask[rows, :longest])
-            out.append(torch.nn.functional.pad(part, (0, width - longest)))
-        return torch.cat(out)
+        prompt = batch["prompt_lengths"][::size].tolist()
+        longest = (mask.view(-1, size, width).sum(2).amax(1) - batch["prompt_lengths"][::size]).tolist()
+        batched = not self.lockstep and ids.device.type == "cpu"
+        passes: dict[Any, list[int]] = {}  # (prompt width, completion width) -> its groups
+        for k, (p, c) in enumerate(zip(prompt, longest)):
+            passes.setdefault((padded_width(p), padded_width(c)) if batched else k, []).append(k)
+        parts, order = [], []
+        for groups in passes.values():
+            p_width, c_width = padded_width(prompt[groups[0]]), padded_width(longest[groups[0]])
+            prompts = torch.full((len(groups), p_width), self.pad_id, dtype=ids.dtype, device=ids.device)
+            prompt_mask = torch.zeros_like(prompts)
+            completions = torch.full((len(groups) * size, c_width), self.pad_id, dtype=ids.dtype, device=ids.device)
+            completion_mask = torch.zeros_like(completions)
+            for j, k in enumerate(groups):
+                p, rows = prompt[k], slice(k * size, (k + 1) * size)
+                n = min(c_width, width - p)
+                prompts[j, p_width - p :], prompt_mask[j, p_width - p :] = ids[k * size, :p], 1
+                completions[j * size : (j + 1) * size, :n] = ids[rows, p : p + n]
+                completion_mask[j * size : (j + 1) * size, :n] = mask[rows, p : p + n]
+            part = logprobs(GroupsPass(prompts, prompt_mask, completions, completion_mask, size, batched))
+            for j, k in enumerate(groups):  # back to the batch's layout: completion token t at t-1
+                p, n = prompt[k], min(c_width, width - prompt[k])
+                rows = part[j * size : (j + 1) * size, :n]
+                parts.append(torch.nn.functional.pad(rows, (p - 1, width - 1 - (p - 1) - n)))
+                order.append(k)
+        if order == sorted(order):
+            return torch.cat(parts)
+        return torch.cat([parts[i] for i in sorted(range(len(order)), key=order.__getitem__)])
 
     # ---------------------------------------------------------------- evaluation
 
@@ -463,7 +498,7 @@ EVAL_PROMPTS_PER_CALL = 64
 
 
 def _same_length_calls(lengths: list[int], per_call: int = PROMPTS_PER_CALL) -> list[list[int]]:
-    """Indices of prompts grouped by length, in order, at most `per_call` a call."""
+    """Indices of prompts grouped by length (or padded width), in order, at most `per_call` a call."""
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)
