@@ -95,6 +95,8 @@ def test_identity_changes_name_the_field_and_ignore_safe_ones():
     saved = validate_recipe(TINY_RECIPE).model_dump(mode="json")
     safe = TINY_RECIPE | {"train": TINY_RECIPE["train"] | {"max_steps": 99, "log_every": 1}}
     safe["batch"] = TINY_RECIPE["batch"] | {"micro_batch_size": 4}
+    # Another machine's cache folder and preparing processes: the same rows.
+    safe["data"] = TINY_RECIPE["data"] | {"cache_dir": "/elsewhere/cache", "prepare_workers": 3}
     assert identity_changes(saved, validate_recipe(safe)) == []
     model = TINY_RECIPE["model"] | {"config": TINY_RECIPE["model"]["config"] | {"hidden_size": 64}}
     changed = TINY_RECIPE | {"model": model, "batch": {"global_batch_size": 64}}

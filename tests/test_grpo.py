@@ -17,7 +17,8 @@ import torch
 from accord.errors import UserInputError
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.schema import RecipeError, validate_recipe
-from accord.tasks.grpo import GRPOTask, Rollout, grpo_token_loss
+from accord.tasks.grpo import GRPOTask, Rollout
+from accord.tasks.grpo_loss import grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
 from accord.tasks.rollout import (
     PerSampleGumbel,

@@ -11,6 +11,7 @@ from accord.checkpoint.store import (
     CHECKPOINTS,
     COMPLETE,
     IDENTITY,
+    NOT_IDENTITY,
     complete_checkpoints,
     latest_checkpoint,
     read_checkpoint_recipe,
@@ -109,6 +110,8 @@ def identity_changes(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     for key in IDENTITY:
         before, after = _get(saved, key), _get(current, key)
         for name, old, new in _diff(key, before, after):
+            if name in NOT_IDENTITY:
+                continue
             changes.append(f"{name} (checkpoint: {old!r}, recipe: {new!r})")
     return changes
 

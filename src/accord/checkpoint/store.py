@@ -46,6 +46,9 @@ RECIPE_FILE = "recipe.yaml"
 # What a resumed run must share with the run that wrote the checkpoint: anything else
 # (logging, evaluation, max_steps, micro batch, processes, checkpointing) may change.
 IDENTITY = ("seed", "task", "model", "data", "batch.global_batch_size")
+# Where and how the data is prepared, not what it is: a resume on another machine (another
+# cache folder, another number of preparing processes) trains on the same rows.
+NOT_IDENTITY = ("data.cache_dir", "data.prepare_workers", "data.prepare_timeout_s")
 
 
 @dataclass(frozen=True)

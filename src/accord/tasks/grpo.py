@@ -26,6 +26,7 @@ from accord.data.sources import DataError, check_columns
 from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
+from accord.tasks.grpo_loss import grpo_token_loss, kl_k3
 from accord.tasks.rewards import Group, RewardFunctions
 from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
 
@@ -462,24 +463,6 @@ def prompt_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     while end > 1 and messages[end - 1].get("role") == "assistant":
         end -= 1
     return messages[:end]
-
-
-def grpo_token_loss(
-    logps, old_logps, advantages, ref_logps, beta: float, epsilon: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token GRPO loss (before masking) and the probability ratio: -min(r·A, clip(r, 1±ε)·A)
-    + β·KL₃(π ‖ π_ref), with r = exp(log π − log π_old) (DeepSeekMath eq. 3, TRL's formula)."""
-    ratio = torch.exp(logps - old_logps)
-    per_token = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages)
-    if ref_logps is not None and beta > 0:
-        per_token = per_token + beta * kl_k3(logps, ref_logps)
-    return per_token, ratio
-
-
-def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(π ‖ π_ref) per token: exp(ref − π) − (ref − π) − 1 ≥ 0."""
-    delta = ref_logps - logps
-    return torch.exp(delta) - delta - 1
 
 
 def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
