@@ -125,6 +125,7 @@ def test_accord_train_takes_the_launcher_as_the_command_takes_engine_launcher(qu
 
 @needs_ray
 @pytest.mark.distributed
+@pytest.mark.slow  # default-suite budget (two runs, ~60 s on 2 cores): the default tier keeps the refusals
 def test_ray_workers_train_the_quickstart_as_accords_own_launcher(own_launcher, quick, tmp_path):
     """`accord train recipes/quickstart.yaml engine.launcher=ray engine.processes=2` on a local
     Ray: the same losses and weights as accord's launcher, its checkpoints in output.dir, and
