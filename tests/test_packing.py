@@ -111,10 +111,11 @@ def test_flattened_rows_attended_per_document_give_the_block_mask_loss_and_gradi
     block-diagonal mask, and generation (no documents' lengths) is plain SDPA's."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from accord.models.build import build_model
 
     tokenizer = build_byte_tokenizer()
-    task = SFTTask(tokenizer, validate_recipe(TINY_RECIPE | {"engine": {"device": "cpu"}}))
+    recipe = validate_recipe(TINY_RECIPE | {"engine": {"device": "cpu"}})
+    task = SFTTask(tokenizer, recipe)
     rng = np.random.default_rng(3)
 
     def example(n: int) -> dict:
@@ -122,17 +123,7 @@ def test_flattened_rows_attended_per_document_give_the_block_mask_loss_and_gradi
         return {"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]}
 
     rows = [[example(5), example(9), example(3)], [example(14)], [example(4), example(6)]]
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    padded_model = LlamaForCausalLM(config)
+    padded_model = build_model(recipe.model, tokenizer, recipe.seed)  # the tests' 2-layer Llama, sdpa
     flat_model = copy.deepcopy(padded_model)
     task.configure_model(flat_model)
     assert task.flatten and task.packing
