@@ -76,12 +76,16 @@ def no_split_modules(model: Any) -> list[str]:
     return list(getattr(model, "_no_split_modules", None) or [])
 
 
-def cache_argument(model: Any) -> str:
-    """The name under which `model.forward` and `model.generate` take a KV cache."""
+def _forward_parameters(model: Any) -> Any:
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own forward
-    parameters = inspect.signature(base.forward).parameters
+    return inspect.signature(base.forward).parameters
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which `model.forward` and `model.generate` take a KV cache."""
+    parameters = _forward_parameters(model)
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
@@ -98,10 +102,13 @@ def new_cache(model: Any) -> Any:
 def one_logit(model: Any) -> dict[str, int]:
     """The forward argument that keeps the logits of the last position only (a pass wanted for
     its cache need not make rows × length × vocabulary logits), where the model takes it."""
-    import inspect
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+def generate_positions(attention_mask: Any) -> Any:
+    """The position ids generate gives left-padded rows: counted from each row's first real
+    token (0 on the padding)."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 
 def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
@@ -110,12 +117,11 @@ def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
     import torch
 
     cache = new_cache(model)
-    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     with torch.no_grad():
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=positions,
+            position_ids=generate_positions(attention_mask),
             use_cache=True,
             **{cache_argument(model): cache},
             **one_logit(model),

@@ -380,7 +380,7 @@ class GRPOTask(Task):
         passes: dict[Any, list[int]] = {}  # (prompt width, completion width) -> its groups
         for k, (p, c) in enumerate(zip(prompt, longest)):
             passes.setdefault((padded_width(p), padded_width(c)) if batched else k, []).append(k)
-        parts, order = [], []
+        by_group: dict[int, torch.Tensor] = {}
         for groups in passes.values():
             p_width, c_width = padded_width(prompt[groups[0]]), padded_width(longest[groups[0]])
             prompts = torch.full((len(groups), p_width), self.pad_id, dtype=ids.dtype, device=ids.device)
@@ -397,11 +397,8 @@ class GRPOTask(Task):
             for j, k in enumerate(groups):  # back to the batch's layout: completion token t at t-1
                 p, n = prompt[k], min(c_width, width - prompt[k])
                 rows = part[j * size : (j + 1) * size, :n]
-                parts.append(torch.nn.functional.pad(rows, (p - 1, width - 1 - (p - 1) - n)))
-                order.append(k)
-        if order == sorted(order):
-            return torch.cat(parts)
-        return torch.cat([parts[i] for i in sorted(range(len(order)), key=order.__getitem__)])
+                by_group[k] = torch.nn.functional.pad(rows, (p - 1, width - 1 - (p - 1) - n))
+        return torch.cat([by_group[k] for k in range(len(prompt))])
 
     # ---------------------------------------------------------------- evaluation
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from accord.compat.transformers import cache_argument, new_cache, prefill_cache
+from accord.compat.transformers import cache_argument, generate_positions, new_cache, prefill_cache
 
 # Sequences are padded to a multiple of this many tokens (padded_width).
 WIDTH_MULTIPLE = 8
@@ -178,7 +178,7 @@ def completion_logprobs(model: nn.Module, p: GroupsPass, temperature: float) -> 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     n, g = p.prompts.shape[0], p.group
     mask = torch.cat([p.prompt_mask.repeat_interleave(g, 0), p.completion_mask], 1)
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = generate_positions(mask)
     prompt_inputs: dict[str, torch.Tensor] = {"input_ids": p.prompts}
     inputs: dict[str, torch.Tensor] = {"input_ids": p.completions}
     if p.split_embeddings and n > 1:
