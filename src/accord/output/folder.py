@@ -23,12 +23,10 @@ from accord.recipe.schema import Recipe, recipe_to_yaml
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
 RUN_STATUS = "run-status.json"
-RUN_ARTEFACTS = tuple(
-    dict.fromkeys(
-        ("recipe.yaml", RUN_STATUS, "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final")
-        + ("adapter", "base")  # a LoRA run's adapter and the base it names, when no lasting folder holds it
-        + TRACKER_ARTEFACTS  # the experiment trackers' default stores
-    )
+RUN_ARTEFACTS = (
+    ("recipe.yaml", RUN_STATUS, "metrics.jsonl", "samples.jsonl", "checkpoints", "final")
+    + ("adapter", "base")  # a LoRA run's adapter and the base it names, when no lasting folder holds it
+    + TRACKER_ARTEFACTS  # the experiment trackers' default stores (TensorBoard's too)
 )
 # Folders a run writes under a time-stamped name (the hang watchdog's stack dumps).
 RUN_ARTEFACT_PATTERNS = ("hang-*",)
