@@ -39,6 +39,11 @@ def world_size(recipe: Recipe) -> int:
     return recipe.engine.ray.nodes * recipe.engine.processes
 
 
+def cluster_address(recipe: Recipe) -> str | None:
+    """The Ray cluster the run joins: engine.ray.address, else RAY_ADDRESS (None: a local Ray)."""
+    return recipe.engine.ray.address or os.environ.get("RAY_ADDRESS")
+
+
 def refusal(recipe: Recipe, outer_launcher: str | None, multi_node_flags: bool) -> str | None:
     """What stops a Ray run before anything starts (one line), or None."""
     if outer_launcher is not None:
@@ -53,7 +58,7 @@ def refusal(recipe: Recipe, outer_launcher: str | None, multi_node_flags: bool) 
         )
     if importlib.util.find_spec("ray") is None:
         return RAY_MISSING
-    address = recipe.engine.ray.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(recipe)
     unreachable = _unreachable(address) if address else None
     return _no_cluster(recipe, address, unreachable) if unreachable else None
 
@@ -68,8 +73,7 @@ class RaySession:
 
         from accord.observe.progress import announce
 
-        cfg = recipe.engine.ray
-        announce("starting Ray…" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "joining the Ray cluster…")
+        announce("joining the Ray cluster…" if cluster_address(recipe) else "starting Ray…")
         self.started_here = _connect(recipe)
         try:
             self.gpus = _gpus_per_worker(recipe, ray.cluster_resources())
@@ -125,7 +129,7 @@ def _connect(recipe: Recipe) -> bool:
     import ray
 
     cfg = recipe.engine.ray
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(recipe)
     options: dict[str, Any] = dict(
         include_dashboard=False,
         logging_level=logging.WARNING,
