@@ -127,3 +127,9 @@ def prefill_cache(model: Any, input_ids: Any, attention_mask: Any) -> Any:
             **one_logit(model),
         )
     return cache
+
+
+def text_config(config: Any) -> Any:
+    """The config of a model's text part (a multimodal model's language model; the config
+    itself otherwise, and for a plain namespace standing in for one)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

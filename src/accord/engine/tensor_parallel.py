@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from accord.compat.transformers import text_config
 from accord.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -40,10 +41,6 @@ LLAMA_STYLE_PLAN = {
 }
 # transformers' plan words accord maps onto torch's ParallelStyles.
 STYLES = ("colwise", "rowwise")
-
-
-def text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def plan_words(config: Any) -> dict[str, str] | None:

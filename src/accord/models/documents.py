@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from accord.compat.transformers import attn_implementation, set_attn_implementation
+from accord.compat.transformers import attn_implementation, set_attn_implementation, text_config
 
 NAME = "accord_documents_sdpa"
 KWARG = "accord_documents"
@@ -45,7 +45,7 @@ def _attention(module, query, key, value, attention_mask, *args, **kwargs):
 
 
 def _plain_causal(model: torch.nn.Module) -> bool:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
         return False
     layer_types = getattr(config, "layer_types", None)
@@ -64,7 +64,7 @@ def install_document_attention(model: torch.nn.Module) -> bool:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     set_attn_implementation(model.config, NAME)
-    text = model.config.get_text_config()
+    text = text_config(model.config)
     if text is not model.config:
         set_attn_implementation(text, NAME)
     return True

@@ -14,7 +14,7 @@ import torch
 
 from accord import registry
 from accord.compat.deepspeed import ulysses_attention
-from accord.compat.transformers import attn_implementation, set_attn_implementation
+from accord.compat.transformers import attn_implementation, set_attn_implementation, text_config
 from accord.distributed.group import DistInfo
 from accord.errors import UserInputError
 from accord.tasks import task_class
@@ -36,7 +36,7 @@ def check_sequence_parallel(recipe, config) -> list[str]:
         ]
     if config is None:
         return []  # not known before the model is built (a GGUF file): checked again in the worker
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads is None:
@@ -94,7 +94,7 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
         if info.rank in ranks:
             group = made
     config = model.config
-    text = config.get_text_config()
+    text = text_config(config)
     core = attn_implementation(config) or "sdpa"
     attention = ulysses_attention(
         core,
