@@ -29,7 +29,9 @@ except NotImplementedError as err:
     print(f"refused: {err}")
 for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"):
     print(op, "has a CPU kernel:", torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "CPU"))
-dist.destroy_process_group()
+from accord.distributed.group import exit_after_shutdown, shutdown
+shutdown()
+exit_after_shutdown(0)  # as accord's workers leave: no interpreter teardown after a process group
 """
 
 

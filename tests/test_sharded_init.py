@@ -170,9 +170,11 @@ for job in json.loads(sys.argv[1]):  # in order: the first one's peak is measure
         torch.save({"state": state, "full_bytes": full_bytes, "peaks": [p.tolist() for p in peaks]}, job["out"])
     engine.close()
     del engine, model, state
-if world > 1:
-    td.barrier()
-    td.destroy_process_group()
+# As accord's workers leave: a barrier, the group destroyed, then no interpreter teardown, whose
+# static destructors (a group the engines' meshes still hold, gloo's threads) sometimes abort.
+from accord.distributed.group import exit_after_shutdown, shutdown
+shutdown()
+exit_after_shutdown(0)
 """
 
 
