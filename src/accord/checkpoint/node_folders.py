@@ -258,7 +258,7 @@ def _named(line: str, folder: Path) -> str:
     """A missing-file problem, with the rank and folder that wrote the file when the
     checkpoint's layout says another node's folder holds it."""
     layout = read_layout(folder)
-    match = re.search(r"resume: (\S+) is missing", line)
+    match = re.fullmatch(r"(\S+) is missing", line)  # state_problems' wording
     if layout is None or match is None:
         return line
     rel = str(Path(match.group(1)).relative_to(folder)) if Path(match.group(1)).is_relative_to(folder) else None
@@ -267,7 +267,7 @@ def _named(line: str, folder: Path) -> str:
     if owner is None:
         return line
     return (
-        f"resume: {folder / rel} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} "
+        f"{folder / rel} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} "
         f"on node {owner['nodes'][0]} (host {owner['host']}); resume with that node taking part, or copy its files "
         f"into {folder}"
     )
