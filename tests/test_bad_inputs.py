@@ -486,6 +486,7 @@ def test_data_file_that_is_not_utf8_names_file_and_line(tiny_recipe, tmp_path, s
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_latin1_csv_is_pointed_at_the_encoding_setting(tiny_recipe, tmp_path):
     bad = tmp_path / "rows.csv"
     bad.write_bytes("prompt,completion\n1+1=,2\ncafé,x\n".encode("latin-1"))

@@ -36,6 +36,7 @@ exit_after_shutdown(0)  # as accord's workers leave: no interpreter teardown aft
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_torch_context_parallel_has_no_cpu_attention_path(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(tmp_path / "store")], capture_output=True, text=True, timeout=600

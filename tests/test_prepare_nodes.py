@@ -138,6 +138,7 @@ def test_a_node_alone_on_its_own_cache_prepares_everything(tmp_path, small_units
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_nodes_preparing_at_once_into_one_cache_give_the_one_node_cache(tmp_path, small_units):
     one = recipe(tmp_path, "one", eval_fraction=0.1)
     prepare(one, NodeShare())
@@ -151,6 +152,7 @@ def test_two_nodes_preparing_at_once_into_one_cache_give_the_one_node_cache(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_accord_prepare_on_two_nodes_at_once_writes_the_one_node_cache(tmp_path):
     import yaml
 
