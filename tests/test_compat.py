@@ -106,7 +106,28 @@ def test_reuse_fp32_partitions_swaps_the_method_only_while_it_lasts(deepspeed_cl
         assert stage3._create_fp32_partitions is original
 
 
+# DeepSpeed's autotuner sets has_mlflow on import (True, with mlflow loaded, wherever mlflow is installed).
+_IMPORTS = """
+import os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from accord.compat.deepspeed import import_deepspeed
+import_deepspeed()
+print("mlflow" in sys.modules, sys.modules["deepspeed.autotuning.autotuner"].has_mlflow)
+import mlflow.tracking  # as the mlflow tracker does, afterwards
+"""
+
+
 @needs_deepspeed
+@pytest.mark.subprocess
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed")
+def test_deepspeed_is_imported_without_its_autotuners_mlflow_and_mlflow_still_imports_after():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False"]
+
+
 def test_a_missing_deepspeed_internal_is_one_line_naming_the_version():
     from accord.compat import IncompatibleLibrary
     from accord.compat import deepspeed as ds_compat

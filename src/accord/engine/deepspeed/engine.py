@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from accord import registry
-from accord.compat.deepspeed import reuse_fp32_partitions
+from accord.compat.deepspeed import import_deepspeed, reuse_fp32_partitions
 from accord.compat.torch import extension_build_lock
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
@@ -83,7 +83,7 @@ class DeepSpeedEngine(Engine):
         self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
     ):
         # Imported here, not above: without DeepSpeed this module must still load, for build's message.
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         from accord.engine.deepspeed.state import DeepSpeedState
 
@@ -131,7 +131,7 @@ class DeepSpeedEngine(Engine):
         if self.stage < 3:
             materialize(model, "cpu")
             return
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         first: list[nn.Parameter] = []
 
@@ -151,7 +151,7 @@ class DeepSpeedEngine(Engine):
         run by a DeepSpeed engine without an optimizer (its forward gathers collectively)."""
         if self.stage < 3:
             return super().prepare_frozen(model)
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         model.requires_grad_(False)
         self._materialize(model, self._config)

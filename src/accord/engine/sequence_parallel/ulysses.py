@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from accord import registry
-from accord.compat.deepspeed import ulysses_attention
+from accord.compat.deepspeed import import_deepspeed, ulysses_attention
 from accord.compat.transformers import attn_implementation, set_attn_implementation, text_config
 from accord.distributed.group import DistInfo
 from accord.errors import UserInputError
@@ -80,12 +80,12 @@ def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> Non
     problems = check_sequence_parallel(recipe, model.config)
     if problems:
         raise UserInputError(problems[0])
-    import deepspeed
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # DeepSpeed's collectives go through deepspeed.comm, over the process group accord made.
+    deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
     group = None
     for first in range(0, info.world_size, n):  # every rank creates every group, in the same order
