@@ -10,7 +10,8 @@ properly (reuse_fp32_partitions).
 
 check_internals looks up every attribute a run needs when the engine is built: a missing one
 stops the run there (IncompatibleLibrary), naming the attribute and the installed version,
-instead of a checkpoint silently missing state.
+instead of a checkpoint silently missing state. import_deepspeed is how accord imports DeepSpeed
+(without the mlflow import its autotuner makes).
 """
 
 from __future__ import annotations
