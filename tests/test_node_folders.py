@@ -36,7 +36,7 @@ def _node_local_checkpoint(folder, this_folder: int):
 
 
 def test_a_missing_file_another_node_wrote_is_named_with_its_rank_host_and_folder(tmp_path):
-    """The line comes from the check a resume runs (state_problems), so a change of its wording fails here."""
+    """Through the check a resume runs (state_problems), as complete_from_peers calls it."""
     import torch
 
     from accord.engine.state import state_problems, write_sharded
@@ -46,7 +46,7 @@ def test_a_missing_file_another_node_wrote_is_named_with_its_rank_host_and_folde
     _node_local_checkpoint(folder, this_folder=1)  # node 1's folder; rank 0 is on node 0
     shard = folder / "state" / "__0_0.distcp"
     shard.unlink()
-    (named,) = [nodefolders._named(line, folder) for line in state_problems(folder)]
+    (named,) = state_problems(folder, missing=lambda path: nodefolders._missing_here(path, folder))
     assert named.startswith(f"{shard} is missing here: rank 0 wrote it into /disk/out0/checkpoints/step-000004")
     assert "node 0 (host node-a)" in named and "\n" not in named
 

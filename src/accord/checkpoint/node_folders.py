@@ -28,7 +28,7 @@ from pathlib import Path
 
 from accord.atomic import replacing
 from accord.distributed import group as dist
-from accord.engine.state import state_problems
+from accord.engine.state import missing_file_problem, state_problems
 from accord.errors import CheckpointError
 
 SHARED, NODE_LOCAL = "shared", "node-local"
@@ -209,7 +209,7 @@ def complete_from_peers(folder: Path, info: dist.DistInfo) -> list[str]:
         _exchange(folder, info, layout)
     problems: list[str] = []
     if layout.leader:
-        problems = [_named(line, folder) for line in state_problems(folder)]
+        problems = state_problems(folder, missing=lambda path: _missing_here(path, folder))
     found = dist.all_gather_objects(problems)
     return sorted({line for lines in found for line in lines})
 
@@ -254,20 +254,16 @@ def _other_rng(rel: str, rank: int, layout: Layout) -> bool:
     return writer_of(rel) not in folder_ranks
 
 
-def _named(line: str, folder: Path) -> str:
-    """A missing-file problem, with the rank and folder that wrote the file when the
-    checkpoint's layout says another node's folder holds it."""
+def _missing_here(path: Path, folder: Path) -> str:
+    """A file of checkpoint `folder` missing here, with the rank and folder that wrote it when
+    the checkpoint's layout says another node's folder holds it."""
     layout = read_layout(folder)
-    match = re.fullmatch(r"(\S+) is missing", line)  # state_problems' wording
-    if layout is None or match is None:
-        return line
-    rel = str(Path(match.group(1)).relative_to(folder)) if Path(match.group(1)).is_relative_to(folder) else None
-    rank = writer_of(rel) if rel else None
-    owner = next((f for f in layout["folders"] if rank in f["ranks"]), None)
+    rank = writer_of(path.relative_to(folder).as_posix())
+    owner = next((f for f in layout["folders"] if rank in f["ranks"]), None) if layout is not None else None
     if owner is None:
-        return line
+        return missing_file_problem(path)
     return (
-        f"{folder / rel} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} "
+        f"{path} is missing here: rank {rank} wrote it into {owner['dir']}/checkpoints/{folder.name} "
         f"on node {owner['nodes'][0]} (host {owner['host']}); resume with that node taking part, or copy its files "
         f"into {folder}"
     )

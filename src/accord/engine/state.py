@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -370,17 +370,22 @@ class _ChunkPlanner(DefaultLoadPlanner):
 # ------------------------------------------------------------------ checking a checkpoint's files
 
 
-def state_problems(folder: Path) -> list[str]:
+def missing_file_problem(path: Path) -> str:
+    """How state_problems words a missing file (its default `missing`)."""
+    return f"{path} is missing"
+
+
+def state_problems(folder: Path, missing: Callable[[Path], str] = missing_file_problem) -> list[str]:
     """What makes a checkpoint's state unreadable, found without reading the tensors: a
     missing index, a shard file that is missing or shorter than the index says (one reason
-    per problem, naming the file)."""
+    per problem, naming the file; `missing` words a missing file's)."""
     state_dir = folder / STATE_DIR
     if not state_dir.is_dir():
         if is_legacy(folder):
             return []  # converted when the run resumes from it (convert_legacy)
         return [f"{folder} has no {STATE_DIR}/ folder"]
     if not (state_dir / ".metadata").is_file():
-        return [f"{state_dir / '.metadata'} is missing"]
+        return [missing(state_dir / ".metadata")]
     try:
         metadata = FileSystemReader(state_dir).read_metadata()
     except Exception as e:  # a truncated or garbled index
@@ -392,7 +397,7 @@ def state_problems(folder: Path) -> list[str]:
     for name, end in sorted(needed.items()):
         path = state_dir / name
         if not path.is_file():
-            problems.append(f"{path} is missing")
+            problems.append(missing(path))
         elif path.stat().st_size < end:
             problems.append(f"{path} is truncated ({path.stat().st_size:,} of {end:,} bytes)")
     return problems
