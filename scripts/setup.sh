@@ -21,8 +21,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     done_stage
 fi
-# --no-compile: pip byte-compiles each package's files one by one (~50 s of this script on 2
-# cores); compile_installed does it once for all, on every core (~30 s).
+# --no-compile: pip byte-compiles each package's files one at a time, on one core;
+# compile_installed compiles them all at once, on every core.
 PIP=("$VENV/bin/python" -m pip install --quiet --no-compile)
 compiled=1
 compile_installed() {

@@ -38,7 +38,7 @@ def import_deepspeed() -> ModuleType:
     """`import deepspeed`, without letting it import mlflow.
 
     DeepSpeed's autotuner (which accord never runs) imports mlflow whenever it is installed, on
-    `import deepspeed`: about 1 s of DeepSpeed's 1.3 s import, in every worker. mlflow is hidden
+    `import deepspeed`: most of that import's time, in every worker. mlflow is hidden
     for that import only (an absent module to DeepSpeed's try/except), so the mlflow tracker
     still imports it afterwards; where mlflow is imported already, nothing is hidden.
     """
