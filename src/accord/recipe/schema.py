@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from accord import registry
 from accord.errors import UserInputError
 from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition_capacity  # noqa: F401 (read from here)
+from accord.recipe.dpo import DPOConfig
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
@@ -147,20 +148,6 @@ class ClassifyConfig(Section):
 
     labels: list[str] | None = Field(
         None, description="The label set, in id order (default: the sorted labels found in the training data)."
-    )
-
-
-class DPOConfig(Section):
-    """Direct preference optimisation: rows have `prompt`, `chosen` and `rejected`."""
-
-    beta: float = Field(0.1, gt=0, description="Strength of the KL anchor to the reference model.")
-    reference: str | None = Field(
-        None, description="Folder of the frozen reference model (default: the starting model itself)."
-    )
-    precompute_reference: bool = Field(
-        False,
-        description="Compute the reference log-probabilities once before training instead of running the reference "
-        "every step.",
     )
 
 

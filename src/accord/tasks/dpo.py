@@ -1,10 +1,12 @@
-"""Direct preference optimisation (sigmoid loss): rows of `prompt`, `chosen`, `rejected`.
+"""Direct preference optimisation: rows of `prompt`, `chosen`, `rejected`.
 
-The loss of a pair is -log σ(β·[(log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))]),
-summed over pairs; the trainer divides by the pairs of the whole global batch, so the
-update does not depend on how pairs are split over ranks and micro-steps. The reference
-is a frozen model (by default the starting model; with LoRA, the same model with its
-adapters switched off), or log-probabilities precomputed once before training.
+The loss of a pair is a function of its summed answer log-probabilities under the policy
+and the reference (dpo.loss_type: sigmoid, -log σ(β·[(log π(c) − log π_ref(c)) − (log π(r) −
+log π_ref(r))]), by default; accord.tasks.preference_losses holds TRL's whole family), summed
+over pairs; the trainer divides by the pairs of the whole global batch, so the update does
+not depend on how pairs are split over ranks and micro-steps. The reference is a frozen model
+(by default the starting model; with LoRA, the same model with its adapters switched off),
+log-probabilities precomputed once before training, or none (dpo.reference_free: 0).
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from accord.data.columns import Schema
 from accord.data.fetch import fetch, to_device
 from accord.recipe.schema import ModelConfig
-from accord.tasks.base import LossOutput, Task, sequence_logprobs, text_prefix
+from accord.tasks.base import IGNORE, LossOutput, Task, sequence_logprobs, text_prefix
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
+from accord.tasks.preference_losses import LossParams, PairLogps, pair_loss
 
 
 class DPOTask(Task):
@@ -35,7 +37,11 @@ class DPOTask(Task):
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)
-        self.beta = recipe.dpo.beta
+        cfg = recipe.dpo
+        self.beta = cfg.beta
+        self.terms = cfg.weighted_losses()
+        self.params = LossParams(cfg.beta, cfg.label_smoothing, cfg.discopop_tau)
+        self.reference_free = cfg.reference_free
         self.eos_id = tokenizer.eos_token_id
         self.add_bos = recipe.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
@@ -46,6 +52,8 @@ class DPOTask(Task):
         self.logprobs: TargetLogprobs | None = None
         self.reference_logprobs: TargetLogprobs | None = None
         self.plain_loss_reason: str | None = None
+
+    eval_hidden = ("logps_chosen", "logps_rejected")
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"format": 1, "add_bos": self.add_bos, "prefix": self.prefix}
@@ -64,7 +72,7 @@ class DPOTask(Task):
             self.reference = build_model(
                 ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True
             )
-        elif self.recipe.lora is None:
+        elif self.recipe.lora is None and not cfg.reference_free:
             self.reference = copy.deepcopy(model)
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
@@ -81,7 +89,7 @@ class DPOTask(Task):
             # Built on the meta device (a copy of the starting model is only its description):
             # the engine materialises it, sharded like the policy under fsdp.
             self.reference = engine.prepare_frozen(self.reference)
-        if not self.recipe.dpo.precompute_reference:
+        if not self.recipe.dpo.precompute_reference:  # (the recipe refuses it with reference_free)
             return train, eval_ds
         train, eval_ds = (self._with_reference_logps(ds, engine) if ds is not None else None for ds in (train, eval_ds))
         self.reference = None  # every value it would give is in the data now: release it
@@ -126,7 +134,10 @@ class DPOTask(Task):
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed answer log-probabilities under the reference, chosen rows then rejected."""
+        """Summed answer log-probabilities under the reference, chosen rows then rejected
+        (dpo.reference_free: 0, a uniform reference)."""
+        if self.reference_free:
+            return torch.zeros(len(batch["labels"]), device=batch["labels"].device)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         if self.reference is not None:
             return _row_logprobs(self.reference, self.reference_logprobs, inputs, batch["labels"])
@@ -139,18 +150,27 @@ class DPOTask(Task):
         policy = _row_logprobs(model, self.logprobs, inputs, batch["labels"])
         reference = batch["ref_logps"] if "ref_logps" in batch else self.reference_logps(batch)
         pairs = len(policy) // 2
-        chosen = self.beta * (policy[:pairs] - reference[:pairs])
-        rejected = self.beta * (policy[pairs:] - reference[pairs:])
+        tokens = (shifted_targets(batch["labels"]) != IGNORE).sum(-1)
+        p = PairLogps(
+            policy[:pairs], policy[pairs:], reference[:pairs], reference[pairs:], tokens[:pairs], tokens[pairs:]
+        )
+        # What TRL logs, as sums over pairs (the trainer divides by the step's pairs).
+        chosen, rejected = (self.beta * p.chosen_logratio).detach(), (self.beta * p.rejected_logratio).detach()
         margin = chosen - rejected
+        metrics = {
+            "reward_accuracy": (margin > 0).sum().float(),
+            "reward_margin": margin.sum(),
+            "reward_chosen": chosen.sum(),
+            "reward_rejected": rejected.sum(),
+            "logps_chosen": p.chosen.detach().sum(),
+            "logps_rejected": p.rejected.detach().sum(),
+        }
+        if any(name == "sft" for name, _ in self.terms):
+            metrics["nll"] = (-p.chosen / p.chosen_tokens.clamp(min=1)).detach().sum()
         return LossOutput(
-            loss_sum=-F.logsigmoid(margin).sum(),
+            loss_sum=pair_loss(p, self.terms, self.params).sum(),
             num_targets=torch.tensor(pairs, device=policy.device),
-            metrics={
-                "reward_accuracy": (margin > 0).sum().float(),
-                "reward_margin": margin.detach().sum(),
-                "reward_chosen": chosen.detach().sum(),
-                "reward_rejected": rejected.detach().sum(),
-            },
+            metrics=metrics,
         )
 
 
