@@ -15,7 +15,8 @@ TOLERANCE = 1e-5
 CASES = {
     "pretrain": ("pretrain", {}),
     "classify": ("classify", {}),
-    "dpo": ("dpo", {}),
+    # A non-sigmoid mixture with the NLL term: every dpo.loss_type is a per-pair sum like this one.
+    "dpo": ("dpo", {"dpo": {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.5], "rpo_alpha": 0.2}}),
     "chat-sft-lora": ("chat", {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}),
 }
 
