@@ -20,6 +20,7 @@ from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
+from accord.recipe.rloo import RLOOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
 from accord.recipe.paths import locate
@@ -237,7 +238,8 @@ class Recipe(Section):
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
         "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; "
-        "online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside "
+        "online RL with the grpo section's rewards), rloo (the same prompts, rewards and grpo keys; leave-one-out "
+        "advantages, the rloo section); or {class: package.module:Class} for a task written outside "
         "accord.",
     )
     data: DataConfig
@@ -247,6 +249,7 @@ class Recipe(Section):
     classify: ClassifyConfig = ClassifyConfig()
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    rloo: RLOOConfig = RLOOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
