@@ -20,10 +20,10 @@ from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
-from accord.recipe.rloo import RLOOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
 from accord.recipe.paths import locate
+from accord.recipe.rloo import RLOOConfig
 from accord.recipe.section import Section
 from accord.recipe.yaml_text import DuplicateKey, load_yaml
 
