@@ -29,6 +29,7 @@ TASKS: dict[str, str] = {
     "dpo": "accord.tasks.dpo:DPOTask",
     "reward": "accord.tasks.reward:RewardTask",
     "grpo": "accord.tasks.grpo:GRPOTask",
+    "rloo": "accord.tasks.rloo:RLOOTask",
 }
 
 # What engine.offload may ask, least first.

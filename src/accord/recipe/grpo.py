@@ -1,4 +1,5 @@
-"""The recipe's `grpo:` section: online RL with group-relative advantages (task: grpo).
+"""The recipe's `grpo:` section: online RL with group-relative advantages (task: grpo), and the
+sampling, rewards and objective keys task: rloo reads too (recipe/rloo.py holds what rloo adds).
 
 Kept out of recipe.py because the reward list is a small language of its own: each entry
 names a kind (a built-in check, a Python callable, a reward-model folder) and a weight.
@@ -62,12 +63,15 @@ RewardSpec = Annotated[
 
 class GRPOConfig(BaseModel):
     """Group relative policy optimisation: rows have a `prompt` (or chat `messages`) plus the
-    columns the rewards read."""
+    columns the rewards read. task: rloo reads these keys too."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
     group_size: int = Field(
-        4, ge=2, description="Completions sampled per prompt (G); advantages are normalised within each group."
+        4,
+        ge=2,
+        description="Completions sampled per prompt (G); advantages are normalised within each group (rloo: each "
+        "completion's baseline is the mean reward of the other G - 1).",
     )
     max_new_tokens: int = Field(32, gt=0, description="Longest sampled completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -87,7 +91,8 @@ class GRPOConfig(BaseModel):
         0.04,
         ge=0,
         description="Weight of the KL penalty to the reference (the starting model; adapters off under LoRA); "
-        "0: no reference.",
+        "0: no reference. grpo adds beta × the k3 estimator to each token's loss; rloo subtracts beta × the "
+        "summed log-ratio of each completion from its reward (TRL's RLOO).",
     )
     epsilon: float = Field(
         0.2, gt=0, lt=1, description="Clipping range of the probability ratio: [1 - epsilon, 1 + epsilon]."

@@ -24,6 +24,7 @@ from accord.recipe.grpo import GRPOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
 from accord.recipe.paths import locate
+from accord.recipe.rloo import RLOOConfig
 from accord.recipe.section import Section
 from accord.recipe.yaml_text import DuplicateKey, load_yaml
 
@@ -224,7 +225,8 @@ class Recipe(Section):
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
         "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; "
-        "online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside "
+        "online RL with the grpo section's rewards), rloo (the same prompts, rewards and grpo keys; leave-one-out "
+        "advantages, the rloo section); or {class: package.module:Class} for a task written outside "
         "accord.",
     )
     data: DataConfig
@@ -234,6 +236,7 @@ class Recipe(Section):
     classify: ClassifyConfig = ClassifyConfig()
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    rloo: RLOOConfig = RLOOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

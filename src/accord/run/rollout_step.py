@@ -1,6 +1,7 @@
-"""The generation half of an online step (task: grpo): each rank has its prompts of the global
-batch sampled and scored by the task, then one reduction gives every rank the step's totals,
-among them the loss normaliser (completion tokens of the whole global batch)."""
+"""The generation half of an online step (task: grpo, rloo): each rank has its prompts of the
+global batch sampled and scored by the task, then one reduction gives every rank the step's
+totals, among them the loss normaliser (the whole global batch's completion tokens under grpo,
+its completions under rloo)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from accord.stopping import TrainingStopped
 
 @dataclass(frozen=True)
 class OnlineStep:
-    targets: int  # completion tokens of the whole global batch
+    targets: int  # the loss normaliser over the whole global batch (the task's RolloutSummary.targets)
     tokens: int  # prompt + completion tokens of the whole global batch
     means: dict[str, float]  # per-completion means over the global batch, and per-rank mean seconds
 
@@ -38,7 +39,7 @@ def rollout_step(run, task, step: int, global_batch) -> OnlineStep:
     names = sorted(summary.sums) if summary is not None else sorted(task.rollout_metric_names())
     local = [0.0] * (5 + len(names))
     if summary is not None:
-        local = [summary.completion_tokens, summary.tokens, summary.completions, 0.0, summary.generation_s] + [
+        local = [summary.targets, summary.tokens, summary.completions, 0.0, summary.generation_s] + [
             summary.sums[n] for n in names
         ]
     else:
@@ -51,7 +52,7 @@ def rollout_step(run, task, step: int, global_batch) -> OnlineStep:
             str(failure) if failure is not None else "a reward function failed on another rank (its line is above)"
         )
     completions = max(totals[2], 1.0)
-    means = {n: v / completions for n, v in zip(names, totals[5:])}
+    means = task.rollout_means({n: v / completions for n, v in zip(names, totals[5:])}, completions)
     means["generation_s"] = totals[4] / info.world_size
     if info.is_main and (step + 1) % run.recipe.train.log_every == 0 and summary is not None:
         with open(Path(run.out_dir) / "samples.jsonl", "a", encoding="utf-8") as f:

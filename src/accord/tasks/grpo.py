@@ -26,7 +26,7 @@ from accord.data.sources import DataError, check_columns
 from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.dpo import _adapters_off
-from accord.tasks.grpo_loss import grpo_token_loss, kl_k3
+from accord.tasks.grpo_loss import clipped, grpo_token_loss, kl_k3
 from accord.tasks.rewards import Group, RewardFunctions
 from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
 
@@ -46,13 +46,14 @@ class Rollout:
     scores: torch.Tensor | None = None  # (reward functions, G), unweighted
     total: torch.Tensor | None = None  # (G,) weighted sum
     advantages: torch.Tensor | None = None  # (G,)
+    kl: torch.Tensor | None = None  # (G,) rloo: each completion's summed log π_old − log π_ref
 
 
 @dataclass
 class RolloutSummary:
     """What the trainer reduces over ranks once per step."""
 
-    completion_tokens: int
+    targets: int  # what the loss is divided by: completion tokens (grpo), completions (rloo)
     tokens: int  # prompt + completion tokens
     completions: int
     sums: dict[str, float]  # per-completion values summed (rewards, lengths, group std × G)
@@ -63,6 +64,7 @@ class RolloutSummary:
 class GRPOTask(Task):
     name = "grpo"
     online = True  # generates its training targets each step (Trainer.train_step)
+    token_targets = True  # the loss is a sum over completion tokens (rloo: over completions)
     eval_loss = False  # held-out rows are scored by generation (train.eval_generate), not a loss
 
     def __init__(self, tokenizer, recipe):
@@ -102,11 +104,13 @@ class GRPOTask(Task):
     def fit(self, train, eval_ds):
         self.chat = "messages" in train.column_names
         if self.chat and self.tokenizer.chat_template is None:
-            raise DataError("grpo on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)")
+            raise DataError(
+                f"{self.name} on chat `messages` needs a tokenizer with a chat template (model.tokenizer has none)"
+            )
         checked = []
         for ds in (train, eval_ds):
             if ds is not None:
-                ds = check_columns(ds, () if self.chat else ("prompt",), "grpo data (prompt or messages)")
+                ds = check_columns(ds, () if self.chat else ("prompt",), f"{self.name} data (prompt or messages)")
                 missing = sorted(self.rewards.columns() - set(ds.column_names))
                 if missing:
                     present = [c for c in ds.column_names if not c.startswith("__")]
@@ -223,7 +227,7 @@ class GRPOTask(Task):
             )
             completions.update(zip(call, groups))
         rollouts = [self._rollout(rows[i], completions[i]) for i in range(len(rows))]
-        if c.num_iterations > 1:
+        if self._logps_at_rollout:
             # At most a micro-batch of groups at a time (the memory the loss's passes are sized
             # for); a group's floats do not depend on which others share the pass (_group_logps).
             chunk = self.recipe.batch.micro_batch_size or len(rollouts)
@@ -242,13 +246,23 @@ class GRPOTask(Task):
             Group(self.prompt_text(r.row), r.row, r.texts, [len(ids) for ids in r.completions], row_id)
         )
         r.total = (torch.tensor(self.rewards.weights, dtype=torch.float64)[:, None] * r.scores).sum(0)
+        r.advantages = self._advantages(r)
+
+    def _advantages(self, r: Rollout) -> torch.Tensor:
+        """(G,) advantages of a scored group."""
         # Normalised within the group (TRL's scale_rewards=group): std + 1e-4 keeps a group of
         # equal rewards at advantage 0.
-        r.advantages = ((r.total - r.total.mean()) / (r.total.std() + 1e-4)).float()
+        return ((r.total - r.total.mean()) / (r.total.std() + 1e-4)).float()
 
     @property
     def _has_reference(self) -> bool:
         return self.cfg.beta > 0
+
+    @property
+    def _logps_at_rollout(self) -> bool:
+        """Whether the sampling policy's log-probabilities are taken after sampling (grpo: only
+        as the ratios' denominator when a generation batch serves several steps)."""
+        return self.cfg.num_iterations > 1
 
     @torch.no_grad()
     def _add_old_logps(self, model: nn.Module, rollouts: list[Rollout]) -> None:
@@ -256,13 +270,21 @@ class GRPOTask(Task):
         over each group's completion positions (G, its longest completion): the ratios'
         denominator when a generation batch serves several steps (with one step the ratio is 1
         and needs none). Taken as the loss takes the policy's (_group_logps): the same floats."""
+        logps = self._rollout_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), rollouts)
+        for r, old in zip(rollouts, logps):
+            r.old_logps = old
+
+    def _rollout_logps(self, logprobs, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """`logprobs(GroupsPass)` of each group's completion tokens, (G, its longest completion)
+        per group, on the CPU; the positions past a completion's end hold padding's values."""
         batch = self._collate_groups(rollouts, with_logps=False)
         batch = {key: value.to(self._device) for key, value in batch.items()}
-        logps = self._group_logps(lambda p: completion_logprobs(model, p, self.cfg.temperature), batch).cpu()
-        size = self.cfg.group_size
+        logps = self._group_logps(logprobs, batch).cpu()
+        size, out = self.cfg.group_size, []
         for k, r in enumerate(rollouts):
             start = len(r.prompt_ids) - 1
-            r.old_logps = logps[k * size : (k + 1) * size, start : start + max(len(c) for c in r.completions)]
+            out.append(logps[k * size : (k + 1) * size, start : start + max(len(c) for c in r.completions)])
+        return out
 
     @torch.no_grad()
     def _reference_logps(self, p: GroupsPass) -> torch.Tensor:
@@ -292,14 +314,14 @@ class GRPOTask(Task):
 
     def _summarise(self, row_ids: list[int], seconds: float) -> RolloutSummary:
         sums = dict.fromkeys(self.rollout_metric_names(), 0.0)
-        completion_tokens = tokens = completions = 0
+        targets = tokens = completions = 0
         samples = []
         for rid in row_ids:
             r = self._rollouts[rid]
             texts, scores, total = r.texts, r.scores, r.total
             assert scores is not None and total is not None
             lengths = [len(c) for c in r.completions]
-            completion_tokens += sum(lengths)
+            targets += sum(lengths) if self.token_targets else len(lengths)
             tokens += sum(lengths) + len(r.prompt_ids) * len(lengths)
             completions += len(lengths)
             sums["reward"] += float(total.sum())
@@ -309,7 +331,12 @@ class GRPOTask(Task):
                 sums[f"reward_{name}"] += float(row_scores.sum())
             prompt = self.prompt_text(r.row)
             samples += [{"prompt": prompt, "completion": t, "reward": float(v)} for t, v in zip(texts, total)]
-        return RolloutSummary(completion_tokens, tokens, completions, sums, seconds, samples)
+        return RolloutSummary(targets, tokens, completions, sums, seconds, samples)
+
+    def rollout_means(self, means: dict[str, float], completions: float) -> dict[str, float]:
+        """The step's metrics from the per-completion means of the summed values over the whole
+        global batch (one reduction, every rank the same): called once per step, after `rollout`."""
+        return means
 
     # ---------------------------------------------------------------- batches and the loss
 
@@ -351,9 +378,7 @@ class GRPOTask(Task):
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # num_iterations=1: ratio 1, same gradient
         advantages = batch["advantages"][:, None]
         per_token, ratio = grpo_token_loss(logps, old, advantages, ref, self.cfg.beta, self.cfg.epsilon)
-        eps = self.cfg.epsilon
-        clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
-        metrics = {"clip_fraction": (clipped.float() * mask).sum()}
+        metrics = {"clip_fraction": (clipped(ratio, advantages, self.cfg.epsilon).float() * mask).sum()}
         if ref is not None:
             metrics["kl"] = (kl_k3(logps.detach(), ref) * mask).sum()
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
