@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,18 @@ from accord.launch.watchdog import StallClock, diagnose
 from accord.observe import heartbeat
 from accord.observe.metrics import read_metrics
 from accord.recipe.schema import RecipeError, load_recipe
-from conftest import TINY_RECIPE, _tree_members, final_params, finish, max_param_diff, start_accord, write_recipe
+from conftest import (
+    TINY_RECIPE,
+    _tree_members,
+    accord_env,
+    final_params,
+    finish,
+    max_param_diff,
+    start_accord,
+    start_process,
+    wait_for,
+    write_recipe,
+)
 
 TIMEOUT_S = 5  # small, so that a hang costs the test seconds; progress comes every few ms
 STOP_AT_STEP = 7  # the tiny reference checkpoints at step 5: the restart redoes steps 6-10
@@ -120,20 +132,29 @@ def test_progress_is_read_back_exactly_as_the_rank_wrote_it(tmp_path, monkeypatc
 # ---------------------------------------------------------------- a stopped worker, end to end
 
 
-def _run_with_a_stopped_rank(recipe: Path, out: Path, *extra: str, fault: str = "") -> tuple[str, int]:
-    """Train with rank 1 SIGSTOPping itself in step STOP_AT_STEP: (output, exit code)."""
-    faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}{fault}"}
-    proc = start_accord(
-        "train",
-        recipe,
-        f"engine.hang_timeout_s={TIMEOUT_S}",
-        "checkpoint.every_steps=5",
-        *extra,
-        f"output.dir={out}",
-        env_extra=faults,
-    )
+def _run_with_a_stopped_rank(
+    recipe: Path,
+    out: Path,
+    *extra: str,
+    fault: str = "",
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[str, int]:
+    """Train with rank 1 SIGSTOPping itself in step STOP_AT_STEP, under accord's launcher or
+    `launcher` (a command that starts `-m accord ...` as its workers): (output, exit code)."""
+    faults = {"ACCORD_FAULTS": f"stop_rank=1,stop_at_step={STOP_AT_STEP}{fault}", **(env or {})}
+    args = ["train", recipe, f"engine.hang_timeout_s={TIMEOUT_S}", "checkpoint.every_steps=5", *extra]
+    args.append(f"output.dir={out}")
+    if launcher is None:
+        proc = start_accord(*args, env_extra=faults)
+    else:
+        command = [*launcher, "-m", "accord", *map(str, args)]
+        proc = start_process(command, merge_output=True, env=accord_env() | faults)
     output, _ = finish(proc, timeout=240)
-    assert not _tree_members(proc.tree_token), "processes of the run outlived it"
+    if launcher is None and "engine.launcher=ray" not in extra:
+        assert not _tree_members(proc.tree_token), "processes of the run outlived it"
+    else:  # the launcher's own processes (Ray's) and the node's watcher: within a margin
+        wait_for(lambda: not _tree_members(proc.tree_token), timeout=60)
     return output, proc.returncode
 
 
@@ -192,3 +213,52 @@ def test_a_rank_stuck_while_running_is_named_as_behind_the_others(tmp_path):
     assert f'rank 1 in "forward" of step {STOP_AT_STEP}' in output
     assert hang["time"] - _stopped_at(output) <= TIMEOUT_S + 10
     assert "in loss" in (Path(hang["folder"]) / "stacks-rank-00001.txt").read_text()
+
+
+# ---------------------------------------------------------------- under an outer launcher
+
+# torchrun & co. start the workers themselves: each node's local rank 0 starts the watcher
+# (launch/node_watch.py). Margin for a loaded machine: the watcher polls every 0.25 s, then
+# waits up to 5 s for each group of ranks' stacks.
+OUTER_MARGIN_S = 15
+
+
+def assert_named_with_stacks(output: str, out: Path, stuck_pid_named: bool = True) -> None:
+    """The hang of rank 1 (stopped in step STOP_AT_STEP) was named within the timeout + margin,
+    with every rank's stacks in output.dir/hang-<time>/ (shared with test_slurm.py)."""
+    (hang,) = [r for r in read_metrics(out) if r["kind"] == "hang"]
+    assert hang["stuck"] == [1] and hang["why"] == "stopped by a signal (SIGSTOP)", hang
+    if stuck_pid_named:
+        named = f"stuck: rank 1 (host {socket.gethostname()}, pid {hang['ranks'][1]['pid']})"
+        assert named in output and f'rank 1 in "forward" of step {STOP_AT_STEP}' in output, output[-4000:]
+    assert TIMEOUT_S <= hang["stalled_s"] and hang["time"] - _stopped_at(output) <= TIMEOUT_S + OUTER_MARGIN_S
+    folder = Path(hang["folder"])
+    assert folder.parent == out and json.loads((folder / "hang.json").read_text())["stuck"] == [1]
+    for rank in (0, 1):
+        assert "accord/run/trainer.py" in (folder / f"stacks-rank-{rank:05d}.txt").read_text()
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_under_torchrun_is_named_by_the_nodes_watcher_and_the_job_exits_1(tmp_path):
+    out = tmp_path / "hung"
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    output, code = _run_with_a_stopped_rank(recipe, out, launcher=TORCHRUN)
+    assert code == 1, output[-6000:]
+    assert_named_with_stacks(output, out)
+    assert "the run hung and this node's workers were stopped" in output
+
+
+@pytest.mark.slow  # Ray's start and its workers' (~60 s on 2 cores)
+@pytest.mark.distributed
+def test_a_stopped_ray_worker_is_named_by_the_nodes_watcher_and_the_run_exits_1(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "hung"
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    output, code = _run_with_a_stopped_rank(recipe, out, "engine.launcher=ray")
+    assert code == 1, output[-6000:]
+    assert "a Ray worker failed" in output, output[-6000:]
+    # Ray forwards its workers' output to the driver as it can: the line may come too late to print.
+    assert_named_with_stacks(output, out, stuck_pid_named=False)

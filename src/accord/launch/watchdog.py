@@ -11,7 +11,9 @@ readable whatever state the rank is in, and can signal the processes.
 Progress is any rank entering a phase or ticking inside one: while rank 0 writes a checkpoint
 or evaluates, the others wait in a collective and report nothing, and that is not a hang.
 Each node's launcher watches its own ranks: a rank stuck on another node shows here as all
-local ranks waiting in the same phase, and that node's launcher names it.
+local ranks waiting in the same phase, and that node's launcher names it. Where an outer
+launcher (torchrun, accelerate launch, deepspeed, Ray) started the workers, a watcher process
+that each node's local rank 0 starts runs the same Watchdog (accord.launch.node_watch).
 """
 
 from __future__ import annotations
@@ -104,11 +106,14 @@ def describe(culprits: list[dict], why: str, records: list[dict], stalled_s: flo
 
 
 class Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, nproc: int, max_restarts: int, out_dir: Path, dump_dir: Path):
+    def __init__(
+        self, timeout_s: float, nproc: int, max_restarts: int, out_dir: Path, dump_dir: Path, restart: int = 0
+    ):
         super().__init__(name="accord-watchdog", daemon=True)
         self.timeout_s, self.nproc, self.max_restarts = timeout_s, nproc, max_restarts
         self.out_dir, self.dump_dir = out_dir, dump_dir
-        self.restart = 0  # the worker group being watched (TORCHELASTIC_RESTART_COUNT)
+        # The worker group being watched (TORCHELASTIC_RESTART_COUNT), up to max_restarts.
+        self.restart = restart
         self.clock = StallClock(nproc, timeout_s)
         self.verdicts: dict[int, str] = {}  # per worker group: the line printed when it hung
         self._closing = threading.Event()

@@ -26,6 +26,7 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.engine.device import select_device
 from accord.errors import UserInputError
 from accord.launch.host_memory import release_freed_memory
+from accord.launch.node_watch import watch_node
 from accord.observe import heartbeat
 from accord.output.folder import discard_earlier_run, prepare_output_dir, write_run_status
 from accord.recipe.schema import Recipe, read_resolved_recipe
@@ -71,15 +72,18 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopReques
         )
     stop = stop or StopRequest().install()
     device = select_device(recipe.engine, info.local_rank)
-    heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, dist.restart_count())
+    restart = dist.restart_count()
+    # Under an outer launcher: the node's own watcher, started by its local rank 0 (none under accord's).
+    node = watch_node(recipe.engine.hang_timeout_s, info, restart, recipe.output.dir, nccl=device.type == "cuda")
+    heartbeat.start(recipe.engine.hang_timeout_s, info.rank, info.local_rank, info.world_size, restart)
     if device.type == "cuda" and heartbeat.DUMP_DIR_ENV not in os.environ:  # the watchdog's are set
         heartbeat.enable_flight_recorder(recipe.output.dir, pipe=False)  # dumped on torch's timeout
-    dist.init(device)
-    from accord.launch import refusal_relay as refusals
-
-    refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
     clean = False
     try:
+        dist.init(device)
+        from accord.launch import refusal_relay as refusals
+
+        refusals.stop_watching()  # every rank met: from here on a stop is agreed collectively
         try:
             result = _run(recipe, plan, info, device, stop)
         except TrainingStopped as e:
@@ -95,7 +99,11 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopReques
         return result
     finally:
         # After an unexpected error a peer may never reach the barrier: only tear down.
-        dist.shutdown(clean=clean)
+        try:
+            dist.shutdown(clean=clean)
+        finally:
+            if node is not None:  # every local rank has left the loop: its watcher can go
+                node.close()
 
 
 def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
