@@ -127,3 +127,13 @@ def test_trl_docstring_examples_import_to_recipes_accord_plan_accepts(tmp_path, 
         for key in [t[2:].split("=")[0].removeprefix("no_") for t in tokens if t.startswith("--")]:
             assert re.search(rf"^{key} ", proc.stdout, re.M), f"{key} missing from the report"
         assert_ok(run_accord("plan", out))
+
+
+def test_the_docs_mapping_table_is_generated_from_the_importers_table():
+    """Regenerate with: python -c "from accord.interop.mapping import markdown_table; print(markdown_table())"
+    pasted between the markers of docs/coming-from-trl.md."""
+    from accord.interop.mapping import markdown_table
+
+    text = (Path(__file__).parents[1] / "docs" / "coming-from-trl.md").read_text()
+    table = text.split("<!-- mapping:start -->\n")[1].split("\n<!-- mapping:end -->")[0]
+    assert table == markdown_table()

@@ -385,3 +385,18 @@ ACCELERATE_RULES: dict[str, Rule] = {
     "fp8_config": refused("fp8 training is not supported", "mixed_precision: bf16"),
     "dynamo_config": dropped("accord's engine.compile compiles the model itself"),
 }
+
+
+def markdown_table() -> str:
+    """The table above as markdown, for docs/coming-from-trl.md (regenerated, never hand-edited)."""
+    lines = ["| TRL / Trainer key | decision | recipe key | why / how |", "|---|---|---|---|"]
+    for key in sorted(RULES):
+        rule = RULES[key]
+        why = rule.note + (f"; use {rule.nearest}" if rule.nearest else "")
+        lines.append(f"| `{key}` | {rule.decision} | {f'`{rule.target}`' if rule.target else ''} | {why} |")
+    lines += ["", "| accelerate config key | decision | recipe key | why / how |", "|---|---|---|---|"]
+    for key in sorted(ACCELERATE_RULES):
+        rule = ACCELERATE_RULES[key]
+        why = rule.note + (f"; use {rule.nearest}" if rule.nearest else "")
+        lines.append(f"| `{key}` | {rule.decision} | {f'`{rule.target}`' if rule.target else ''} | {why} |")
+    return "\n".join(lines)
