@@ -24,6 +24,7 @@ LAYERS = [
     {"run"},
     {"planner"},
     {"launch"},
+    {"interop"},
     {"cli", "api", "__main__", ""},  # "": the package itself (accord/__init__.py)
 ]
 

@@ -235,3 +235,24 @@ def config(args: argparse.Namespace) -> int:
         f"launch with: accelerate launch --config_file {args.out} -m accord train {args.recipe}"
     )
     return 0
+
+
+def import_job(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe, write_recipe
+    from accord.interop.report import format_table
+
+    files = [item for item in args.inputs if "=" not in item]
+    overrides = [item for item in args.inputs if "=" in item]
+    job = build_job(files, args.command_line, devices=args.devices, nodes=args.nodes, task=args.task)
+    try:
+        recipe, rows = import_recipe(job, overrides)
+    except RefusedKeys as e:
+        print(format_table(e.rows))
+        raise
+    print(format_table(rows))
+    write_recipe(recipe, Path(args.out))
+    print(f"accord: wrote {args.out}; check it with: accord plan {args.out}", file=sys.stderr)
+    return 0

@@ -57,6 +57,9 @@ def entry() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = launcher_arguments(sys.argv[1:] if argv is None else list(argv))
+    tail: list[str] = []
+    if argv[:1] == ["import"] and "--" in argv:  # `accord import [options] -- trl sft ...`: the job's own command
+        tail, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     parser = build_parser()
     # Overrides may come before or after options; argparse collects the ones it meets
     # after an option as unknown arguments.
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
     if unknown or (extra and args.command not in RECIPE_COMMANDS):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if args.command == "import":
+        args.command_line = tail
     if args.command in RECIPE_COMMANDS:
         args.overrides = list(args.overrides) + extra
     try:

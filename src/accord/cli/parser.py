@@ -178,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's output.dir")
     report.set_defaults(func=command.report)
 
+    imports = commands.add_parser(
+        "import",
+        help="write a recipe from a TRL / transformers.Trainer job (YAML, command line, train.py, DeepSpeed JSON, "
+        "accelerate config), with a table of what became of every key",
+        description="Read the job's inputs (any mix), account for every key (mapped, changed, dropped or refused) "
+        "and write a recipe. A TRL command goes after --: accord import --devices 8 -- trl sft --learning_rate ...",
+    )
+    imports.add_argument("inputs", nargs="*", metavar="FILE|KEY=VALUE", help="inputs, then recipe overrides")
+    imports.add_argument("--devices", type=int, metavar="N", help="devices per node the original ran on")
+    imports.add_argument("--nodes", type=int, metavar="M", help="nodes the original ran on (default 1)")
+    imports.add_argument("--task", metavar="TASK", help="the TRL task when the inputs do not say (default sft)")
+    imports.add_argument("--out", default="recipe.yaml", metavar="FILE", help="recipe to write (default recipe.yaml)")
+    imports.set_defaults(func=command.import_job, command_line=[])
+
     config = commands.add_parser(
         "config",
         help="write the accelerate config matching a recipe (for `accelerate launch --config_file`)",
