@@ -16,12 +16,14 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from accord import registry
 from accord.errors import UserInputError
+from accord.recipe.cpo import CPOConfig
 from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition_capacity  # noqa: F401 (read from here)
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
+from accord.recipe.orpo import ORPOConfig
 from accord.recipe.paths import locate
 from accord.recipe.section import Section
 from accord.recipe.yaml_text import DuplicateKey, load_yaml
@@ -106,7 +108,7 @@ class TrainConfig(Section):
     # memory) under every strategy, not how the model is distributed.
     loss_chunk_size: int | Literal["auto"] = Field(
         "auto",
-        description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
+        description="sft, pretrain, dpo, cpo: compute the loss this many target tokens at a time, recomputing each chunk's "
         "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
         "logits); "
         "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
@@ -236,9 +238,9 @@ class Recipe(Section):
     task: str | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; "
-        "online RL with the grpo section's rewards); or {class: package.module:Class} for a task written outside "
-        "accord.",
+        "dpo (prompt, chosen, rejected), orpo and cpo (the same rows, no reference model), reward (prompt, chosen, "
+        "rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards); or "
+        "{class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -247,6 +249,8 @@ class Recipe(Section):
     classify: ClassifyConfig = ClassifyConfig()
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    orpo: ORPOConfig = ORPOConfig()
+    cpo: CPOConfig = CPOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
