@@ -100,3 +100,71 @@ def test_step_loss_and_gradient_equal_trl_trainers_on_the_same_batch(variant, tm
     if variant == "orpo":
         for name in ("log_odds_ratio", "log_odds_chosen"):
             assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def _pairs_file(folder, count: int):
+    import random
+
+    from conftest import write_jsonl
+
+    rng = random.Random(3)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b + rng.randint(1, 9)} ok"})
+    return write_jsonl(folder / "pairs.jsonl", rows), rows
+
+
+def _run_recipe(variant: str, folder, steps: int, **sections) -> dict:
+    """`variant` on generated pairs in file order (no held-out split), fp32, a constant lr."""
+    path, _ = _pairs_file(folder, 64)
+    recipe = _recipe(variant, folder, **sections)
+    recipe["data"] |= {"train": str(path), "eval_fraction": 0.0, "shuffle": False}
+    recipe["optim"] = {"lr": 3.0e-3, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0}
+    recipe["train"] = {"max_steps": steps, "log_every": 1}
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def orpo_layouts(tmp_path_factory):
+    """ORPO on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2), the same recipe."""
+    from conftest import assert_ok, run_accord, write_recipe
+
+    root = tmp_path_factory.mktemp("orpo")
+    recipe = write_recipe(
+        root / "orpo.yaml", _run_recipe("orpo", root, 4, batch={"global_batch_size": 8, "micro_batch_size": 4})
+    )
+    outs = {}
+    for processes, micro in ((1, 4), (2, 2)):
+        outs[processes] = root / f"p{processes}"
+        proc = run_accord(
+            "train",
+            recipe,
+            f"engine.processes={processes}",
+            f"batch.micro_batch_size={micro}",
+            f"output.dir={outs[processes]}",
+        )
+        assert_ok(proc)
+    return outs
+
+
+@pytest.mark.distributed
+def test_orpo_on_two_processes_with_accumulation_makes_the_one_process_updates(orpo_layouts):
+    """The NLL per chosen token and the odds-ratio term per pair are both normalised over the
+    whole global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
+    from accord.observe.metrics import read_metrics
+    from conftest import final_params, max_param_diff, step_losses
+
+    one, two = (step_losses(orpo_layouts[p]) for p in (1, 2))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert max_param_diff(final_params(orpo_layouts[1]), final_params(orpo_layouts[2])) < 1e-5
+    records = {p: [r for r in read_metrics(orpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
+    for name in ("nll_loss", "log_odds_ratio", "rewards/accuracies", "rewards/margins"):
+        for a, b in zip(records[1], records[2]):
+            assert abs(a[name] - b[name]) < 1e-5, name
+    assert 0.0 <= records[1][0]["rewards/accuracies"] <= 1.0
