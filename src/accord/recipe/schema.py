@@ -108,8 +108,8 @@ class TrainConfig(Section):
     # memory) under every strategy, not how the model is distributed.
     loss_chunk_size: int | Literal["auto"] = Field(
         "auto",
-        description="sft, pretrain, dpo, cpo: compute the loss this many target tokens at a time, recomputing each chunk's "
-        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
+        description="sft, pretrain, dpo, cpo: compute the loss this many target tokens at a time, recomputing each "
+        "chunk's logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
         "logits); "
         "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
         "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
