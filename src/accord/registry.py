@@ -27,6 +27,8 @@ TASKS: dict[str, str] = {
     "pretrain": "accord.tasks.pretrain:PretrainTask",
     "classify": "accord.tasks.classify:ClassifyTask",
     "dpo": "accord.tasks.dpo:DPOTask",
+    "orpo": "accord.tasks.reference_free:ORPOTask",
+    "cpo": "accord.tasks.reference_free:CPOTask",
     "reward": "accord.tasks.reward:RewardTask",
     "grpo": "accord.tasks.grpo:GRPOTask",
     "rloo": "accord.tasks.rloo:RLOOTask",

@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from accord import registry
 from accord.errors import UserInputError
+from accord.recipe.cpo import CPOConfig
 from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition_capacity  # noqa: F401 (read from here)
 from accord.recipe.dpo import DPOConfig
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
@@ -23,6 +24,7 @@ from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
+from accord.recipe.orpo import ORPOConfig
 from accord.recipe.paths import locate
 from accord.recipe.rloo import RLOOConfig
 from accord.recipe.section import Section
@@ -108,8 +110,8 @@ class TrainConfig(Section):
     # memory) under every strategy, not how the model is distributed.
     loss_chunk_size: int | Literal["auto"] = Field(
         "auto",
-        description="sft, pretrain, dpo: compute the loss this many target tokens at a time, recomputing each chunk's "
-        "logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
+        description="sft, pretrain, dpo, cpo: compute the loss this many target tokens at a time, recomputing each "
+        "chunk's logits in backward, so the full rows × vocabulary logits are never held (0: the plain loss over whole "
         "logits); "
         "auto: chunks of 1024 where a micro batch's whole fp32 logits would pass 128 MiB (a 32k vocabulary from about "
         "1k tokens), else the plain loss (a byte-level vocabulary keeps it up to ~128k tokens).",
@@ -224,10 +226,10 @@ class Recipe(Section):
     task: str | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected), reward (prompt, chosen, rejected -> a one-output scorer), grpo (prompts; "
-        "online RL with the grpo section's rewards), rloo (the same prompts, rewards and grpo keys; leave-one-out "
-        "advantages, the rloo section); or {class: package.module:Class} for a task written outside "
-        "accord.",
+        "dpo (prompt, chosen, rejected), orpo and cpo (the same rows, no reference model), reward (prompt, chosen, "
+        "rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards), rloo (the same "
+        "prompts, rewards and grpo keys; leave-one-out advantages, the rloo section); or "
+        "{class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
     batch: BatchConfig
@@ -237,6 +239,8 @@ class Recipe(Section):
     dpo: DPOConfig = DPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     rloo: RLOOConfig = RLOOConfig()
+    orpo: ORPOConfig = ORPOConfig()
+    cpo: CPOConfig = CPOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -81,11 +81,13 @@ class Trainer:
                 heartbeat.phase(
                     "backward/all-reduce" if last else "backward", self.step + 1
                 )  # gradients sync on the last
-                self.engine.backward(out.loss_sum, max(targets, 1))
+                # A row term (ORPO's, CPO's pair losses) rides on the target normaliser.
+                micro_loss, micro_metrics = out.over_targets(targets, len(global_batch))
+                self.engine.backward(micro_loss, max(targets, 1))
             # A tensor-parallel group computes one loss on every rank: it counts once in the logged sums.
             share = 1.0 if self.plan.counts(self.run.info.rank) else 0.0
-            loss_sum += out.loss_sum.detach() * share
-            for name, value in out.metrics.items():
+            loss_sum += micro_loss.detach() * share
+            for name, value in micro_metrics.items():
                 metrics[name] = metrics.get(name, 0) + value.detach().float() * share
         lr = self.engine.lr
         heartbeat.phase("optimizer step", self.step + 1)

@@ -21,6 +21,8 @@ from accord.data.token_ids import token_ids  # noqa: F401 (read from here too)
 
 # A row that only keeps a rank's number of forward passes equal to the others'.
 PADDING = "__accord_padding__"
+# eval_sums' prefix for the sums of a LossOutput's row term (averaged over rows, not targets).
+ROW_SUM = "per_row:"
 
 
 @dataclass
@@ -30,6 +32,23 @@ class LossOutput:
     # Further per-step sums (e.g. DPO's correctly ranked pairs); logged divided by the
     # step's target count, like the loss.
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A second term averaged over the global batch's rows (examples) instead of its targets:
+    # ORPO and CPO add a per-pair preference term to a per-token NLL. The step's loss is then
+    # loss_sum / targets + row_loss_sum / rows, both counts of the whole global batch; its
+    # metrics in row_metrics are logged divided by the rows. num_rows: this micro-batch's rows.
+    row_loss_sum: torch.Tensor | None = None
+    num_rows: torch.Tensor | None = None
+    row_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def over_targets(self, targets: int, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metric sums that, divided by the global batch's `targets`, give the
+        step's values: a row term is rescaled by targets / rows, a constant of the global
+        batch, so the update still does not depend on how the batch is split."""
+        if self.row_loss_sum is None:
+            return self.loss_sum, self.metrics
+        scale = targets / max(rows, 1)
+        metrics = self.metrics | {name: value * scale for name, value in self.row_metrics.items()}
+        return self.loss_sum + self.row_loss_sum * scale, metrics
 
 
 class Task:
@@ -157,14 +176,25 @@ class Task:
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sums over an evaluation batch; the trainer adds them over batches and ranks."""
         out = self.loss(model, batch)
-        return {"loss_sum": out.loss_sum.double(), "targets": out.num_targets.double()} | {
+        sums = {"loss_sum": out.loss_sum.double(), "targets": out.num_targets.double()} | {
             k: v.double() for k, v in out.metrics.items()
         }
+        if out.row_loss_sum is None:
+            return sums
+        assert out.num_rows is not None, "a row term needs num_rows"
+        return (
+            sums
+            | {f"{ROW_SUM}loss_sum": out.row_loss_sum.double(), f"{ROW_SUM}rows": out.num_rows.double()}
+            | {f"{ROW_SUM}{k}": v.double() for k, v in out.row_metrics.items()}
+        )
 
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         targets = max(sums.pop("targets"), 1.0)
-        results = {"loss": sums.pop("loss_sum") / targets}
-        return results | {name: value / targets for name, value in sums.items()}
+        per_row = {name[len(ROW_SUM) :]: sums.pop(name) for name in [n for n in sums if n.startswith(ROW_SUM)]}
+        rows = max(per_row.pop("rows", 1.0), 1.0)
+        results = {"loss": sums.pop("loss_sum") / targets + per_row.pop("loss_sum", 0.0) / rows}
+        per_target = {name: value / targets for name, value in sums.items()}
+        return results | per_target | {name: value / rows for name, value in per_row.items()}
 
     def evaluate_generation(self, model, rows, device, max_new_tokens, lockstep=False) -> dict[str, float]:
         """Sums of generation metrics over `rows` (rows marked PADDING are not scored), with `count`."""

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from accord.compat.torch import replace_forward
 from accord.errors import UserInputError
-from accord.tasks.base import IGNORE
+from accord.tasks.base import IGNORE, sequence_logprobs
 
 # Config fields through which a model rescales its logits after the output layer (Gemma's
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling): a request served by the
@@ -185,3 +185,13 @@ def _chunk_logprobs(
 ) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()  # fp32 softmax, as the plain loss
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def answer_logprobs(
+    model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
+    """Summed log-probabilities of each row's labelled next tokens: chunked through the output
+    layer where `chunked` serves the batch, else from whole logits (fp32 either way)."""
+    if chunked is not None and chunked.serves(labels):
+        return chunked.row_logprobs(model, inputs, shifted_targets(labels))
+    return sequence_logprobs(model(**inputs).logits, labels)

@@ -1,0 +1,170 @@
+"""task: orpo and task: cpo — reference-free preference optimisation, against TRL's
+experimental ORPOTrainer and CPOTrainer on the same tokens, and invariant to the layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import recipe_for
+
+# TRL's task names and the accord recipe sections that configure each variant.
+VARIANTS = {
+    "orpo": ("orpo", {"orpo": {"beta": 0.5}}),
+    "cpo-sigmoid": ("cpo", {"cpo": {"loss_type": "sigmoid", "beta": 0.5, "label_smoothing": 0.1}}),
+    "cpo-hinge": ("cpo", {"cpo": {"loss_type": "hinge", "beta": 0.5}}),
+    "cpo-ipo": ("cpo", {"cpo": {"loss_type": "ipo", "beta": 0.5}}),
+    "cpo-simpo": ("cpo", {"cpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.3, "cpo_alpha": 0.5}}),
+}
+ROWS = [("2+2=", "4", "5"), ("what is red? ", "a colour", "a small dog that sat"), ("hi", " there, friend", "!")]
+
+
+def _tiny_lm(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY_RECIPE
+
+    settings = {k: v for k, v in TINY_RECIPE["model"]["config"].items() if k != "architecture"}
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**settings, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id))
+
+
+def _task(variant: str, tmp_path):
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.schema import validate_recipe
+    from accord.tasks import build_task
+
+    tokenizer = build_byte_tokenizer()
+    return build_task(validate_recipe(_recipe(variant, tmp_path)), tokenizer), tokenizer
+
+
+def _recipe(variant: str, folder, **sections) -> dict:
+    """The tiny recipe on conftest's addition pairs, as task `variant`."""
+    task, settings = VARIANTS[variant]
+    recipe = recipe_for("dpo", folder, **settings, **sections) | {"task": task}
+    recipe["data"]["max_length"] = 64  # TRL truncates otherwise: these rows fit whole
+    return recipe
+
+
+def _trl_trainer(variant: str, model, tokenizer, rows, tmp_path, **args):
+    """TRL's own trainer for `variant`, on the text rows (it tokenizes them itself)."""
+    import datasets
+
+    task, sections = VARIANTS[variant]
+    settings = dict(sections[task]) | {"max_length": 64, "report_to": "none", "use_cpu": True} | args
+    if task == "orpo":
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+    else:
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+    data = datasets.Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in rows])
+    config = Config(output_dir=str(tmp_path / "trl"), **settings)
+    return Trainer(model=model, args=config, processing_class=tokenizer, train_dataset=data)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_step_loss_and_gradient_equal_trl_trainers_on_the_same_batch(variant, tmp_path):
+    """TRL's trainer tokenizes the rows to the same ids, and its compute_loss over the batch
+    (NLL per chosen token + the preference term per pair) equals the step loss accord's task
+    gives when the batch is the whole global batch; the gradients too."""
+    pytest.importorskip("trl")
+    task, tokenizer = _task(variant, tmp_path)
+    encoded = task.encode_batch({k: [r[i] for r in ROWS] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+    examples = [{name: column[i] for name, column in encoded.items()} for i in range(len(ROWS))]
+    model = _tiny_lm(tokenizer)
+    trainer = _trl_trainer(variant, model, tokenizer, ROWS, tmp_path)
+    tokenized = [trainer.train_dataset[i] for i in range(len(ROWS))]
+    for ours, theirs in zip(examples, tokenized):
+        assert ours["chosen_input_ids"] == theirs["chosen_input_ids"]
+        assert ours["rejected_input_ids"] == theirs["rejected_input_ids"]
+        assert ours["chosen_labels"] == theirs["chosen_labels"]
+    trl_batch = trainer.data_collator(tokenized)
+    trl_loss = trainer.compute_loss(model, trl_batch)
+    (trl_grad,) = torch.autograd.grad(trl_loss, model.model.embed_tokens.weight)
+
+    task.configure_model(model)
+    out = task.loss(model, task.collate([[e] for e in examples]))
+    targets = sum(e["num_targets"] for e in examples)
+    assert out.num_targets.item() == targets
+    loss_sum, metrics = out.over_targets(targets, len(ROWS))
+    ours = loss_sum / targets
+    (our_grad,) = torch.autograd.grad(ours, model.model.embed_tokens.weight)
+    assert trl_loss.item() > 0.05
+    torch.testing.assert_close(ours, trl_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(our_grad, trl_grad, rtol=1e-5, atol=1e-7)
+    logged = {name: float(value) / targets for name, value in metrics.items()}
+    trl_logged = {name: sum(values) / len(values) for name, values in trainer._stored_metrics["train"].items()}
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "nll_loss"):
+        assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+    if variant == "orpo":
+        for name in ("log_odds_ratio", "log_odds_chosen"):
+            assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def _pairs_file(folder, count: int):
+    import random
+
+    from conftest import write_jsonl
+
+    rng = random.Random(3)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b + rng.randint(1, 9)} ok"})
+    return write_jsonl(folder / "pairs.jsonl", rows), rows
+
+
+def _run_recipe(variant: str, folder, steps: int, **sections) -> dict:
+    """`variant` on generated pairs in file order (no held-out split), fp32, a constant lr."""
+    path, _ = _pairs_file(folder, 64)
+    recipe = _recipe(variant, folder, **sections)
+    recipe["data"] |= {"train": str(path), "eval_fraction": 0.0, "shuffle": False}
+    recipe["optim"] = {"lr": 3.0e-3, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0}
+    recipe["train"] = {"max_steps": steps, "log_every": 1}
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def orpo_layouts(tmp_path_factory):
+    """ORPO on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2), the same recipe."""
+    from conftest import assert_ok, run_accord, write_recipe
+
+    root = tmp_path_factory.mktemp("orpo")
+    recipe = write_recipe(
+        root / "orpo.yaml", _run_recipe("orpo", root, 4, batch={"global_batch_size": 8, "micro_batch_size": 4})
+    )
+    outs = {}
+    for processes, micro in ((1, 4), (2, 2)):
+        outs[processes] = root / f"p{processes}"
+        proc = run_accord(
+            "train",
+            recipe,
+            f"engine.processes={processes}",
+            f"batch.micro_batch_size={micro}",
+            f"output.dir={outs[processes]}",
+        )
+        assert_ok(proc)
+    return outs
+
+
+@pytest.mark.distributed
+def test_orpo_on_two_processes_with_accumulation_makes_the_one_process_updates(orpo_layouts):
+    """The NLL per chosen token and the odds-ratio term per pair are both normalised over the
+    whole global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
+    from accord.observe.metrics import read_metrics
+    from conftest import final_params, max_param_diff, step_losses
+
+    one, two = (step_losses(orpo_layouts[p]) for p in (1, 2))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert max_param_diff(final_params(orpo_layouts[1]), final_params(orpo_layouts[2])) < 1e-5
+    records = {p: [r for r in read_metrics(orpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
+    for name in ("nll_loss", "log_odds_ratio", "rewards/accuracies", "rewards/margins"):
+        for a, b in zip(records[1], records[2]):
+            assert abs(a[name] - b[name]) < 1e-5, name
+    assert 0.0 <= records[1][0]["rewards/accuracies"] <= 1.0
