@@ -1,10 +1,10 @@
-"""Why engine.context_parallel is refused: torch's ring attention has no CPU path.
+"""Why engine.context_parallel is not a recipe key yet: torch's ring attention has no CPU path.
 
 torch 2.13's context_parallel turns SDPA's inputs into sequence-sharded DTensors and handles
 only the CUDA attention kernels (_scaled_dot_product_flash/efficient/cudnn_attention, which
 have no CPU kernels). CPU SDPA dispatches to _scaled_dot_product_flash_attention_for_cpu,
 for which DTensor has no sharding strategy. This test fails once a torch release runs it:
-then context parallelism can be built and tested on CPU, and the refusal in recipe.py lifted.
+then context parallelism can be built and tested on CPU, and the key brought back.
 """
 
 from __future__ import annotations

@@ -136,12 +136,6 @@ class EngineConfig(Section):
         "intermediate activations exist for one tile at a time (rows of 10k+ tokens); true: tiles of about hidden_size "
         "tokens of data.max_length.",
     )
-    context_parallel: int = Field(
-        1,
-        ge=1,
-        description="Ring attention over this many ranks per row (torch context_parallel on FSDP2, CUDA "
-        "attention kernels only): not available yet; use sequence_parallel.",
-    )
     fsdp_layer_class: str | None = Field(
         None,
         description="fsdp: class name of the modules sharded as one unit each, e.g. LlamaDecoderLayer "

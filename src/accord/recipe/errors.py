@@ -10,6 +10,16 @@ from typing import Any, Union
 
 from pydantic import BaseModel
 
+# Keys users bring from other tools that accord plans but cannot build and test yet: named
+# with the reason and what to use instead, rather than as an unknown key.
+PLANNED_KEYS = {
+    "engine.context_parallel": (
+        "ring attention (torch's context_parallel on FSDP2 meshes) runs only on CUDA's attention kernels (on CPU "
+        "torch's SDPA has no sharding rule), so it could not be built and tested here; use "
+        "engine.sequence_parallel=N (Ulysses), which runs on CPU and GPU"
+    ),
+}
+
 
 def describe_error(err: dict, root: type[BaseModel]) -> str:
     """One line for one pydantic error: the dotted key, what was expected, and for an unknown
@@ -17,6 +27,8 @@ def describe_error(err: dict, root: type[BaseModel]) -> str:
     loc = [str(part) for part in err["loc"]]
     key = ".".join(loc) or "recipe"
     kind = err["type"]
+    if kind == "extra_forbidden" and key in PLANNED_KEYS:
+        return f"{key} is not available in accord yet: {PLANNED_KEYS[key]}"
     if kind == "extra_forbidden":
         known = _field_names(root, loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)

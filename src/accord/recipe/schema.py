@@ -287,31 +287,6 @@ class Recipe(Section):
             raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
         return self
 
-    @model_validator(mode="after")
-    def _context_parallel(self) -> Recipe:
-        n = self.engine.context_parallel
-        if n == 1:
-            return self
-        if self.engine.strategy != "fsdp":
-            raise ValueError(
-                f"engine.context_parallel={n} needs engine.strategy=fsdp (ring attention runs on FSDP2 device meshes); "
-                f"{self.engine.strategy} cannot carry it: use engine.sequence_parallel={n} instead"
-            )
-        if self.data.max_length % (2 * n):
-            raise ValueError(
-                f"engine.context_parallel={n}: data.max_length={self.data.max_length} must divide by 2 × {n} = {2 * n} "
-                f"(ring attention splits each row into 2 × N load-balanced pieces)"
-            )
-        # Not wired: torch 2.13's ring attention has handlers only for the CUDA SDPA kernels
-        # (flash, efficient, cudnn: no CPU kernels); CPU SDPA's
-        # aten._scaled_dot_product_flash_attention_for_cpu has no DTensor sharding strategy, so
-        # it cannot be built and tested without a GPU (tests/test_context_parallel_cpu.py).
-        raise ValueError(
-            f"engine.context_parallel={n}: ring attention (torch's context_parallel) is not available in accord yet: "
-            f"torch runs it only on CUDA's attention kernels (on CPU its SDPA has no sharding rule), so it could not "
-            f"be built and tested here; use engine.sequence_parallel={n} (Ulysses), which runs on CPU and GPU"
-        )
-
 
 # --------------------------------------------------------------------------- loading
 
