@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,3 +192,19 @@ def test_sbatch_of_the_written_script_trains(slurm_cluster, tmp_path, tiny_refer
     diff = max_param_diff(final_params(tiny_reference[1]), final_params(out))
     print(f"sbatch vs accord train: max |Δparam| = {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.slow  # a job's start plus a hang's timeout; the default tier has the same hang under torchrun
+@pytest.mark.distributed
+def test_a_stopped_worker_under_srun_is_named_and_the_job_exits_1(slurm_cluster, tmp_path):
+    """srun starts accord's launcher once per node, which watches its workers: rank 1 stopped
+    mid-step is named within the timeout + margin, and srun passes the run's exit 1 on."""
+    from test_hang_watchdog import _run_with_a_stopped_rank, assert_named_with_stacks
+
+    out = tmp_path / "hung"
+    recipe = write_recipe(tmp_path / "tiny.yaml", TINY_RECIPE)
+    srun = ["srun", "--nodes", "1", "--ntasks", "1", "--export", "ALL", sys.executable]
+    output, code = _run_with_a_stopped_rank(recipe, out, launcher=srun, env={"SLURM_CONF": slurm_cluster["SLURM_CONF"]})
+    assert code == 1, output[-6000:]
+    assert_named_with_stacks(output, out)
+    assert "the run hung and its workers were stopped" in output

@@ -90,10 +90,10 @@ class EngineConfig(Section):
     # run itself without saying which rank was stuck or where.
     hang_timeout_s: float | None = Field(
         300.0,
-        description="Hang watchdog (accord's launcher): when no rank made progress for this many seconds, name the "
-        "stuck "
-        "rank(s), dump every rank's stacks into output.dir/hang-<time>/ and stop the workers (restarted under "
-        "engine.max_restarts). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); "
+        description="Hang watchdog, under every launcher (accord's, srun, torchrun, accelerate launch, deepspeed, "
+        "Ray): when no rank made progress for this many seconds, name the stuck rank(s), dump every rank's stacks "
+        "into output.dir/hang-<time>/ and stop the workers (restarted under engine.max_restarts where accord "
+        "launched them). Longer than the slowest single phase (a step, one eval batch, one checkpoint write); "
         "null: off.",
     )
     deepspeed_config: str | None = Field(
