@@ -53,8 +53,16 @@ class SourceConfig(Section):
     stream (files read with `streaming: true`, or a `function` returning a datasets IterableDataset)."""
 
     path: str | None = Field(
-        None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package."
+        None,
+        description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package; ORG/NAME "
+        "(no local file of that name) is a hub dataset, read with datasets.load_dataset through the Hugging Face "
+        "cache.",
     )
+    revision: str | None = Field(
+        None, description="Hub datasets: branch, tag or commit (default: main); recipe.yaml records the commit read."
+    )
+    config: str | None = Field(None, description="Hub datasets: the subset (configuration) to read.")
+    split: str = Field("train", description="Hub datasets: the split to read (eval sources: e.g. test).")
     weight: float = Field(1.0, gt=0, description="Relative share of this source when several are mixed.")
     format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
         "auto",
