@@ -110,6 +110,7 @@ def test_recipe_yaml_records_the_commits_read(hub_run):
     proc, root = hub_run
     assert_ok(proc)
     recorded = yaml.safe_load((root / "run" / "recipe.yaml").read_text())
+    assert recorded["engine"]["processes"] == 2
     assert recorded["model"]["path"] == MODEL and recorded["model"]["revision"] == MODEL_COMMIT
     assert [s["revision"] for s in recorded["data"]["train"] + recorded["data"]["eval"]] == [DATA_COMMIT] * 2
 
