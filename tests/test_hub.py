@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import TINY_RECIPE, assert_ok, run_accord, run_accord_here, write_recipe
 
 MODEL, DATASET = "tiny-org/tiny-llama", "tiny-org/sums"
@@ -134,8 +135,8 @@ def test_a_private_repository_without_a_token_says_to_log_in(offline_hub, monkey
 
     def private(self, repo_id, **kwargs):
         url = f"https://huggingface.co/api/models/{repo_id}"
-        response = httpx.Response(401, headers={"X-Error-Code": "RepositoryNotFound"}, request=httpx.Request("GET", url))
-        hf_raise_for_status(response)
+        request = httpx.Request("GET", url)
+        hf_raise_for_status(httpx.Response(401, headers={"X-Error-Code": "RepositoryNotFound"}, request=request))
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(HfApi, "repo_info", private)

@@ -15,9 +15,9 @@ from accord.data.packing import training_rows
 from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
 from accord.models.build import build_tokenizer
+from accord.recipe.hub import pin
 from accord.recipe.schema import Recipe
 from accord.run.assemble import eval_tokens
-from accord.recipe.hub import pin
 from accord.tasks import build_task
 from accord.tasks.base import IGNORE
 
