@@ -401,6 +401,22 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
+def take_share(ds, source: SourceConfig, seed: int):
+    """The rows a source's `fraction` or `count` asks for: datasets' seeded shuffle, cut to
+    size (a count beyond the source's rows repeats the whole shuffled source first)."""
+    if source.fraction is None and source.count is None:
+        return ds
+    if has_pieces(ds):
+        raise DataError(
+            f"{source.path}: fraction / count draw rows, and this text source is read in pieces of documents; "
+            "use weight, or document: line / paragraph"
+        )
+    wanted = source.count if source.count is not None else max(1, round(source.fraction * len(ds)))
+    shuffled = ds.shuffle(seed=seed)
+    rows = [i % len(ds) for i in range(wanted)]
+    return shuffled.select(rows)
+
+
 def mix(parts: list, weights: list[float], seed: int):
     """One dataset from several: concatenated when the weights are equal, otherwise sampled
     in the given proportions (smaller sources repeat) until every source was seen once."""
