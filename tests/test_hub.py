@@ -184,3 +184,12 @@ def test_a_local_folder_of_the_hub_name_wins(offline_hub, tmp_path, monkeypatch)
     assert is_hub_name(MODEL)
     (tmp_path / MODEL).mkdir(parents=True)
     assert not is_hub_name(MODEL) and local_path(MODEL) == Path(MODEL)
+
+
+def test_a_hub_dataset_not_in_the_cache_offline_names_the_download_command(offline_hub):
+    from accord.data.sources import DataError, load_source
+    from accord.recipe.schema import SourceConfig
+
+    command = "hf download HuggingFaceH4/ultrachat_200k --repo-type dataset"
+    with pytest.raises(DataError, match=f"not in the Hugging Face cache .*HF_HUB_OFFLINE.*`{command}`"):
+        load_source(SourceConfig(path="HuggingFaceH4/ultrachat_200k"), ("prompt",))

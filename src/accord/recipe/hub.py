@@ -71,7 +71,10 @@ def snapshot(text: str, revision: str | None, repo_type: str, where: str, cached
             "or set HF_TOKEN) or give a local path"
         ) from None
     except LocalEntryNotFoundError:
-        why = "downloads are off (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        if constants.HF_HUB_OFFLINE:
+            why = "downloads are off (HF_HUB_OFFLINE)"
+        else:
+            why = "this step reads the cache only" if cached_only else "the hub cannot be reached"
         raise HubError(
             f"{label}{text}{'@' + revision if revision else ''} is not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) and {why}: fetch it with `hf download {text}{kind}{at}` or give a local path"
