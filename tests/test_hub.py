@@ -116,12 +116,26 @@ def test_recipe_yaml_records_the_commits_read(hub_run):
     assert [s["revision"] for s in recorded["data"]["train"] + recorded["data"]["eval"]] == [DATA_COMMIT] * 2
 
 
-def test_a_hub_name_offline_and_not_cached_is_one_line_naming_hf_download(tmp_path):
+def test_a_hub_name_offline_and_not_cached_is_one_line_naming_hf_download(offline_hub, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", hub_recipe(tmp_path / "run"))
-    proc = run_accord_here("train", recipe, env_extra=hub_env(tmp_path / "empty"))
+    proc = run_accord_here("train", recipe)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if MODEL in line]
-    assert len(lines) == 1 and f"hf download {MODEL}" in lines[0] and "Traceback" not in proc.stderr
+    assert len(lines) == 1 and f"hf download {MODEL}`" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_resuming_after_the_branch_moved_is_one_line_and_exit_2(offline_hub, tmp_path):
+    fake_dataset(offline_hub, NEW_COMMIT)  # main has moved since the run began on DATA_COMMIT
+    raw = hub_recipe(tmp_path / "run") | {"model": TINY_RECIPE["model"], "resume": "auto"}
+    del raw["data"]["eval"]
+    raw["data"]["train"][0]["revision"] = DATA_COMMIT
+    write_recipe((tmp_path / "run").mkdir() or tmp_path / "run" / "recipe.yaml", raw)  # what the run recorded
+    raw["data"]["train"][0]["revision"] = "main"
+    proc = run_accord_here("train", write_recipe(tmp_path / "r.yaml", raw))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if NEW_COMMIT in line]
+    assert len(lines) == 1 and DATA_COMMIT in lines[0] and "data.train[0].revision" in lines[0], proc.stderr
 
 
 def test_a_private_repository_without_a_token_says_to_log_in(offline_hub, monkeypatch):
@@ -193,3 +207,25 @@ def test_a_hub_dataset_not_in_the_cache_offline_names_the_download_command(offli
     command = "hf download HuggingFaceH4/ultrachat_200k --repo-type dataset"
     with pytest.raises(DataError, match=f"not in the Hugging Face cache .*HF_HUB_OFFLINE.*`{command}`"):
         load_source(SourceConfig(path="HuggingFaceH4/ultrachat_200k"), ("prompt",))
+
+
+def test_the_nodes_other_processes_read_the_commits_its_first_process_fetched(offline_hub, tmp_path, capsys):
+    """Under an outer launcher only local rank 0 fetches; the others wait for its handoff and
+    read its commits, even where the cache's main has moved on meanwhile."""
+    import threading
+
+    from accord.recipe.hub import pin
+    from accord.recipe.schema import Recipe
+
+    fake_dataset(offline_hub)
+    recipe = Recipe.model_validate(TINY_RECIPE | {"data": {"train": [DATASET]}, "output": {"dir": "x"}})
+    handoff = tmp_path / "handoff.json"
+    waiting: list = []
+    follower = threading.Thread(target=lambda: waiting.append(pin(recipe, None, handoff, leads=False, timeout_s=30)))
+    follower.start()
+    leader = pin(recipe, None, handoff, leads=True)
+    fake_dataset(offline_hub, NEW_COMMIT)  # main moves after the first process fetched
+    follower.join(timeout=30)
+    assert leader.data.train[0].revision == waiting[0].data.train[0].revision == DATA_COMMIT
+    assert recipe.data.train[0].revision is None  # pin returns a copy
+    assert "waiting for this node's first process to fetch tiny-org/sums" in capsys.readouterr().err

@@ -6,6 +6,7 @@ here; the recipe is not validated again on the way."""
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,7 +100,8 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
     # Hub names become commits before any check reads them: once per node (the launcher, or
     # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.
-    recipe = pin(recipe, _resumed_recipe(recipe), leads=locks_here, timeout_s=recipe.data.prepare_timeout_s)
+    handoff = Path(tempfile.gettempdir()) / f"accord-hub-{run_id}.json" if dist.outer_launcher() else None
+    recipe = pin(recipe, _resumed_recipe(recipe), handoff, leads=locks_here, timeout_s=recipe.data.prepare_timeout_s)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     ray_session = None
@@ -138,6 +140,8 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
         hold.leave()
+        if handoff is not None and locks_here:
+            handoff.unlink(missing_ok=True)
         if ray_session:
             ray_session.close()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")

@@ -11,6 +11,7 @@ rerun read that same commit; everything after reads the pinned snapshot with
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accord.atomic import write_atomic
 from accord.errors import UserInputError
 from accord.recipe.paths import resolve_path
 
@@ -115,30 +117,50 @@ def hub_refs(recipe) -> list[HubRef]:
     return refs
 
 
-def pin(recipe, recorded: dict | None = None, leads: bool = True, timeout_s: float = 1800.0):
-    """`recipe` with every hub name's revision set to the commit it reads, fetched here when
-    `leads` (one process per node); the others wait for that process's download in the cache
-    (files only: no process group exists yet, so no collective can time out).
-    `recorded`: the recipe.yaml of the run being resumed, whose commits are kept; a branch or
-    tag that moved since is refused unless the recipe names the new commit."""
-    for ref in hub_refs(recipe):
-        name = getattr(ref.owner, ref.name_field)
-        asked = getattr(ref.owner, ref.revision_field)
-        before = _recorded_commit(recorded, ref, name)
-        wanted = asked if asked is not None else before
-        if leads:
-            folder = snapshot(name, wanted, ref.repo_type, ref.key)
-        else:
-            folder = _wait_for_snapshot(name, wanted, ref, timeout_s)
-        commit = folder.name
-        if before is not None and commit != before and asked != commit:
-            raise HubError(
-                f"{ref.key}: {name} revision {asked!r} is now commit {commit}, and the run being resumed read "
-                f"{before}; set {_field(ref)}: {before} to continue on it, or {_field(ref)}: {commit} to switch"
-            )
-        # Sections are frozen-free pydantic models: the pinned commit replaces the revision in place.
+def pin(recipe, recorded: dict | None = None, handoff: Path | None = None, leads: bool = True, timeout_s=1800.0):
+    """A copy of `recipe` with every hub name's revision set to the commit it reads.
+
+    `leads`: this process fetches (one per node) and, given a `handoff` file, writes the
+    commits (or its one-line refusal) there for the node's other processes, which wait for it
+    (files only: no process group exists yet, so no collective can time out) and then read
+    the same snapshots from the cache. `recorded`: the recipe.yaml of the run being resumed,
+    whose commits are kept; a branch or tag that moved since is refused unless the recipe
+    names the new commit."""
+    recipe = recipe.model_copy(deep=True)
+    refs = hub_refs(recipe)
+    if not refs:
+        return recipe
+    if not leads and handoff is not None:
+        commits = _wait_for_leader(handoff, [getattr(r.owner, r.name_field) for r in refs], timeout_s)
+    else:
+        if handoff is not None:
+            handoff.unlink(missing_ok=True)  # a killed job's of the same id
+        try:
+            commits = [_commit(ref, recorded, cached_only=not leads) for ref in refs]
+        except HubError as e:
+            if handoff is not None:
+                write_atomic(handoff, json.dumps({"error": str(e)}))
+            raise
+        if handoff is not None:
+            write_atomic(handoff, json.dumps({"commits": commits}))
+    for ref, commit in zip(refs, commits):
+        # The pinned commit replaces the revision in this copy (assignment is not validated: it is a str).
         object.__setattr__(ref.owner, ref.revision_field, commit)
     return recipe
+
+
+def _commit(ref: HubRef, recorded: dict | None, cached_only: bool) -> str:
+    """The commit `ref` reads: the recipe's revision, else the resumed run's, else main."""
+    name = getattr(ref.owner, ref.name_field)
+    asked = getattr(ref.owner, ref.revision_field)
+    before = _recorded_commit(recorded, ref, name)
+    commit = snapshot(name, asked if asked is not None else before, ref.repo_type, ref.key, cached_only).name
+    if before is not None and commit != before and asked != commit:
+        raise HubError(
+            f"{ref.key}: {name} revision {asked!r} is now commit {commit}, and the run being resumed read "
+            f"{before}; set {_field(ref)}: {before} to continue on it, or {_field(ref)}: {commit} to switch"
+        )
+    return commit
 
 
 def _field(ref: HubRef) -> str:
@@ -159,16 +181,18 @@ def _recorded_commit(recorded: dict | None, ref: HubRef, name: str) -> str | Non
     return commit if isinstance(commit, str) and _COMMIT.fullmatch(commit) else None
 
 
-def _wait_for_snapshot(name: str, revision: str | None, ref: HubRef, timeout_s: float) -> Path:
+def _wait_for_leader(handoff: Path, names: list[str], timeout_s: float) -> list[str]:
+    """The commits this node's first process pinned, once it has fetched them (or its refusal)."""
     deadline = time.monotonic() + timeout_s
-    said = False
-    while True:
-        try:
-            return snapshot(name, revision, ref.repo_type, ref.key, cached_only=True)
-        except HubError:
-            if time.monotonic() > deadline:
-                raise
-        if not said:
-            print(f"accord: waiting for this node's first process to download {name}…", file=sys.stderr, flush=True)
-            said = True
-        time.sleep(1.0)
+    print(f"accord: waiting for this node's first process to fetch {', '.join(names)}…", file=sys.stderr, flush=True)
+    while not handoff.is_file():
+        if time.monotonic() > deadline:
+            raise HubError(
+                f"{', '.join(names)}: not fetched by this node's first process within data.prepare_timeout_s="
+                f"{timeout_s:g} s; is it stuck, or the download very large? raise data.prepare_timeout_s"
+            )
+        time.sleep(0.5)
+    outcome = json.loads(handoff.read_text(encoding="utf-8"))
+    if "error" in outcome:
+        raise HubError(outcome["error"])
+    return outcome["commits"]
