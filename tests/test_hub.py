@@ -198,6 +198,7 @@ def test_a_local_folder_of_the_hub_name_wins(offline_hub, tmp_path, monkeypatch)
     assert is_hub_name(MODEL)
     (tmp_path / MODEL).mkdir(parents=True)
     assert not is_hub_name(MODEL) and local_path(MODEL) == Path(MODEL)
+    assert not is_hub_name("data/missing.jsonl") and is_hub_name("Qwen/Qwen2.5-0.5B")
 
 
 def test_a_hub_dataset_not_in_the_cache_offline_names_the_download_command(offline_hub):

@@ -31,9 +31,17 @@ class HubError(UserInputError):
     """A hub name that cannot be read; the message names the repository and how to get it."""
 
 
+# A missing `dir/file.jsonl` is a missing file, not a repository: hub names do not end so.
+_FILE_SUFFIXES = {".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt", ".yml", ".yaml", ".gguf", ".arrow", ".md"}
+
+
 def is_hub_name(text: str) -> bool:
     """ORG/NAME that is not a local file or folder (a local one of that name wins)."""
-    return bool(_NAME.fullmatch(text)) and not Path(text).expanduser().exists()
+    return (
+        bool(_NAME.fullmatch(text))
+        and Path(text).suffix.lower() not in _FILE_SUFFIXES
+        and not Path(text).expanduser().exists()
+    )
 
 
 def local_path(text: str, revision: str | None = None, repo_type: str = "model", where: str = "") -> Path:
