@@ -73,11 +73,6 @@ def test_fields_rename_columns(tmp_path):
     assert loaded[0]["prompt"] == "q" and loaded[0]["completion"] == "a"
 
 
-def test_a_hub_name_is_refused_offline():
-    with pytest.raises(DataError, match="reads local files only"):
-        load_source(SourceConfig(path="HuggingFaceH4/ultrachat_200k"), ("prompt",))
-
-
 def test_a_package_path_resolves_inside_the_installed_package():
     from accord.recipe.paths import resolve_path
 
@@ -101,6 +96,33 @@ def test_weighted_sources_are_mixed_in_proportion(tmp_path):
     assert 0.65 < share_a < 0.85 and set(train.filter(lambda r: r["prompt"] == "b")["completion"]) == {
         str(i) for i in range(100)
     }
+
+
+def test_a_mixture_takes_each_sources_count_or_fraction_seeded_and_with_its_own_columns(tmp_path):
+    """Three sources, each its own columns and share: `count` beyond a source's rows repeats it
+    whole, `fraction` draws that share; the same seed gives the same rows, in the same order."""
+    a = write_jsonl(tmp_path / "a.jsonl", [{"q": "a", "r": str(i)} for i in range(10)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b", "completion": str(i)} for i in range(40)])
+    c = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "c", "completion": str(i)} for i in range(8)])
+    sources = [
+        {"path": str(a), "count": 25, "fields": {"prompt": "q", "completion": "r"}},
+        {"path": str(b), "fraction": 0.25},
+        {"path": str(c)},
+    ]
+    cfg = sft_recipe(tmp_path, train=sources).data
+    train, _ = load_split(cfg, seed=3, required=("prompt", "completion"))
+    again, _ = load_split(cfg, seed=3, required=("prompt", "completion"))
+    assert [train["prompt"].count(x) for x in "abc"] == [25, 10, 8]
+    from_a = train.filter(lambda r: r["prompt"] == "a")["completion"]
+    assert set(from_a) == {str(i) for i in range(10)}  # every row once before any repeats
+    assert train["completion"] == again["completion"] and train["__row"] == again["__row"]
+    other, _ = load_split(cfg, seed=4, required=("prompt", "completion"))
+    assert other["__row"] != train["__row"]
+
+
+def test_a_source_with_both_fraction_and_count_is_refused():
+    with pytest.raises(ValueError, match="fraction or count, not both"):
+        SourceConfig(path="a.jsonl", fraction=0.5, count=3)
 
 
 def test_held_out_fraction_is_seeded_and_disjoint(tmp_path):

@@ -160,6 +160,7 @@ def prepare(args: argparse.Namespace) -> int:
     from accord.data.nodeshare import NodeShare
     from accord.data.prepare import cache_folder, prepare_data
     from accord.models.build import build_tokenizer
+    from accord.recipe.hub import pin
     from accord.recipe.schema import load_recipe
     from accord.tasks import build_task
 
@@ -169,7 +170,7 @@ def prepare(args: argparse.Namespace) -> int:
         if nodes < 1 or not 0 <= rank < nodes:
             raise UserInputError(f"--nnodes {nodes} --node-rank {rank}: give N >= 1 nodes and a rank in 0..N-1")
         share = NodeShare(rank, nodes)
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = pin(load_recipe(args.recipe, args.overrides))  # hub names fetched (or found cached) here
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     start = time.perf_counter()

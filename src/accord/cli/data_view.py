@@ -15,6 +15,7 @@ from accord.data.packing import training_rows
 from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
 from accord.models.build import build_tokenizer
+from accord.recipe.hub import pin
 from accord.recipe.schema import Recipe
 from accord.run.assemble import eval_tokens
 from accord.tasks import build_task
@@ -26,6 +27,7 @@ MARKS = {True: ("\x1b[32m", "\x1b[0m"), False: ("[[", "]]")}
 
 def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     """Lines: `show` prepared training examples, then the counts."""
+    recipe = pin(recipe)  # hub names fetched (or found cached) here
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
     data = prepare_data(recipe, tokenizer, task, preparer=True)

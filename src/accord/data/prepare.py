@@ -34,6 +34,7 @@ from accord.data.shards import META, TokenShards
 from accord.data.split import load_split
 from accord.data.streams import check_task, is_stream, read_into_arrow
 from accord.observe.progress import item_bar
+from accord.recipe.hub import is_hub_name
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import Recipe
 
@@ -102,6 +103,8 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
 
             h.update(function_identity(source.function).encode())
             continue
+        if is_hub_name(source.path):
+            continue  # its pinned commit (in the settings above) names its content
         try:
             path = resolve_path(source.path)
         except PathError as e:

@@ -3,13 +3,13 @@
 Every source becomes a `datasets.Dataset` whose columns carry the names the task reads
 (after `fields` renames), plus `__source` / `__row` columns so that a later problem with
 a row (a label outside the set, an over-long example) can still name where it came from.
-Nothing is ever fetched from a hub: a name that is not a local path is an error.
+A hub name (ORG/NAME, no local file of that name) is read from the snapshot that
+recipe/hub.py pinned, with datasets.load_dataset.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from accord.data.chat import normalise_chat
 from accord.data.documents import split_documents
 from accord.data.pieces import PIECE, document_starts, file_documents, has_pieces
 from accord.data.rows import ROW, SOURCE, DataError, row_origin  # noqa: F401 (read from here too)
+from accord.recipe.hub import HubError, is_hub_name, local_path
 from accord.recipe.paths import PathError, resolve_path
 from accord.recipe.schema import SourceConfig
 
@@ -46,6 +47,8 @@ def load_source(source: SourceConfig, required: tuple[str, ...], role: str = "da
 def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     import datasets
 
+    if source.path is not None and is_hub_name(source.path):
+        return _finish(_load_hub(source), source, source.path, "hub", required, label)
     path, fmt, files = locate_files(source)
     if source.document != "file" and fmt != "text":
         raise DataError(
@@ -66,6 +69,11 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
         ds = file_documents(files, source.encoding)
     else:
         ds = _load_files(files, fmt, source)
+    return _finish(ds, source, path, fmt, required, label)
+
+
+def _finish(ds, source: SourceConfig, path, fmt: str, required: tuple[str, ...], label: str):
+    """The source's rows renamed, with their origin, chat turns normalised and the task's columns checked."""
     ds = _rename(ds, source, path)
     if fmt == "contrastive":
         ds = _split_common_prefix(ds, path)
@@ -75,6 +83,29 @@ def _load_source(source: SourceConfig, required: tuple[str, ...], label: str):
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
     return ds
+
+
+def _load_hub(source: SourceConfig):
+    """A hub dataset's split, read by datasets from the snapshot folder huggingface_hub keeps:
+    offline, datasets' own hub lookup asks the hub for the repository's files and falls back
+    only to its prepared Arrow cache, never to huggingface_hub's cache of the repository."""
+    import datasets
+
+    try:
+        folder = local_path(source.path, source.revision, "dataset", source.path)
+    except HubError as e:
+        raise DataError(str(e)) from None
+    try:
+        builder = datasets.load_dataset_builder(str(folder), source.config)
+    except ValueError as e:  # an unknown config: datasets names the ones there are
+        raise DataError(f"{source.path}: {' '.join(str(e).split())[:300]}") from None
+    splits = list(builder.config.data_files or {})
+    if splits and source.split not in splits:
+        raise DataError(
+            f"{source.path}{'/' + source.config if source.config else ''}: no split {source.split!r} "
+            f"(splits: {', '.join(splits)}); set split: to one of them"
+        )
+    return datasets.load_dataset(str(folder), source.config, split=source.split)
 
 
 def locate_files(source: SourceConfig) -> tuple[Path, str, list[str]]:
@@ -98,11 +129,6 @@ def _not_found(source: SourceConfig) -> str:
         if len(folders) > 1
         else ""
     )
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", source.path) and not Path(source.path).suffix:
-        where += (
-            "; accord reads local files only (no hub downloads): save a hub dataset once with datasets' "
-            "save_to_disk and point to that folder"
-        )
     return f"data source {source.path!r} not found ({where})"
 
 
@@ -373,6 +399,22 @@ def _common_prefix(a: str, b: str) -> str:
             break
         n += 1
     return a[:n]
+
+
+def take_share(ds, source: SourceConfig, seed: int):
+    """The rows a source's `fraction` or `count` asks for: datasets' seeded shuffle, cut to
+    size (a count beyond the source's rows repeats the whole shuffled source first)."""
+    if source.fraction is None and source.count is None:
+        return ds
+    if has_pieces(ds):
+        raise DataError(
+            f"{source.path}: fraction / count draw rows, and this text source is read in pieces of documents; "
+            "use weight, or document: line / paragraph"
+        )
+    wanted = source.count if source.count is not None else max(1, round(source.fraction * len(ds)))
+    shuffled = ds.shuffle(seed=seed)
+    rows = [i % len(ds) for i in range(wanted)]
+    return shuffled.select(rows)
 
 
 def mix(parts: list, weights: list[float], seed: int):

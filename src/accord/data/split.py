@@ -15,7 +15,7 @@ import numpy as np
 
 from accord.data.generated import generate
 from accord.data.pieces import PIECE, document_starts, has_pieces
-from accord.data.sources import load_source, mix
+from accord.data.sources import load_source, mix, take_share
 from accord.data.streams import load_stream_split
 from accord.recipe.schema import DataConfig
 
@@ -31,11 +31,10 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
     assert cfg.train is not None
     if any(s.streamed for s in cfg.train + (cfg.eval or [])):
         return load_stream_split(cfg, seed, required)
-    train = mix([load_source(s, required) for s in cfg.train], [s.weight for s in cfg.train], seed)
+    train = mix([take_share(load_source(s, required), s, seed) for s in cfg.train], [s.weight for s in cfg.train], seed)
     if cfg.eval is not None:
-        return train, mix(
-            [load_source(s, required, role="data.eval") for s in cfg.eval], [s.weight for s in cfg.eval], seed
-        )
+        parts = [take_share(load_source(s, required, role="data.eval"), s, seed) for s in cfg.eval]
+        return train, mix(parts, [s.weight for s in cfg.eval], seed)
     if cfg.eval_fraction:
         # Pre-training text is documents, sized by characters; anything else is examples, held out by count.
         documents = required == ("text",) and "label" not in train.column_names

@@ -13,7 +13,8 @@ from accord.distributed.batch_plan import BatchPlan, BatchPlanError
 from accord.errors import UserInputError
 from accord.observe.trackers import check_trackers
 from accord.output.folder import check_output_dir
-from accord.recipe.paths import PathError, resolve_path
+from accord.recipe.hub import HubError, local_path
+from accord.recipe.paths import PathError
 from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
 
 
@@ -110,8 +111,14 @@ def check_model_source(cfg: ModelConfig) -> list[str]:
     """Problems with the model section that can be seen without loading anything."""
     problems = []
     try:
-        folder = resolve_path(cfg.path) if cfg.path is not None else None
-        tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer not in (None, BYTE_TOKENIZER) else None
+        folder = local_path(cfg.path, cfg.revision, where="model.path") if cfg.path is not None else None
+        tokenizer = (
+            local_path(cfg.tokenizer, cfg.tokenizer_revision, where="model.tokenizer")
+            if cfg.tokenizer not in (None, BYTE_TOKENIZER)
+            else None
+        )
+    except HubError as e:
+        return [str(e)]
     except PathError as e:
         return [f"model: {e}"]
     if folder is not None:
@@ -159,7 +166,7 @@ def check_rope_scaling(cfg: ModelConfig) -> list[str]:
     """model.rope_scaling fits the model's config (read or built here, no weights)."""
     from accord.models.build import apply_rope_scaling
 
-    if cfg.path is not None and resolve_path(cfg.path).suffix == ".gguf":
+    if cfg.path is not None and local_path(cfg.path, cfg.revision).suffix == ".gguf":
         return []  # its config exists only after conversion; the worker applies the same check
     try:
         config = _model_config(cfg)
@@ -182,7 +189,7 @@ def check_sequence_parallel(recipe: Recipe) -> list[str]:
             f"engine.sequence_parallel={recipe.engine.sequence_parallel} runs DeepSpeed's Ulysses attention, which is "
             f"not installed: {INSTALL_DEEPSPEED}"
         ]
-    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+    if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
         return check(recipe, None)  # its config exists only after conversion; the worker checks the heads
     return check(recipe, _model_config(recipe.model))
 
@@ -192,7 +199,7 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     intermediate size, and the model has a plan; its config is read, no weights."""
     from accord.engine.tensor_parallel import check_tensor_parallel as check
 
-    if recipe.model.path is not None and resolve_path(recipe.model.path).suffix == ".gguf":
+    if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
         return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
     return check(recipe, _model_config(recipe.model), world_size)
 
@@ -202,7 +209,7 @@ def _model_config(cfg: ModelConfig):
     from transformers import AutoConfig
 
     if cfg.path is not None:
-        return AutoConfig.from_pretrained(resolve_path(cfg.path), trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(local_path(cfg.path, cfg.revision), trust_remote_code=cfg.trust_remote_code)
     settings = dict(cfg.config or {})
     return AutoConfig.for_model(str(settings.pop("architecture")), **settings)
 

@@ -6,12 +6,14 @@ here; the recipe is not validated again on the way."""
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accord.errors import UserInputError
 from accord.output.lock import OutputLocked, acquire, lock_problem, new_run_id
+from accord.recipe.hub import pin
 from accord.recipe.schema import Recipe
 
 if TYPE_CHECKING:
@@ -96,6 +98,10 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
     plan = BatchPlan.for_recipe(recipe, world_size)
     _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
+    # Hub names become commits before any check reads them: once per node (the launcher, or
+    # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.
+    handoff = Path(tempfile.gettempdir()) / f"accord-hub-{run_id}.json" if dist.outer_launcher() else None
+    recipe = pin(recipe, _resumed_recipe(recipe), handoff, leads=locks_here, timeout_s=recipe.data.prepare_timeout_s)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     ray_session = None
@@ -134,6 +140,8 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         raise Interrupted(f"{e}; {_resume_hint(out_dir)}") from None
     finally:
         hold.leave()
+        if handoff is not None and locks_here:
+            handoff.unlink(missing_ok=True)
         if ray_session:
             ray_session.close()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
@@ -175,6 +183,19 @@ def _processes_as_launched(recipe: Recipe) -> Recipe:
         )
     engine = recipe.engine.model_copy(update={"processes": info.local_world_size})
     return recipe.model_copy(update={"engine": engine})
+
+
+def _resumed_recipe(recipe: Recipe) -> dict | None:
+    """The recipe.yaml of the run this one continues (its hub commits are kept), if any."""
+    import yaml
+
+    path = Path(recipe.output.dir) / "recipe.yaml"
+    if recipe.resume == "never" or recipe.output.overwrite or not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None  # check_resume names a damaged run folder
 
 
 def _check_something_to_resume(recipe: Recipe) -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from accord.recipe.schema import Recipe
 
 from accord.atomic import write_atomic
+from accord.recipe.hub import local_path
 
 GO, ABORT = "go", "abort"
 _POLL_S = 0.01  # a stat per poll: the wait costs nothing, and "go" is seen within 10 ms
@@ -160,7 +161,8 @@ def _import_what_the_run_builds(recipe: Recipe) -> None:
         if model.config:
             model_type = model.config["architecture"]
         else:
-            model_type = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))["model_type"]
+            config = local_path(model.path, model.revision) / "config.json"
+            model_type = json.loads(config.read_text(encoding="utf-8"))["model_type"]
         name = model_type_to_module_name(model_type)
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         strategy_module = STRATEGIES[recipe.engine.strategy].factory.split(":")[0]

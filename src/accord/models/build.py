@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, Pre
 
 from accord.compat.gguf import one_name_map_per_layout
 from accord.errors import UserInputError
-from accord.recipe.paths import resolve_path
+from accord.recipe.hub import local_path
 from accord.recipe.schema import BYTE_TOKENIZER, LoraConfig, ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
@@ -73,14 +73,17 @@ def model_folder(cfg: ModelConfig) -> Path | None:
     was converted into (once, cached)."""
     if cfg.path is None:
         return None
-    path = resolve_path(cfg.path)
+    path = local_path(cfg.path, cfg.revision, where="model.path")
     return convert_gguf(path) if path.suffix == ".gguf" else path
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.tokenizer == BYTE_TOKENIZER or (cfg.tokenizer is None and cfg.path is None):
         return build_byte_tokenizer()
-    source = resolve_path(cfg.tokenizer) if cfg.tokenizer else model_folder(cfg)
+    if cfg.tokenizer:
+        source = local_path(cfg.tokenizer, cfg.tokenizer_revision, where="model.tokenizer")
+    else:
+        source = model_folder(cfg)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         # Padding positions never reach the loss (labels are masked), so any id will do.
@@ -209,7 +212,7 @@ def adapter_base(cfg: ModelConfig) -> tuple[str, str | None] | None:
     exists nowhere; model.rope_scaling changes its config): the run then writes it in `base/`."""
     if cfg.path is None or cfg.rope_scaling is not None:
         return None
-    folder = resolve_path(cfg.path)
+    folder = local_path(cfg.path, cfg.revision)
     if folder.suffix == ".gguf" or not folder.is_dir():
         return None
     folder = folder.resolve()

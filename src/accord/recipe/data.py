@@ -53,9 +53,23 @@ class SourceConfig(Section):
     stream (files read with `streaming: true`, or a `function` returning a datasets IterableDataset)."""
 
     path: str | None = Field(
-        None, description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package."
+        None,
+        description="File or folder; `pkg:NAME/sub/path` resolves inside an installed Python package; ORG/NAME "
+        "(no local file of that name) is a hub dataset, read with datasets.load_dataset through the Hugging Face "
+        "cache.",
     )
+    revision: str | None = Field(
+        None, description="Hub datasets: branch, tag or commit (default: main); recipe.yaml records the commit read."
+    )
+    config: str | None = Field(None, description="Hub datasets: the subset (configuration) to read.")
+    split: str = Field("train", description="Hub datasets: the split to read (eval sources: e.g. test).")
     weight: float = Field(1.0, gt=0, description="Relative share of this source when several are mixed.")
+    fraction: float | None = Field(
+        None, gt=0, le=1, description="Use this share of the source's rows (a seeded draw), e.g. 0.25."
+    )
+    count: int | None = Field(
+        None, gt=0, description="Use this many of the source's rows (a seeded draw; more than it has: repeated)."
+    )
     format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
         "auto",
         description="auto (from the suffix: .jsonl .json .csv .tsv .parquet .txt, a save_to_disk folder), "
@@ -99,6 +113,14 @@ class SourceConfig(Section):
                 if self.path
                 else "a data source needs a path (or a function: pkg.module:function returning rows)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_share(self) -> SourceConfig:
+        if self.fraction is not None and self.count is not None:
+            raise ValueError("give a data source fraction or count, not both")
+        if (self.fraction is not None or self.count is not None) and self.streamed:
+            raise ValueError("fraction and count draw rows of a read source; a stream is walked once: use weight")
         return self
 
     @property

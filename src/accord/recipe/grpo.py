@@ -53,7 +53,11 @@ class ModelReward(_Reward):
     scoring prompt + completion."""
 
     kind: Literal["model"]
-    path: str = Field(..., description="Local folder of the reward model (a sequence classifier with num_labels=1).")
+    path: str = Field(
+        ...,
+        description="Local folder or hub name ORG/NAME of the reward model (a sequence classifier, num_labels=1).",
+    )
+    revision: str | None = Field(None, description="A hub reward model: branch, tag or commit (default: main).")
 
 
 RewardSpec = Annotated[

@@ -32,7 +32,16 @@ class RopeScalingConfig(Section):
 class ModelConfig(Section):
     """Which model to train: a local Hugging Face folder, or an architecture built from a config."""
 
-    path: str | None = Field(None, description="Local folder with a Hugging Face model (config.json + weights).")
+    path: str | None = Field(
+        None,
+        description="Local folder with a Hugging Face model (config.json + weights), or a hub name ORG/NAME read "
+        "through the Hugging Face cache (a local folder of that name wins).",
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub models: the branch, tag or commit of model.path (default: main). The run's recipe.yaml "
+        "records the commit read, which a resume keeps.",
+    )
     config: dict[str, Any] | None = Field(
         None,
         description="Build a fresh model from a config instead: `architecture` (a transformers "
@@ -42,6 +51,9 @@ class ModelConfig(Section):
         None,
         description="`byte` for accord's built-in byte-level tokenizer, or a local tokenizer folder. "
         "Default: the model folder's tokenizer, or `byte` for a model built from a config.",
+    )
+    tokenizer_revision: str | None = Field(
+        None, description="A hub model.tokenizer: its branch, tag or commit (default: main); recorded like revision."
     )
     attn_implementation: str | None = Field(
         None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice."
@@ -56,7 +68,7 @@ class ModelConfig(Section):
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.config is None):
             raise ValueError(
-                "give exactly one of model.path (a local folder) or model.config (an architecture to build)"
+                "give exactly one of model.path (a local folder or hub name) or model.config (an architecture to build)"
             )
         if self.config is not None and "architecture" not in self.config:
             raise ValueError("model.config needs `architecture` (a transformers model type such as llama)")

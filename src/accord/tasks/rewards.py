@@ -17,7 +17,8 @@ import torch
 from accord.data.rows import SOURCE, row_origin
 from accord.errors import RunStopped, UserInputError
 from accord.recipe.grpo import ExactMatchReward, FunctionReward, GRPOConfig, LengthReward, ModelReward, RegexReward
-from accord.recipe.paths import PathError, resolve_path
+from accord.recipe.hub import local_path
+from accord.recipe.paths import PathError
 from accord.registry import load_object
 
 
@@ -74,14 +75,14 @@ class RewardFunctions:
             if not callable(fn):
                 raise UserInputError(f"{where}.function: {spec.function} is not callable")
             return _checked_callable(fn, spec.function)
-        check_reward_model(spec.path, f"{where}.path")
+        check_reward_model(spec.path, f"{where}.path", spec.revision)
         self._models.append((i, spec))
         return lambda g: []  # replaced in load()
 
     def load(self, device: torch.device) -> None:
         """Load the reward models (once the device is known)."""
         for i, spec in self._models:
-            self._scorers[i] = _ModelScorer(spec.path, device)
+            self._scorers[i] = _ModelScorer(spec.path, device, spec.revision)
 
     def columns(self) -> set[str]:
         """Row columns the built-in rewards read (checked against the data before training)."""
@@ -140,12 +141,12 @@ def _checked_callable(fn: Callable, path: str) -> Scorer:
     return score
 
 
-def check_reward_model(path: str, where: str) -> None:
+def check_reward_model(path: str, where: str, revision: str | None = None) -> None:
     """A reward-model folder must hold a sequence classifier with one output."""
     from transformers import AutoConfig
 
     try:
-        folder = resolve_path(path)
+        folder = local_path(path, revision, where=where)
         config = AutoConfig.from_pretrained(str(folder))
     except (PathError, OSError, ValueError) as e:
         raise UserInputError(f"{where}: {path} is not a model folder ({' '.join(str(e).split())[:200]})") from None
@@ -163,10 +164,10 @@ def check_reward_model(path: str, where: str) -> None:
 class _ModelScorer:
     """Scores prompt + completion with a frozen sequence classifier (its own tokenizer)."""
 
-    def __init__(self, path: str, device: torch.device):
+    def __init__(self, path: str, device: torch.device, revision: str | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        folder = str(resolve_path(path))
+        folder = str(local_path(path, revision))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
