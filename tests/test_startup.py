@@ -166,3 +166,61 @@ def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimi
     )
     proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)
     assert proc.stdout.split("\n")[-2] == "['accord.engine.ddp', 'accord.tasks.sft']", proc.stderr[-3000:]
+
+
+# Counts each process's tokenizer builds (the first link of the tokenizer -> task -> data ->
+# rows chain) into $ACCORD_TEST_BUILDS, one pid a line: imported at every Python start of the
+# run (launcher and workers) through PYTHONPATH, it wraps accord.models.build.build_tokenizer
+# as that module is first imported, before any caller takes the name.
+COUNTING_SITECUSTOMIZE = """
+import importlib.abc, importlib.util, os, sys
+
+
+class _WrapBuild(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "accord.models.build":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            build = module.build_tokenizer
+
+            def counted(*args, **kwargs):
+                with open(os.environ["ACCORD_TEST_BUILDS"], "a") as log:
+                    log.write(f"{os.getpid()}\\n")
+                return build(*args, **kwargs)
+
+            module.build_tokenizer = counted
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _WrapBuild())
+"""
+
+
+@pytest.mark.distributed
+def test_the_checks_and_the_run_share_one_tokenizer_task_and_data_build_per_process(tmp_path):
+    """The node's first worker checks the data and then trains: it builds the chain once, as
+    the other worker does; the launcher builds none."""
+    import os
+    from collections import Counter
+
+    from conftest import assert_ok, run_accord
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE)
+    log = tmp_path / "builds.txt"
+    recipe = write_recipe(
+        tmp_path / "r.yaml", TINY_RECIPE | {"train": {"max_steps": 1}, "output": {"dir": str(tmp_path / "out")}}
+    )
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = run_accord("train", recipe, env_extra={"PYTHONPATH": path, "ACCORD_TEST_BUILDS": str(log)})
+    assert_ok(proc)
+    builds = Counter(log.read_text().split())
+    assert sorted(builds.values()) == [1, 1], builds  # two workers, once each

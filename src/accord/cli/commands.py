@@ -158,11 +158,10 @@ def prepare(args: argparse.Namespace) -> int:
     import time
 
     from accord.data.nodeshare import NodeShare
-    from accord.data.prepare import cache_folder, prepare_data
-    from accord.models.build import build_tokenizer
+    from accord.data.prepare import cache_folder
     from accord.recipe.hub import pin
     from accord.recipe.schema import load_recipe
-    from accord.tasks import build_task
+    from accord.run.inputs import build_inputs
 
     share = None
     if args.nnodes is not None or args.node_rank is not None:
@@ -171,11 +170,9 @@ def prepare(args: argparse.Namespace) -> int:
             raise UserInputError(f"--nnodes {nodes} --node-rank {rank}: give N >= 1 nodes and a rank in 0..N-1")
         share = NodeShare(rank, nodes)
     recipe = pin(load_recipe(args.recipe, args.overrides))  # hub names fetched (or found cached) here
-    tokenizer = build_tokenizer(recipe.model)
-    task = build_task(recipe, tokenizer)
     start = time.perf_counter()
-    data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
-    report = data.report
+    inputs = build_inputs(recipe, preparer=True, share=share)
+    tokenizer, task, report = inputs.tokenizer, inputs.task, inputs.data.report
     tokens = f", {report['train_tokens']} tokens" if "train_tokens" in report else ""
     size = sum(f.stat().st_size for f in cache_folder(recipe, tokenizer, task).rglob("*") if f.is_file())
     print(

@@ -11,14 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from accord.data.packing import training_rows
-from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
-from accord.models.build import build_tokenizer
 from accord.recipe.hub import pin
 from accord.recipe.schema import Recipe
 from accord.run.assemble import eval_tokens
-from accord.tasks import build_task
+from accord.run.inputs import build_inputs
 from accord.tasks.base import IGNORE
 
 # How loss-carrying text is marked: green on a terminal, else between [[ and ]].
@@ -28,10 +25,9 @@ MARKS = {True: ("\x1b[32m", "\x1b[0m"), False: ("[[", "]]")}
 def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     """Lines: `show` prepared training examples, then the counts."""
     recipe = pin(recipe)  # hub names fetched (or found cached) here
-    tokenizer = build_tokenizer(recipe.model)
-    task = build_task(recipe, tokenizer)
-    data = prepare_data(recipe, tokenizer, task, preparer=True)
-    train, report = data.train, data.report
+    inputs = build_inputs(recipe, preparer=True)
+    tokenizer, task = inputs.tokenizer, inputs.task
+    train, report = inputs.data.train, inputs.data.report
     start, end = MARKS[color]
     lines = [
         f"{min(show, len(train))} of {len(train)} training examples as prepared (before packing and shuffling); "
@@ -49,13 +45,13 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
         if "labels" in train.column_names
         else f"{targets} targets, one per example"
     )
-    lines.append(f"tokens: {tokens} training ({share}), {eval_tokens(data.eval)} held out")
+    lines.append(f"tokens: {tokens} training ({share}), {eval_tokens(inputs.data.eval)} held out")
     lines.append(
         f"truncations: {report.get('train_over_length', 0)} longer than data.max_length={recipe.data.max_length} "
         f"({report.get('train_dropped', 0)} dropped, data.truncation={recipe.data.truncation})"
     )
     if task.packing:
-        rows = training_rows(train, task.row_capacity)
+        rows = inputs.rows
         fill = rows.lengths.sum() / (len(rows) * recipe.data.max_length)
         lines.append(
             f"packing: {len(train)} examples in {len(rows)} rows of {recipe.data.max_length} tokens, "
@@ -63,7 +59,7 @@ def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
         )
     else:
         lines.append("packing: off (one example per row)")
-    warning = held_out_warning(recipe.data.eval_fraction, tokens, eval_tokens(data.eval))
+    warning = held_out_warning(recipe.data.eval_fraction, tokens, eval_tokens(inputs.data.eval))
     return lines + ([warning] if warning else [])
 
 

@@ -24,10 +24,13 @@ def preflight(
     writer: bool = True,
     share: NodeShare | None = None,
     plan: BatchPlan | None = None,
+    keep_for_run: bool = False,
 ) -> list[str]:
     """One line per problem (empty when the run can start). `writer`: this process (or its
     node) will hold global rank 0, the one that writes the outputs. `plan`: the batch plan a
-    run's start derived already (so it is sound); without one it is derived and checked here."""
+    run's start derived already (so it is sound); without one it is derived and checked here.
+    `keep_for_run`: this process trains the recipe next (run/inputs.py keeps what the data
+    check built for it)."""
     problems: list[str] = []
     if plan is None:
         try:
@@ -49,36 +52,27 @@ def preflight(
         # The data step is the expensive part: only for a sound recipe, and once per node
         # (under an outer launcher the other local ranks wait for it in the workers).
         return problems
-    return prepare_and_check_data(recipe, share)
+    return prepare_and_check_data(recipe, share, keep_for_run)
 
 
-def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None) -> list[str]:
+def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None, keep_for_run: bool = False) -> list[str]:
     """Tokenize (or find cached) the data here, once, so bad rows stop the run before any
-    worker starts and the workers only read the cache."""
+    worker starts and the workers only read the cache. `keep_for_run`: this process trains
+    next, and its assembly takes what was built here."""
     from accord.observe.progress import announce
 
     announce("preparing data…")
-    from accord.data.packing import training_rows
-    from accord.data.prepare import prepare_data
-    from accord.models.build import build_tokenizer
-    from accord.tasks import build_task
+    from accord.run import inputs as run_inputs
 
     try:
-        tokenizer = build_tokenizer(recipe.model)
-    except Exception as e:  # transformers and tokenizers raise many kinds; all mean the same to the user
-        where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
-        reason = " ".join(str(e).split())[:300]
-        return [
-            f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: "
-            f"{type(e).__name__}: {reason}"
-        ]
-    try:
-        task = build_task(recipe, tokenizer)
-        data = prepare_data(recipe, tokenizer, task, preparer=True, share=share)
-    except DataError as e:
+        built = run_inputs.build_inputs(recipe, preparer=True, share=share)
+    except (run_inputs.TokenizerError, DataError) as e:
         return [str(e)]
+    if keep_for_run:
+        run_inputs.keep(recipe, built)
+    task, data = built.task, built.data
     # The global order draws its batches from rows, which packing makes fewer than examples.
-    rows = len(training_rows(data.train, task.row_capacity))
+    rows = len(built.rows)
     examples = data.report["train_examples"]
     needed = recipe.batch.global_batch_size
     if rows >= needed:

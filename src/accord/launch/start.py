@@ -130,7 +130,9 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         else:
             # With GPUs here (a forked child must not touch a CUDA runtime its parent
             # initialised, and the workers see only their own devices), or as the worker.
-            problems = _preflight(recipe, plan, topology) or hold.enter()
+            # This process trains next unless it starts workers: its run takes what the checks built.
+            here = not starts_workers(recipe.engine, topology)
+            problems = _preflight(recipe, plan, topology, keep_for_run=here) or hold.enter()
         if problems:
             raise UserInputError("\n".join(problems))
         refusals.launching()
@@ -275,7 +277,7 @@ def _resume_hint(out_dir: Path) -> str:
     return resume_hint(out_dir)
 
 
-def _preflight(recipe: Recipe, plan: BatchPlan, topology: Topology) -> list[str]:
+def _preflight(recipe: Recipe, plan: BatchPlan, topology: Topology, keep_for_run: bool = False) -> list[str]:
     """preflight, imported where it runs: in a forked child its imports (transformers,
     datasets, the checkpoint format's) stay out of the launcher. Over several nodes each
     node prepares its share of the data (data/nodeshare.py) when its rank is known here."""
@@ -285,4 +287,6 @@ def _preflight(recipe: Recipe, plan: BatchPlan, topology: Topology) -> list[str]
     share = None
     if topology.multi_node and topology.node_rank is not None:
         share = NodeShare(topology.node_rank, topology.nnodes)
-    return preflight(recipe, plan.processes, writer=topology.hosts_rank_zero, share=share, plan=plan)
+    return preflight(
+        recipe, plan.processes, writer=topology.hosts_rank_zero, share=share, plan=plan, keep_for_run=keep_for_run
+    )

@@ -112,7 +112,9 @@ def _check_and_report(recipe: Recipe, plan: BatchPlan, report: str) -> None:
     from accord.launch.fork_call import packed_outcome
     from accord.launch.preflight import preflight
 
-    payload = packed_outcome(preflight, recipe, plan.processes, plan=plan, where="local rank 0's checks")
+    payload = packed_outcome(
+        preflight, recipe, plan.processes, plan=plan, keep_for_run=True, where="local rank 0's checks"
+    )
     write_atomic(report, payload)  # the launcher never reads half
 
 

@@ -59,11 +59,10 @@ def meta_model(recipe: Recipe):
     """The recipe's model with meta tensors: shapes and dtypes only, nothing loaded."""
     from transformers import AutoConfig
 
-    from accord.models.build import apply_lora, auto_class, build_model, build_tokenizer, model_folder
-    from accord.tasks import build_task
+    from accord.models.build import apply_lora, auto_class, build_model, model_folder
+    from accord.run.inputs import tokenizer_and_task
 
-    tokenizer = build_tokenizer(recipe.model)
-    task = build_task(recipe, tokenizer)
+    tokenizer, task = tokenizer_and_task(recipe)
     kwargs = task.model_kwargs()  # before the data is read: what the recipe alone fixes (e.g. classify.labels)
     with torch.device("meta"):
         folder = model_folder(recipe.model)

@@ -10,28 +10,26 @@ import numpy as np
 import torch
 
 from accord.data.order import GlobalOrder
-from accord.data.packing import training_rows
-from accord.data.prepare import prepare_data
 from accord.data.split import held_out_warning
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
-from accord.models.build import apply_lora, build_model, build_tokenizer
+from accord.models.build import apply_lora, build_model
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe
+from accord.run.inputs import build_inputs
 from accord.run.setup import ModelFacts, RunSetup
-from accord.tasks import build_task, groups_by_length
+from accord.tasks import groups_by_length
 from accord.tasks.sequence_shards import SequenceShards
 
 
 def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torch.device) -> RunSetup:
     """The run of `recipe` on this rank; `plan` is the batch plan the process derived at its start."""
-    tokenizer = build_tokenizer(recipe.model)
-    task = build_task(recipe, tokenizer)
     # Under accord's own launcher the data is already prepared (a cache hit); under an
-    # outer launcher each node's first process prepares it and the others wait.
-    data = prepare_data(recipe, tokenizer, task, preparer=info.leads_node)
-    rows = training_rows(data.train, task.row_capacity)
+    # outer launcher each node's first process prepares it and the others wait. Where this
+    # process ran the checks, they built these already.
+    inputs = build_inputs(recipe, preparer=info.leads_node)
+    tokenizer, task, data, rows = inputs.tokenizer, inputs.task, inputs.data, inputs.rows
     grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
     total_steps = _total_steps(recipe, order, task.steps_per_batch)
