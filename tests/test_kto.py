@@ -233,3 +233,21 @@ def test_kto_on_two_processes_with_accumulation_makes_the_one_process_updates(kt
     assert records[1][-1]["kl"] > 0  # the policy has moved: the estimate is not clamped to 0 any more
     evals = [r for r in read_metrics(kto_layouts[1]) if r["kind"] == "eval"]
     assert evals and "rewards/margins" in evals[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_kto_under_a_sharded_strategy_makes_the_ddp_updates(kto_layouts, strategy, tmp_path):
+    """The statistics pass runs the sharded policy's and reference's forwards on every rank
+    in step (collective under fsdp and zero3) and gives the ddp run's losses and weights."""
+    from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses
+
+    out = tmp_path / strategy
+    recipe = kto_layouts[1].parent / "kto.yaml"
+    args = ("engine.processes=2", "batch.micro_batch_size=2", f"engine.strategy={strategy}", f"output.dir={out}")
+    assert_ok(run_accord("train", recipe, *args))
+    ddp, sharded = step_losses(kto_layouts[2]), step_losses(out)
+    for step in ddp:
+        assert abs(ddp[step] - sharded[step]) < 1e-5, (step, ddp[step], sharded[step])
+    assert max_param_diff(final_params(kto_layouts[2]), final_params(out)) < 1e-4
