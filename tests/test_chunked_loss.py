@@ -110,7 +110,7 @@ def _moved_from_the_reference(*models) -> None:
 def test_chunked_dpo_loss_gradients_and_rewards_equal_the_plain_ones():
     (plain, plain_model), (chunked, chunked_model) = _tasks_and_models("dpo")
     _moved_from_the_reference(plain_model, chunked_model)
-    assert chunked.reference_logprobs is not None  # the frozen reference is chunked too
+    assert chunked.reference.reference_logprobs is not None  # the frozen reference is chunked too
     batch = _batch(plain, {"prompt": PROMPTS, "chosen": COMPLETIONS, "rejected": ["358", "16", "301", "1"]})
     plain_result, chunked_result = (
         _loss_and_grads(plain, plain_model, batch),

@@ -48,7 +48,7 @@ def test_every_registered_strategy_validates_and_its_factory_imports(name):
         (
             {"task": "sfft"},
             "recipe: task: unknown task 'sfft'; did you mean sft? (registered tasks: sft, pretrain, classify, dpo, "
-            "orpo, cpo, reward, grpo, rloo; add one with accord.register_task)",
+            "orpo, cpo, kto, reward, grpo, rloo; add one with accord.register_task)",
         ),
         (
             {"engine": {"strategy": "zero4"}},

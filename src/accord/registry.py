@@ -29,6 +29,7 @@ TASKS: dict[str, str] = {
     "dpo": "accord.tasks.dpo:DPOTask",
     "orpo": "accord.tasks.reference_free:ORPOTask",
     "cpo": "accord.tasks.reference_free:CPOTask",
+    "kto": "accord.tasks.kto:KTOTask",
     "reward": "accord.tasks.reward:RewardTask",
     "grpo": "accord.tasks.grpo:GRPOTask",
     "rloo": "accord.tasks.rloo:RLOOTask",

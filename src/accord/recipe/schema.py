@@ -22,6 +22,7 @@ from accord.recipe.dpo import DPOConfig
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
+from accord.recipe.kto import KTOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
 from accord.recipe.observe import ObserveConfig
 from accord.recipe.orpo import ORPOConfig
@@ -226,7 +227,8 @@ class Recipe(Section):
     task: str | TaskClassConfig = Field(
         "sft",
         description="sft (prompt -> completion or chat messages), pretrain (raw text), classify (text -> label), "
-        "dpo (prompt, chosen, rejected), orpo and cpo (the same rows, no reference model), reward (prompt, chosen, "
+        "dpo (prompt, chosen, rejected), orpo and cpo (the same rows, no reference model), kto (prompt, completion, "
+        "label, or preference pairs unpaired), reward (prompt, chosen, "
         "rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards), rloo (the same "
         "prompts, rewards and grpo keys; leave-one-out advantages, the rloo section); or "
         "{class: package.module:Class} for a task written outside accord.",
@@ -241,6 +243,7 @@ class Recipe(Section):
     rloo: RLOOConfig = RLOOConfig()
     orpo: ORPOConfig = ORPOConfig()
     cpo: CPOConfig = CPOConfig()
+    kto: KTOConfig = KTOConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -258,6 +261,16 @@ class Recipe(Section):
         if isinstance(value, str) and value not in registry.TASKS:
             raise ValueError(registry.unknown_name("task", "task", value, registry.TASKS))
         return value
+
+    @model_validator(mode="after")
+    def _kto_batch(self) -> Recipe:
+        if self.task == "kto" and self.kto.loss_type == "kto" and self.batch.global_batch_size < 2:
+            raise ValueError(
+                "task kto with batch.global_batch_size=1: its KL estimate pairs each row with another row's "
+                "completion in the global batch; set batch.global_batch_size to 2 or more (or kto.loss_type: "
+                "apo_zero_unpaired, which has no KL term)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel(self) -> Recipe:

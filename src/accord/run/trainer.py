@@ -24,6 +24,7 @@ from accord.observe.progress import Progress
 from accord.observe.steplog import StepLog, StepStats, Throughput
 from accord.observe.trackers import Tracker
 from accord.output.export import export_final
+from accord.run.batch_pass import batch_pass
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
 from accord.run.rollout_step import rollout_step
@@ -63,6 +64,8 @@ class Trainer:
         started = time.perf_counter()
         # An online task samples its targets first; its normaliser comes from one reduction.
         online = rollout_step(self.run, self.task, self.step, global_batch) if self.task.online else None
+        if self.task.batch_statistics:
+            batch_pass(self.run, self.task, global_batch, self._rows)
         training_started = time.perf_counter()
         # The normaliser: targets in the whole global batch, known to every rank from the plan.
         targets = online.targets if online else int(self.rows.targets[global_batch].sum())

@@ -76,6 +76,10 @@ class Task:
     # A causal LM whose loss is a sum over tokens (no row-level pooling): a row's tokens may be
     # split over ranks (engine.sequence_parallel).
     splits_rows = False
+    # Its loss reads a statistic of the whole global batch (kto's KL estimate): before a step's
+    # micro-batches the trainer builds statistics_batch for each, adds statistics_sums over
+    # them and every rank, and hands the totals to use_statistics.
+    batch_statistics = False
 
     # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
     eval_hidden: tuple[str, ...] = ()
@@ -165,6 +169,18 @@ class Task:
         return "eval " + ", ".join(parts)
 
     # ---------------------------------------------------------------- batches and losses
+
+    def statistics_batch(self, rows: list[list[dict]], partners: list[list[dict]]) -> dict[str, torch.Tensor]:
+        """batch_statistics: tensors for a micro-batch's rows, `partners` the rows one place
+        before them in the global batch (the first row's: the last)."""
+        raise NotImplementedError
+
+    def statistics_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """batch_statistics: this micro-batch's sums (float64, one vector), without gradients."""
+        raise NotImplementedError
+
+    def use_statistics(self, totals: torch.Tensor) -> None:
+        """batch_statistics: statistics_sums added over the global batch, before its micro-batches."""
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         """Tensors for a micro-batch; each row is one example (or several, packed)."""

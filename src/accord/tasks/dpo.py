@@ -11,8 +11,6 @@ log-probabilities precomputed once before training, or none (dpo.reference_free:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from typing import Any
 
 import numpy as np
@@ -21,11 +19,11 @@ from torch import nn
 
 from accord.data.columns import Schema
 from accord.data.fetch import fetch, to_device
-from accord.recipe.schema import ModelConfig
-from accord.tasks.base import IGNORE, LossOutput, Task, sequence_logprobs, text_prefix
-from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
+from accord.tasks.base import IGNORE, LossOutput, Task, text_prefix
+from accord.tasks.chunked_loss import plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
 from accord.tasks.preference_losses import LossParams, PairLogps, pair_loss
+from accord.tasks.reference_model import ReferenceModel
 
 
 class DPOTask(Task):
@@ -41,17 +39,11 @@ class DPOTask(Task):
         self.beta = cfg.beta
         self.terms = cfg.weighted_losses()
         self.params = LossParams(cfg.beta, cfg.label_smoothing, cfg.discopop_tau)
-        self.reference_free = cfg.reference_free
         self.eos_id = tokenizer.eos_token_id
         self.add_bos = recipe.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
-        self.reference: nn.Module | None = None  # a frozen model, or None: adapters off
-        self.policy: nn.Module | None = None
+        self.reference = ReferenceModel(recipe, tokenizer, self.model_kind, cfg.reference, cfg.reference_free)
         self.precomputed = 0  # training pairs whose reference log-probabilities were precomputed
-        # The chunked log-probabilities (train.loss_chunk_size) of the policy and the reference.
-        self.logprobs: TargetLogprobs | None = None
-        self.reference_logprobs: TargetLogprobs | None = None
-        self.plain_loss_reason: str | None = None
 
     eval_hidden = ("logps_chosen", "logps_rejected")
 
@@ -61,38 +53,14 @@ class DPOTask(Task):
     # ---------------------------------------------------------------- the reference policy
 
     def configure_model(self, model: nn.Module) -> None:
-        """The frozen reference: the given folder, or a copy of the starting model (taken
-        before adapters are added). With LoRA none is needed: the reference is the policy
-        with its adapters switched off."""
-        cfg = self.recipe.dpo
-        if cfg.reference is not None:
-            # Here, not at the top: only a separate reference model needs the model builder (transformers).
-            from accord.models.build import build_model
-
-            self.reference = build_model(
-                ModelConfig(path=cfg.reference), self.tokenizer, self.recipe.seed, self.model_kind, meta=True
-            )
-        elif self.recipe.lora is None and not cfg.reference_free:
-            self.reference = copy.deepcopy(model)
-        if self.reference is not None:
-            self.reference.requires_grad_(False).eval()
-        self.plain_loss_reason = chunking_blocker(model, self.recipe)
-        if self.plain_loss_reason is None:
-            chunk = self.recipe.train.loss_chunk_size
-            self.logprobs = TargetLogprobs.install(model, chunk)
-            if self.reference is not None and chunking_blocker(self.reference, self.recipe) is None:
-                self.reference_logprobs = TargetLogprobs.install(self.reference, chunk)
+        self.reference.configure_model(model)
 
     def setup(self, engine, train, eval_ds):
-        self.policy = engine.module
-        if self.reference is not None:
-            # Built on the meta device (a copy of the starting model is only its description):
-            # the engine materialises it, sharded like the policy under fsdp.
-            self.reference = engine.prepare_frozen(self.reference)
+        self.reference.setup(engine)
         if not self.recipe.dpo.precompute_reference:  # (the recipe refuses it with reference_free)
             return train, eval_ds
         train, eval_ds = (self._with_reference_logps(ds, engine) if ds is not None else None for ds in (train, eval_ds))
-        self.reference = None  # every value it would give is in the data now: release it
+        self.reference.release()
         self.precomputed = len(train)
         return train, eval_ds
 
@@ -112,7 +80,7 @@ class DPOTask(Task):
         return ds.add_column("ref_logp", values)
 
     def describe(self) -> list[str]:
-        lines = plain_loss_note(self.plain_loss_reason)
+        lines = plain_loss_note(self.reference.plain_loss_reason)
         if not self.precomputed:
             return lines
         return lines + [f"reference log-probabilities precomputed for {self.precomputed} training pairs"]
@@ -132,22 +100,15 @@ class DPOTask(Task):
             )
         return batch
 
-    @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed answer log-probabilities under the reference, chosen rows then rejected
         (dpo.reference_free: 0, a uniform reference)."""
-        if self.reference_free:
-            return torch.zeros(len(batch["labels"]), device=batch["labels"].device)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        if self.reference is not None:
-            return _row_logprobs(self.reference, self.reference_logprobs, inputs, batch["labels"])
-        assert self.policy is not None, "setup() first"
-        with _adapters_off(self.policy):
-            return _row_logprobs(self.policy, self.logprobs, inputs, batch["labels"])
+        return self.reference.logps(inputs, batch["labels"])
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        policy = _row_logprobs(model, self.logprobs, inputs, batch["labels"])
+        policy = self.reference.policy_logps(model, inputs, batch["labels"])
         reference = batch["ref_logps"] if "ref_logps" in batch else self.reference_logps(batch)
         pairs = len(policy) // 2
         tokens = (shifted_targets(batch["labels"]) != IGNORE).sum(-1)
@@ -172,17 +133,3 @@ class DPOTask(Task):
             num_targets=torch.tensor(pairs, device=policy.device),
             metrics=metrics,
         )
-
-
-def _row_logprobs(
-    model: nn.Module, chunked: TargetLogprobs | None, inputs: dict[str, torch.Tensor], labels: torch.Tensor
-) -> torch.Tensor:
-    """Summed answer log-probabilities per row: chunked through the output layer, or from whole logits."""
-    if chunked is not None and chunked.serves(labels):
-        return chunked.row_logprobs(model, inputs, shifted_targets(labels))
-    return sequence_logprobs(model(**inputs).logits, labels)
-
-
-def _adapters_off(model: nn.Module):
-    disable = getattr(model, "disable_adapter", None)
-    return disable() if callable(disable) else contextlib.nullcontext()

@@ -25,8 +25,8 @@ from torch import nn
 from accord.data.sources import DataError, check_columns
 from accord.errors import UserInputError
 from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
-from accord.tasks.dpo import _adapters_off
 from accord.tasks.grpo_loss import clipped, grpo_token_loss, kl_k3
+from accord.tasks.reference_model import adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
 from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
 
@@ -299,7 +299,7 @@ class GRPOTask(Task):
         was_training = self.policy.training
         self.policy.eval()  # as the frozen copy is
         try:
-            with _adapters_off(self.policy):
+            with adapters_off(self.policy):
                 return completion_logprobs(self.policy, p, self.cfg.temperature)
         finally:
             self.policy.train(was_training)
