@@ -113,7 +113,6 @@ def train(
     stopped. A run stopped on request after a checkpoint returns status "preempted", its
     message saying how to continue.
     """
-    from accord.launch.start import Where, start
     from accord.observe.progress import announce
 
     announce("checking recipe…")
@@ -129,6 +128,9 @@ def train(
     if launcher is not None:
         lines.append(f"engine.launcher={json.dumps(launcher)}")
     validated = load(recipe, lines)  # the one validation of the user's recipe in this process
+    # The launcher imports torch (seconds): only once the recipe is read, so a mistake in it is named first.
+    from accord.launch.start import Where, start
+
     where = Where(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     ended = start(validated, where, resume_requested=resume)
     return TrainResult(ended.status, Path(validated.output.dir), ended.message)

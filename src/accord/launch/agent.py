@@ -3,7 +3,6 @@ when an outer launcher (torchrun, accelerate launch, ...) already started this p
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -14,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from accord.distributed import group as dist
 from accord.errors import AccordError, RunStopped, UserInputError
 from accord.launch.cluster import Topology, interface_towards, is_local_address
-from accord.recipe.schema import EngineConfig, Recipe
+from accord.recipe.schema import EngineConfig
 from accord.stopping import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
-    from accord.distributed.batch_plan import BatchPlan
+    from accord.launch.plan import LaunchPlan
 
 # The default where no topology is given: this node alone (Topology is frozen, so one instance serves all).
 LOCAL_TOPOLOGY = Topology()
@@ -70,28 +69,23 @@ def starts_workers(cfg: EngineConfig, topology: Topology = LOCAL_TOPOLOGY) -> bo
     return local_world_size(cfg) > 1 or topology.multi_node
 
 
-def run(
-    recipe: Recipe,
-    topology: Topology = LOCAL_TOPOLOGY,
-    checks: PendingChecks | None = None,
-    plan: BatchPlan | None = None,
-) -> str:
-    """Train `recipe` here (outer launcher, or one process) or on freshly started local
+def run(plan: LaunchPlan, checks: PendingChecks | None = None) -> str:
+    """Train the plan's recipe here (outer launcher, or one process) or on freshly started local
     workers (joining the other nodes' when multi-node); returns how the run ended:
     completed | preempted | stopped.
 
     `checks`: the recipe's checks, still running; the workers start now and train only if
     they pass (else the checks' problems are raised as a UserInputError). Only where this
-    process starts the workers. `plan`: the batch plan this process derived already, for
-    training here (a worker process derives its own from the recipe it is handed)."""
+    process starts the workers, which are handed the plan."""
+    recipe, topology = plan.recipe, plan.topology
     nproc = local_world_size(recipe.engine)
-    if dist.outer_launcher() is None:
+    if plan.launcher == "accord":
         _set_worker_environment(recipe.engine, nproc, topology)
-    if not starts_workers(recipe.engine, topology):
+    if plan.trains_here:
         from accord.launch.worker import train_worker  # this process is the (only) worker
 
         global _trained_here
-        status = train_worker(recipe, plan).status
+        status = train_worker(recipe, plan.batch).status
         _trained_here = True
         return status
     if topology.hosts_rank_zero:
@@ -101,23 +95,21 @@ def run(
             f"starting {nproc} worker{'s' if nproc != 1 else ''}…"
             + (f" (this node's of {topology.nnodes})" if topology.multi_node else "")
         )
-    return _launch_watched(recipe, json.dumps(recipe.model_dump(mode="json")), nproc, topology, checks)
+    return _launch_watched(plan, nproc, checks)
 
 
-def _launch_watched(
-    recipe: Recipe, recipe_json: str, nproc: int, topology: Topology, checks: PendingChecks | None
-) -> str:
+def _launch_watched(plan: LaunchPlan, nproc: int, checks: PendingChecks | None) -> str:
     """The workers under the hang watchdog (accord.launch.watchdog): a hang that used up the restarts
     ends the run with its own message rather than "worker rank N failed"."""
     from accord.engine.device import wants_cuda
     from accord.launch.watchdog import HangDetected, watch_for_hangs
 
-    cfg = recipe.engine
+    cfg = plan.recipe.engine
     with watch_for_hangs(
-        cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)
+        cfg.hang_timeout_s, nproc, cfg.max_restarts, plan.recipe.output.dir, nccl=wants_cuda(cfg)
     ) as watchdog:
         try:
-            return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology, checks)
+            return _elastic_launch(plan.to_json(), nproc, cfg.max_restarts, plan.topology, checks)
         except WorkerFailed:
             if watchdog is None or watchdog.restart not in watchdog.verdicts:
                 raise
@@ -194,7 +186,7 @@ def _rendezvous(topology: Topology) -> dict[str, Any]:
 
 
 def _elastic_launch(
-    recipe_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None
+    plan_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None
 ) -> str:
     """Workers are separate `python -m accord.launch.worker_start` programs (not functions run
     through multiprocessing): a worker that finished after a stop signal can then simply
@@ -219,13 +211,13 @@ def _elastic_launch(
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             logs_specs=_agent_logs(folder),
         )
-        recipe_path, gate = os.path.join(folder, "recipe.json"), os.path.join(folder, "gate")
-        with open(recipe_path, "w", encoding="utf-8") as f:
-            f.write(recipe_json)
+        plan_path, gate = os.path.join(folder, "plan.json"), os.path.join(folder, "gate")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            f.write(plan_json)
         if checks is None:
             open_gate(gate, GO)
-            return _run_agent(config, [gate, recipe_path])
-        worker_args = [gate, recipe_path]
+            return _run_agent(config, [gate, plan_path])
+        worker_args = [gate, plan_path]
         if isinstance(checks, WorkerChecks):  # the workers check: local rank 0 reports here
             checks.report = os.path.join(folder, "checks")
             worker_args.append(checks.report)
