@@ -3,6 +3,7 @@ when an outer launcher (torchrun, accelerate launch, ...) already started this p
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -10,11 +11,14 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from accord.distributed import group as dist
 from accord.errors import AccordError, RunStopped, UserInputError
+from accord.launch import ending
 from accord.launch.cluster import Topology, interface_towards, is_local_address
 from accord.recipe.schema import EngineConfig
-from accord.stopping import PREEMPTED_EXIT_CODE
+from accord.stopping import EXIT_CODES, PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from accord.launch.plan import LaunchPlan
@@ -49,8 +53,6 @@ def local_world_size(cfg: EngineConfig) -> int:
     from accord.engine.device import wants_cuda
 
     if wants_cuda(cfg):
-        import torch
-
         return len(cfg.devices) if cfg.devices is not None else torch.cuda.device_count()
     return cfg.processes
 
@@ -84,9 +86,13 @@ def run(plan: LaunchPlan, checks: PendingChecks | None = None) -> str:
     if plan.trains_here:
         from accord.launch.worker import train_worker  # this process is the (only) worker
 
-        global _trained_here
-        status = train_worker(recipe, plan.batch).status
-        _trained_here = True
+        try:
+            status = train_worker(recipe, plan.batch).status
+        except BaseException:
+            if dist.left_a_group():  # failed after its process group: it ends as a worker does
+                ending.trained()
+            raise
+        ending.trained()  # ended as a worker process does (train_worker: files closed, threads joined)
         return status
     if topology.hosts_rank_zero:
         from accord.observe.progress import announce
@@ -139,7 +145,7 @@ def _set_worker_environment(cfg: EngineConfig, nproc: int, topology: Topology) -
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.devices))
     # Each restart of the worker group gets a fresh store: sharing the agent's store
     # across restarts lets a new worker read a dead worker's address and hang in
-    # gloo's connectFullMesh (seen in 3 of 6 restarts with torch 2.13).
+    # gloo's connectFullMesh (seen often with torch 2.13).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         # Each process would otherwise start one thread per core: with 2 processes on
@@ -263,35 +269,12 @@ class _Verdict:
             raise self._failure
 
 
-_workers_ran = False
-
-
-def ran_workers() -> bool:
-    """Whether this process started training workers (and they have ended once it returned)."""
-    return _workers_ran
-
-
-_trained_here = False
-
-
-def trained_here() -> bool:
-    """Whether this process trained as a worker itself (engine.processes=1, or under an outer
-    launcher) and that training has ended as a worker process's does (train_worker: files
-    closed, threads joined)."""
-    return _trained_here
-
-
 def _run_agent(config, worker_args: list[str]) -> str:
-    import sys
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from accord.stopping import EXIT_CODES
-
-    global _workers_ran
-    _workers_ran = True
+    ending.trained()  # once the agent returns or raises, its workers have ended
     try:
         elastic_launch(config, sys.executable)("-m", "accord.launch.worker_start", *worker_args)
     except ChildFailedError as e:
@@ -349,8 +332,6 @@ def _agent_logs(folder: str):
 def _quiet_agent() -> None:
     """The agent's log lines (closing workers, exit codes) repeat what accord and the
     workers print themselves; a worker's crash traceback comes from the worker."""
-    import logging
-
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
