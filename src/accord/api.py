@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,8 +220,6 @@ def override_lines(overrides: Overrides) -> list[str]:
 
 
 def _memory_gib(value: float | str) -> float:
-    import re
-
     if isinstance(value, (int, float)):
         return float(value)
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(GB|GiB|G|MB|MiB)?\s*", value, flags=re.IGNORECASE)

@@ -30,7 +30,7 @@ from accord.launch.cluster import Topology, resolve_topology, tensor_parallel_no
 from accord.launch.plan import ChecksRun, LaunchPlan, OutputHolder, Where
 from accord.output.lock import OutputLocked, lock_problem, new_run_id
 from accord.recipe.hub import pin
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import EngineConfig, OutputConfig, Recipe
 
 
 def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
@@ -61,27 +61,23 @@ def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
     if recipe.engine.deepspeed_config:
         path = recipe.engine.deepspeed_config
         recipe = reconcile(recipe, deepspeed_file_settings(path), world_size, source=path)
-    recipe = _processes_as_launched(recipe, wants_cuda(recipe.engine))
+    engine = _processes_as_launched(recipe.engine)
+    if engine is not recipe.engine:
+        recipe = recipe.model_copy(update={"engine": engine})
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
     batch = BatchPlan.for_recipe(recipe, world_size)
-    _refuse_tensor_parallel_across_nodes(recipe, world_size, topology)
+    _refuse_tensor_parallel_across_nodes(recipe.engine.tensor_parallel, world_size, topology)
     # Hub names become commits before any check reads them: once per node (the launcher, or
     # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.
     handoff = Path(tempfile.gettempdir()) / f"accord-hub-{run_id}.json" if outer else None
     recipe = pin(
         recipe,
-        _resumed_recipe(recipe),
+        _resumed_recipe(recipe.output, recipe.resume),
         handoff,
         leads=locks,
         timeout_s=recipe.data.prepare_timeout_s,
     )
     launches = not on_ray and starts_workers(recipe.engine, topology)
-    if on_ray or (launches and not wants_cuda(recipe.engine) and topology.multi_node):
-        checks = ChecksRun.FORKED_CHILD
-    elif launches and not wants_cuda(recipe.engine):
-        checks = ChecksRun.FIRST_WORKER
-    else:
-        checks = ChecksRun.HERE
     return LaunchPlan(
         recipe=recipe,
         topology=topology,
@@ -89,49 +85,58 @@ def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
         batch=batch,
         run_id=run_id,
         holder=OutputHolder(locks=locks, writes=topology.hosts_rank_zero and dist.is_main()),
-        checks=checks,
+        checks=_where_checks_run(on_ray, launches, wants_cuda(recipe.engine), topology.multi_node),
         trains_here=not on_ray and not launches,
         launcher="ray" if on_ray else outer or "accord",
         hub_handoff=str(handoff) if handoff is not None else None,
     )
 
 
-def _refuse_tensor_parallel_across_nodes(recipe: Recipe, world_size: int, topology: Topology) -> None:
+def _where_checks_run(on_ray: bool, launches: bool, cuda: bool, multi_node: bool) -> ChecksRun:
+    """Ray's driver, or accord's launcher over several CPU nodes: a forked child; accord's
+    launcher on one CPU machine: its first worker; with GPUs, or as the worker: here."""
+    if on_ray or (launches and not cuda and multi_node):
+        return ChecksRun.FORKED_CHILD
+    if launches and not cuda:
+        return ChecksRun.FIRST_WORKER
+    return ChecksRun.HERE
+
+
+def _refuse_tensor_parallel_across_nodes(tensor_parallel: int, world_size: int, topology: Topology) -> None:
     if rank_env.outer_launcher() is not None:
         info = rank_env.env_info()
         per_node, nodes = info.local_world_size, info.world_size // max(info.local_world_size, 1)
     else:
         per_node, nodes = world_size // topology.nnodes, topology.nnodes
-    refusal = tensor_parallel_nodes(recipe.engine.tensor_parallel, per_node, nodes)
+    refusal = tensor_parallel_nodes(tensor_parallel, per_node, nodes)
     if refusal:
         raise UserInputError(refusal)
 
 
-def _processes_as_launched(recipe: Recipe, cuda: bool) -> Recipe:
+def _processes_as_launched(engine: EngineConfig) -> EngineConfig:
     """Under an outer launcher the processes per node are the launcher's: a different
     engine.processes in the recipe is said once, and the run's recipe.yaml records what ran."""
     launcher = rank_env.outer_launcher()
-    if launcher is None or cuda:
-        return recipe
+    if launcher is None or wants_cuda(engine):
+        return engine
     info = rank_env.env_info()
-    if recipe.engine.processes == info.local_world_size:
-        return recipe
-    if "processes" in recipe.engine.model_fields_set and rank_env.leads():
+    if engine.processes == info.local_world_size:
+        return engine
+    if "processes" in engine.model_fields_set and rank_env.leads():
         count = f"{info.local_world_size} process{'es' if info.local_world_size != 1 else ''}"
         print(
-            f"accord: warning: engine.processes={recipe.engine.processes} is overruled by {launcher}, which started "
+            f"accord: warning: engine.processes={engine.processes} is overruled by {launcher}, which started "
             f"{count} per node ({info.world_size} in all); the run's recipe.yaml records {info.local_world_size}",
             file=sys.stderr,
             flush=True,
         )
-    engine = recipe.engine.model_copy(update={"processes": info.local_world_size})
-    return recipe.model_copy(update={"engine": engine})
+    return engine.model_copy(update={"processes": info.local_world_size})
 
 
-def _resumed_recipe(recipe: Recipe) -> dict | None:
+def _resumed_recipe(output: OutputConfig, resume: str) -> dict | None:
     """The recipe.yaml of the run this one continues (its hub commits are kept), if any."""
-    path = Path(recipe.output.dir) / "recipe.yaml"
-    if recipe.resume == "never" or recipe.output.overwrite or not path.is_file():
+    path = Path(output.dir) / "recipe.yaml"
+    if resume == "never" or output.overwrite or not path.is_file():
         return None
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -16,15 +16,17 @@ step, checkpoint, end "preempted"), and how the run ended, from rank 0.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
 from typing import TYPE_CHECKING, Any
 
 from accord.errors import UserInputError
 from accord.recipe.schema import PROCESS_GROUP_TIMEOUT_S, Recipe
-from accord.stopping import STOP_SIGNALS
+from accord.stopping import STOP_SIGNALS, StopRequest
 
 if TYPE_CHECKING:
     from accord.launch.plan import LaunchPlan
@@ -128,8 +130,6 @@ def _connect(recipe: Recipe) -> bool:
     """ray.init: the cluster at engine.ray.address or RAY_ADDRESS, else a local instance with at
     least the CPUs the workers reserve (logical CPUs: a scheduling count, not cores). Whether
     this call started Ray here."""
-    import logging
-
     import ray
 
     cfg = recipe.engine.ray
@@ -165,8 +165,6 @@ def _no_cluster(recipe: Recipe, address: str, why: str) -> str:
 def _unreachable(address: str) -> str | None:
     """Why HOST:PORT takes no connection, found in seconds: ray.init retries a silent address
     for minutes. None for the other forms (auto, ray://...), which ray.init resolves itself."""
-    import socket
-
     host, _, port = address.rpartition(":")
     if "://" in address or not host or not port.isdigit():
         return None
@@ -181,8 +179,6 @@ def quiet_ray_process() -> None:
     """Run in each of the job's Ray processes as it starts. Ray Train's placement-group cleaner
     asks Ray's state API, served by the dashboard, whether the run's controller still lives;
     without the dashboard (ray[train] alone) it warns every second that it cannot tell."""
-    import logging
-
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
@@ -321,7 +317,6 @@ def _train_function(config: dict[str, Any]) -> None:
     from accord.distributed import group as dist
     from accord.launch.plan import LaunchPlan
     from accord.launch.worker import train_worker
-    from accord.stopping import StopRequest
 
     control = config["control"]
     # Ray Train moves each worker into a folder of its own session: the recipe's relative paths

@@ -26,7 +26,7 @@ from accord.output.folder import (
     set_aside_earlier_run,
 )
 from accord.output.lock import acquire
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import OutputConfig, Recipe
 
 __all__ = ["Ended", "Where", "start"]
 
@@ -50,7 +50,7 @@ def start(recipe: Recipe, where: Where = _THIS_NODE, resume_requested: bool = Fa
     resume_requested: --resume (refused when there is nothing to continue from).
     Raises a UserInputError naming what to fix, WorkerFailed, or Interrupted."""
     if resume_requested:
-        _check_something_to_resume(recipe)
+        _check_something_to_resume(recipe.output, recipe.resume)
     plan = plan_launch(recipe, where)
     hold = _OutputHold(plan)
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
@@ -100,13 +100,13 @@ def _leave(plan: LaunchPlan, hold: _OutputHold, ray_session: ray_train.RaySessio
         ray_session.close()
 
 
-def _check_something_to_resume(recipe: Recipe) -> None:
+def _check_something_to_resume(output: OutputConfig, resume: str) -> None:
     """--resume asks to continue a run: with nothing to continue, a typo in output.dir would
     otherwise start a fresh (maybe days-long) run. `resume: auto` in a recipe starts fresh."""
     from accord.checkpoint.store import CHECKPOINTS, latest_checkpoint  # the checkpoint format: only for --resume
 
-    out_dir = Path(recipe.output.dir)
-    if recipe.resume != "auto" or latest_checkpoint(out_dir) is not None:
+    out_dir = Path(output.dir)
+    if resume != "auto" or latest_checkpoint(out_dir) is not None:
         return
     where = (
         f"{out_dir} does not exist" if not out_dir.exists() else f"no complete checkpoint in {out_dir}/{CHECKPOINTS}"
@@ -137,7 +137,7 @@ class _OutputHold:
         if not self.writer:
             return []
         # Checked again under the lock: another run may have finished here since the checks.
-        problems = check_output_dir(self.recipe, self.run_id)
+        problems = check_output_dir(self.recipe.output, self.recipe.resume, self.run_id)
         if problems:
             return problems
         self.fresh = not earlier_run(self.out_dir)

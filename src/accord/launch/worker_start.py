@@ -21,6 +21,8 @@ data cache.
 from __future__ import annotations
 
 import gc
+import importlib
+import json
 import os
 import sys
 import threading
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
     from accord.recipe.schema import Recipe
 
 from accord.atomic import write_atomic
+from accord.errors import RunStopped
 from accord.recipe.hub import local_path
+from accord.registry import STRATEGIES
 
 GO, ABORT = "go", "abort"
 _POLL_S = 0.01  # a stat per poll: the wait costs nothing, and "go" is seen within 10 ms
@@ -90,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = read_plan(plan_path)
     if not watcher.opened.is_set():
         _import_what_the_run_builds(plan.recipe)
-    # The imported libraries' objects (~400k) live as long as the process: kept out of the
-    # collector's full scans from here on (one scan over them took 3.4 s at load 27 here).
+    # The imported libraries' objects (hundreds of thousands) live as long as the process: kept
+    # out of the collector's full scans from here on (each scan over them takes seconds on a
+    # loaded machine).
     gc.freeze()
     watcher.opened.wait()
     watcher.join()
@@ -120,7 +125,6 @@ class WorkerChecks:
         self._cancelled = threading.Event()
 
     def result(self) -> list[str]:
-        from accord.errors import RunStopped
         from accord.launch.fork_call import unpack_outcome
 
         assert self.report is not None, "the launcher sets the report's path before the workers start"
@@ -138,14 +142,10 @@ def _import_what_the_run_builds(recipe: Recipe) -> None:
     """Import the recipe's task, model class and strategy, and datasets where the prepared
     data is read with it, while the checks run (each another second or more on a loaded
     machine). Best effort: the run itself reports what fails."""
-    import importlib
-    import json
-
     try:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         from accord.data.prepare import reads_datasets
-        from accord.registry import STRATEGIES
         from accord.tasks import task_class
 
         if reads_datasets(recipe, task_class(recipe)):
