@@ -140,7 +140,6 @@ def test_what_combines_with_tensor_parallelism_is_declared_by_the_strategies_and
     """A strategy or task registered as combining with a layout is accepted with it, and named in
     the refusal of one that is not, without a list in the schema to edit; the declarations reach
     the worker processes with the names."""
-    from user_extensions import MySFT
 
     def recipe(task, strategy):
         engine = TINY_RECIPE["engine"] | {"strategy": strategy, "tensor_parallel": 2}
@@ -148,15 +147,15 @@ def test_what_combines_with_tensor_parallelism_is_declared_by_the_strategies_and
 
     accord.register_strategy("my_ddp", "accord.engine.ddp:build", like="ddp")  # ddp's traits: combines with TP
     accord.register_strategy("my_plain", "accord.engine.ddp:build")
-    accord.register_task("my_sft", MySFT, combines_with=["tensor_parallel"])
-    accord.register_task("my_other", MySFT)
+    accord.register_task("my_sft", "user_extensions:MySFT", combines_with=["tensor_parallel"])
+    accord.register_task("my_other", "user_extensions:MySFT")
     assert validate_recipe(recipe("my_sft", "my_ddp")).engine.tensor_parallel == 2
     with pytest.raises(RecipeError, match=r"composes with engine.strategy=ddp, fsdp or my_ddp \(torch's own"):
         validate_recipe(recipe("sft", "my_plain"))
     with pytest.raises(RecipeError, match=r"supports task sft, pretrain, classify, reward, my_sft, not my_other"):
         validate_recipe(recipe("my_other", "ddp"))
     with pytest.raises(UserInputError, match=r"register_task\('x'\): unknown layout 'pipeline' \(layouts: "):
-        accord.register_task("x", MySFT, combines_with="pipeline")
+        accord.register_task("x", "user_extensions:MySFT", combines_with="pipeline")
     handed = json.loads(os.environ[registry.HANDED_OVER])
     del registry.TASK_TRAITS["my_sft"], registry.TASKS["my_sft"], registry.STRATEGIES["my_ddp"]
     registry._take_over()  # what a worker process does as it imports the registry
