@@ -239,10 +239,13 @@ def test_a_run_set_aside_by_a_live_overwrite_is_not_offered_for_deletion(tmp_pat
     (out / PREVIOUS_RUN).mkdir(parents=True)
     recipe = validate_recipe(TINY_RECIPE | {"output": {"dir": str(out), "overwrite": True}})
     with acquire(out, "the-live-run"):
-        [problem] = check_output_dir(recipe)
+        [problem] = check_output_dir(recipe.output, recipe.resume)
         assert "is in use by another run" in problem and PREVIOUS_RUN not in problem
-        assert check_output_dir(recipe, run_id="the-live-run")[0].startswith(f"output.dir: {out / PREVIOUS_RUN} holds")
-    [problem] = check_output_dir(recipe)  # nobody holds it: the interrupted run's way back is offered
+        assert check_output_dir(recipe.output, recipe.resume, run_id="the-live-run")[0].startswith(
+            f"output.dir: {out / PREVIOUS_RUN} holds"
+        )
+    # Nobody holds it: the interrupted run's way back is offered.
+    [problem] = check_output_dir(recipe.output, recipe.resume)
     assert f"move its contents back into {out}, or delete it" in problem
 
 

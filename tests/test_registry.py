@@ -25,6 +25,7 @@ def clean_registry(monkeypatch):
     """Registrations made by the test are gone after it (the tables and the handed-over copy)."""
     monkeypatch.setattr(registry, "TASKS", dict(registry.TASKS))
     monkeypatch.setattr(registry, "STRATEGIES", dict(registry.STRATEGIES))
+    monkeypatch.setattr(registry, "TASK_TRAITS", dict(registry.TASK_TRAITS))
     monkeypatch.delenv(registry.HANDED_OVER, raising=False)
 
 
@@ -135,6 +136,33 @@ def test_a_strategy_registered_like_a_zero_stage_has_its_traits(clean_registry):
     )
 
 
+def test_what_combines_with_tensor_parallelism_is_declared_by_the_strategies_and_tasks(clean_registry):
+    """A strategy or task registered as combining with a layout is accepted with it, and named in
+    the refusal of one that is not, without a list in the schema to edit; the declarations reach
+    the worker processes with the names."""
+
+    def recipe(task, strategy):
+        engine = TINY_RECIPE["engine"] | {"strategy": strategy, "tensor_parallel": 2}
+        return TINY_RECIPE | {"task": task, "engine": engine}
+
+    accord.register_strategy("my_ddp", "accord.engine.ddp:build", like="ddp")  # ddp's traits: combines with TP
+    accord.register_strategy("my_plain", "accord.engine.ddp:build")
+    accord.register_task("my_sft", "user_extensions:MySFT", combines_with=["tensor_parallel"])
+    accord.register_task("my_other", "user_extensions:MySFT")
+    assert validate_recipe(recipe("my_sft", "my_ddp")).engine.tensor_parallel == 2
+    with pytest.raises(RecipeError, match=r"composes with engine.strategy=ddp, fsdp or my_ddp \(torch's own"):
+        validate_recipe(recipe("sft", "my_plain"))
+    with pytest.raises(RecipeError, match=r"supports task sft, pretrain, classify, reward, my_sft, not my_other"):
+        validate_recipe(recipe("my_other", "ddp"))
+    with pytest.raises(UserInputError, match=r"register_task\('x'\): unknown layout 'pipeline' \(layouts: "):
+        accord.register_task("x", "user_extensions:MySFT", combines_with="pipeline")
+    handed = json.loads(os.environ[registry.HANDED_OVER])
+    del registry.TASK_TRAITS["my_sft"], registry.TASKS["my_sft"], registry.STRATEGIES["my_ddp"]
+    registry._take_over()  # what a worker process does as it imports the registry
+    assert registry.task_traits("my_sft").combines_with == ("tensor_parallel",)
+    assert registry.STRATEGIES["my_ddp"].combines_with == ("tensor_parallel",) and handed["task_traits"]
+
+
 def _defined_in(module: str, qualname: str) -> type:
     from accord.tasks.sft import SFTTask
 
@@ -171,8 +199,8 @@ def _defined_in(module: str, qualname: str) -> type:
         ),
         (
             lambda: accord.register_strategy("mine", "pkg.mod:build", shards_everything=True),
-            "register_strategy('mine'): unknown trait shards_everything (traits: memory, offloads, shards_grads, "
-            "shards_optimizer, shards_params, torch_fallback, zero_stage)",
+            "register_strategy('mine'): unknown trait shards_everything (traits: combines_with, memory, offloads, "
+            "shards_grads, shards_optimizer, shards_params, torch_fallback, zero_stage)",
         ),
     ],
 )

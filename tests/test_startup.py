@@ -16,6 +16,8 @@ from pathlib import Path
 
 from accord.errors import UserInputError
 from accord.launch.agent import run
+from accord.launch.plan import Where
+from accord.launch.planning import plan_launch
 from accord.recipe.schema import load_recipe
 
 
@@ -48,9 +50,9 @@ class ChecksThatEndAfterTheWorkersStarted:
         pass
 
 
-recipe = load_recipe(sys.argv[1])
+plan = plan_launch(load_recipe(sys.argv[1]), Where())
 try:
-    print("status:", run(recipe, checks=ChecksThatEndAfterTheWorkersStarted(sys.argv[2:])))
+    print("status:", run(plan, checks=ChecksThatEndAfterTheWorkersStarted(sys.argv[2:])))
 except UserInputError as e:
     print("refused:", e)
 """

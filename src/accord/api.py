@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,6 @@ def train(
     stopped. A run stopped on request after a checkpoint returns status "preempted", its
     message saying how to continue.
     """
-    from accord.launch.start import Where, start
     from accord.observe.progress import announce
 
     announce("checking recipe…")
@@ -129,6 +129,9 @@ def train(
     if launcher is not None:
         lines.append(f"engine.launcher={json.dumps(launcher)}")
     validated = load(recipe, lines)  # the one validation of the user's recipe in this process
+    # The launcher imports torch (seconds): only once the recipe is read, so a mistake in it is named first.
+    from accord.launch.start import Where, start
+
     where = Where(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
     ended = start(validated, where, resume_requested=resume)
     return TrainResult(ended.status, Path(validated.output.dir), ended.message)
@@ -217,8 +220,6 @@ def override_lines(overrides: Overrides) -> list[str]:
 
 
 def _memory_gib(value: float | str) -> float:
-    import re
-
     if isinstance(value, (int, float)):
         return float(value)
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(GB|GiB|G|MB|MiB)?\s*", value, flags=re.IGNORECASE)

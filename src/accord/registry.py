@@ -6,8 +6,10 @@ here: the built-in ones below, and those user code adds with `register_task` /
 `register_strategy` (or a task written as `task: {class: pkg.mod:Cls}`).
 
 A strategy is registered with its traits (what it shards, whether it runs on DeepSpeed,
-what it can offload) and its memory model for `accord plan`: the recipe's checks, the
-preflight, `accord config` and the planner ask these instead of comparing names.
+what it can offload, which model-parallel layouts it combines with) and its memory model for
+`accord plan`; a task with the layouts that may split the model it trains. The recipe's
+checks, the preflight, `accord config` and the planner ask these instead of comparing names,
+so a new strategy, task or layout is declared here, not added to lists elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import difflib
 import importlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from accord.errors import UserInputError
@@ -38,6 +41,25 @@ TASKS: dict[str, str] = {
 # What engine.offload may ask, least first.
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
+# The model-parallel layouts a strategy or a task declares it combines with (`combines_with`),
+# each named by its engine key: engine.tensor_parallel splits every layer over a group of ranks.
+LAYOUTS = ("tensor_parallel",)
+
+
+@dataclass(frozen=True)
+class TaskTraits:
+    """What a task is, as far as the recipe's checks must know before its class is imported."""
+
+    # The layouts that may split the model it trains (tensor_parallel: it trains one model,
+    # with no frozen reference or rollout copy beside it that the layout would not split).
+    combines_with: tuple[str, ...] = ()
+
+
+# name -> traits; a task without an entry has none (a user's task, unless registered with some).
+TASK_TRAITS: dict[str, TaskTraits] = {
+    name: TaskTraits(combines_with=("tensor_parallel",)) for name in ("sft", "pretrain", "classify", "reward")
+}
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -58,6 +80,9 @@ class Strategy:
     offloads: tuple[str, ...] = ("none",)
     # "module:attribute" of its accord.engine.memory.MemoryModel (None: left out of `accord plan`).
     memory: str | None = None
+    # The layouts (LAYOUTS) it runs as the data parallelism over: tensor_parallel for torch's
+    # own data parallelism, which takes the TP groups' DTensors as they are.
+    combines_with: tuple[str, ...] = ()
 
     @property
     def deepspeed(self) -> bool:
@@ -79,7 +104,9 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("ddp", "accord.engine.ddp:build", memory="accord.engine.memory:DDP"),
+        Strategy(
+            "ddp", "accord.engine.ddp:build", memory="accord.engine.memory:DDP", combines_with=("tensor_parallel",)
+        ),
         Strategy(
             "zero1",
             "accord.engine.zero1:build",
@@ -115,6 +142,7 @@ STRATEGIES: dict[str, Strategy] = {
             shards_grads=True,
             shards_optimizer=True,
             memory="accord.engine.memory:FSDP",
+            combines_with=("tensor_parallel",),
         ),
     )
 }
@@ -129,9 +157,12 @@ _BUILT_IN = {"task": frozenset(TASKS), "strategy": frozenset(STRATEGIES)}
 HANDED_OVER = "ACCORD_REGISTERED"
 
 
-def register_task(name: str, target: str | type) -> None:
+def register_task(name: str, target: str | type, *, combines_with: Iterable[str] = ()) -> None:
     """Make `task: NAME` resolve to a Task subclass (or its `module:Class` path), here and in
-    the worker processes this process starts."""
+    the worker processes this process starts.
+
+    combines_with: the layouts (LAYOUTS, e.g. "tensor_parallel") that may split the model the
+    task trains; none by default."""
     # Checked by name: this module sits below the tasks layer and imports none of it.
     if isinstance(target, type):
         if not any(f"{c.__module__}.{c.__qualname__}" == "accord.tasks.base.Task" for c in target.__mro__):
@@ -139,7 +170,9 @@ def register_task(name: str, target: str | type) -> None:
                 f"register_task({name!r}): {target.__qualname__} is not a subclass of accord.tasks.base.Task"
             )
     _check_new(name, "task")
+    layouts = _layouts(combines_with, f"register_task({name!r})")
     TASKS[name] = _importable(target, f"register_task({name!r})")
+    TASK_TRAITS[name] = TaskTraits(combines_with=layouts)
     _hand_over()
 
 
@@ -162,8 +195,22 @@ def register_strategy(name: str, target: str | object, *, like: str | None = Non
         )
     if "offloads" in traits:
         traits["offloads"] = tuple(traits["offloads"])  # type: ignore[arg-type]
+    if "combines_with" in traits:
+        traits["combines_with"] = _layouts(traits["combines_with"], f"register_strategy({name!r})")  # type: ignore[arg-type]
     STRATEGIES[name] = dataclasses.replace(base, name=name, factory=factory, **traits)  # type: ignore[arg-type]
     _hand_over()
+
+
+def task_traits(name: object) -> TaskTraits:
+    """The traits of `task: NAME` (none for a task given as {class: ...}, or registered without)."""
+    return TASK_TRAITS.get(name, TaskTraits()) if isinstance(name, str) else TaskTraits()
+
+
+def combining(layout: str) -> tuple[list[str], list[str]]:
+    """The registered strategies and tasks that declare they combine with `layout`, in their order."""
+    strategies = [name for name, spec in STRATEGIES.items() if layout in spec.combines_with]
+    tasks = [name for name in TASKS if layout in task_traits(name).combines_with]
+    return strategies, tasks
 
 
 def strategy(name: str) -> Strategy:
@@ -190,6 +237,15 @@ def _check_new(name: str, kind: str) -> None:
         raise UserInputError(f"register_{kind}({name!r}): the name must be a non-empty string")
     if name in _BUILT_IN[kind]:
         raise UserInputError(f"register_{kind}({name!r}): {name} is a built-in {kind}; choose another name")
+
+
+def _layouts(names: Iterable[str], what: str) -> tuple[str, ...]:
+    """`combines_with` as given to a register call: known layouts only."""
+    layouts = (names,) if isinstance(names, str) else tuple(names)
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        raise UserInputError(f"{what}: unknown layout {', '.join(map(repr, unknown))} (layouts: {', '.join(LAYOUTS)})")
+    return layouts
 
 
 def _importable(target: str | object, what: str) -> str:
@@ -220,6 +276,11 @@ def _hand_over() -> None:
     os.environ[HANDED_OVER] = json.dumps(
         {
             "tasks": {name: path for name, path in TASKS.items() if name not in _BUILT_IN["task"]},
+            "task_traits": {
+                name: dataclasses.asdict(TASK_TRAITS[name])
+                for name in TASKS
+                if name not in _BUILT_IN["task"] and name in TASK_TRAITS
+            },
             "strategies": {
                 name: dataclasses.asdict(spec) for name, spec in STRATEGIES.items() if name not in _BUILT_IN["strategy"]
             },
@@ -235,8 +296,11 @@ def _take_over() -> None:
     handed = json.loads(text)
     for name, path in handed.get("tasks", {}).items():
         TASKS.setdefault(name, path)
+    for name, fields in handed.get("task_traits", {}).items():
+        TASK_TRAITS.setdefault(name, TaskTraits(combines_with=tuple(fields["combines_with"])))
     for name, fields in handed.get("strategies", {}).items():
-        STRATEGIES.setdefault(name, Strategy(**(fields | {"offloads": tuple(fields["offloads"])})))
+        tuples = {key: tuple(fields[key]) for key in ("offloads", "combines_with") if key in fields}
+        STRATEGIES.setdefault(name, Strategy(**(fields | tuples)))
 
 
 _take_over()

@@ -26,6 +26,7 @@ from accord.checkpoint.store import read_checkpoint_recipe
 from accord.compat.torch import set_last_lr
 from accord.distributed import group as dist
 from accord.engine.optim import schedule_multiplier
+from accord.engine.state import SCHEDULE_FILE
 from accord.recipe.schema import OptimConfig
 
 
@@ -45,8 +46,6 @@ class SegmentedSchedule:
 def saved_segments(folder: Path, planned_steps: int | None) -> list[list[int]] | None:
     """The segments of the checkpoint's schedule: those it saved, or (a checkpoint of a run
     never extended) one segment over the max_steps its recipe planned."""
-    from accord.engine.state import SCHEDULE_FILE
-
     try:
         saved = torch.load(folder / SCHEDULE_FILE, map_location="cpu", weights_only=True)["scheduler"]
         for fn in saved.get("lr_lambdas") or []:

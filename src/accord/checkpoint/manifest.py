@@ -26,9 +26,7 @@ from typing import Any
 from accord.engine.state import state_problems
 
 MANIFEST = "MANIFEST.json"
-# sha256, by measurement on this machine's CPU (2 shared cores, loaded), a 300 MB file:
-# sha256 ~0.8 GB/s, blake2b ~0.9, sha1 ~1.1, md5 ~0.4, zlib.crc32 ~3.6, reading alone ~3.4.
-# crc32 would cost a quarter as much, but each rank hashes only its own 1/world of the state,
+# sha256: crc32 would cost a fraction as much, but each rank hashes only its own 1/world of the state,
 # in parallel; an async checkpoint hashes off the training path; a user can check any file by
 # hand with the standard `sha256sum`; and 32 bits is a thin check for multi-GB shards copied
 # between file systems. The manifest names its algorithm, so a later change breaks no old one.

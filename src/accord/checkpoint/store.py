@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from accord import __version__, faults
@@ -311,8 +312,6 @@ def read_state(folder: Path) -> TrainingState:
 
 
 def read_checkpoint_recipe(folder: Path) -> dict[str, Any]:
-    import yaml
-
     return yaml.safe_load((folder / RECIPE_FILE).read_text())
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
+import time
+from pathlib import Path
 
 from accord.cli.errors import fail
 from accord.errors import UserInputError
@@ -47,8 +51,6 @@ def job_recipe(args: argparse.Namespace):
 
 
 def slurm(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from accord.launch.slurm_script import JobRequest, job_script
 
     recipe, per_node = job_recipe(args)
@@ -76,8 +78,6 @@ def slurm(args: argparse.Namespace) -> int:
 
 
 def k8s(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import yaml
 
     from accord.launch.k8s_manifest import PodJob, job_name, manifest
@@ -113,8 +113,6 @@ def k8s(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    import json
-
     from accord.observe.progress import announce
 
     announce("planning (the model is built on the meta device: nothing is loaded)…")  # before torch's import: seconds
@@ -155,8 +153,6 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    import time
-
     from accord.data.nodeshare import NodeShare
     from accord.data.prepare import cache_folder
     from accord.recipe.hub import pin
@@ -195,14 +191,11 @@ def data(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from accord.observe.progress import announce
 
     announce(f"rendering the report of {args.output_dir}…")  # before matplotlib's import: seconds
     if not (Path(args.output_dir) / "metrics.jsonl").is_file():
         raise UserInputError(f"{args.output_dir}: no metrics.jsonl here (give the output.dir of a run)")
-    import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
         raise UserInputError(
@@ -216,8 +209,6 @@ def report(args: argparse.Namespace) -> int:
 
 
 def config(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from accord.launch.accelerate_config import accelerate_config, write_accelerate_config
     from accord.launch.agent import local_world_size
     from accord.recipe.schema import load_recipe
@@ -236,8 +227,6 @@ def config(args: argparse.Namespace) -> int:
 
 
 def import_job(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from accord.interop.convert import RefusedKeys
     from accord.interop.job import build_job, import_recipe, write_recipe
     from accord.interop.report import format_table

@@ -21,13 +21,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import torch
 
 from accord.distributed import group as dist
 from accord.distributed.network import interface_towards, is_loopback
 from accord.errors import AccordError
-from accord.launch.cluster import Topology
-from accord.recipe.schema import Recipe
+from accord.launch.cluster import Topology, tensor_parallel_nodes
+from accord.recipe.schema import EngineConfig, Recipe
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 SELF_TEST_STEPS = 2
@@ -48,8 +51,6 @@ class Line:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": sys.version.split()[0]}
     for name in ("accord", "torch", "transformers", "deepspeed"):
         try:
@@ -61,8 +62,6 @@ def versions() -> dict[str, str]:
 
 def node_view(recipe: Recipe, topology: Topology, world_size: int) -> dict:
     """What this node sees, before meeting the others."""
-    import torch
-
     from accord.engine.device import wants_cuda
     from accord.launch.preflight import preflight
 
@@ -113,10 +112,7 @@ def _existing(path: Path) -> Path:
 def probe(view_path: str, result_path: str) -> int:
     """One worker of the probe: join the group, gather every node's view, time all-reduces
     between each pair of nodes; each node's local rank 0 writes the whole picture."""
-    import torch
-
     from accord.engine.device import select_device
-    from accord.recipe.schema import EngineConfig
 
     info = dist.env_info()
     view = json.loads(Path(view_path).read_text())
@@ -162,8 +158,6 @@ def probe(view_path: str, result_path: str) -> int:
 
 def _all_reduce_gbps(device, group) -> float:
     """Algorithm bandwidth of an all-reduce of BANDWIDTH_BYTES (bytes / seconds), best of a few."""
-    import torch
-
     tensor = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for i in range(BANDWIDTH_REPEATS + 1):  # the first one sets up the connections
@@ -327,8 +321,6 @@ def _output_to(log: Path) -> Iterator[None]:
 def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     """Whether each engine.tensor_parallel group stays inside a node (its all-reduces run twice
     per layer: over the network they would dominate the step)."""
-    from accord.launch.cluster import tensor_parallel_nodes
-
     nodes = world // max(local_world, 1)
     problem = tensor_parallel_nodes(tp, local_world, nodes)
     if problem is None and world % tp:

@@ -7,6 +7,7 @@ import sys
 from accord.cli.errors import fail
 from accord.cli.parser import RECIPE_COMMANDS, build_parser
 from accord.errors import AccordError
+from accord.launch import ending
 
 
 def launcher_arguments(argv: list[str]) -> list[str]:
@@ -38,20 +39,8 @@ def launcher_arguments(argv: list[str]) -> list[str]:
 def entry() -> None:
     """The `accord` command (and `python -m accord`)."""
     code = main()
-    # Only a process that imported accord.distributed.group can have joined a group; importing it up front
-    # would cost torch's import (~2 s) before the command's first line of output.
-    dist = sys.modules.get("accord.distributed.group")
-    if (
-        dist is not None and dist.left_a_group()
-    ):  # a worker ran in this process (under torchrun, accelerate launch, srun ...)
-        dist.exit_after_shutdown(code)
-    launch = sys.modules.get("accord.launch.agent")
-    if launch is not None and (launch.ran_workers() or launch.trained_here()):
-        # The launcher, its workers ended (or it trained as the only worker, ending as a worker
-        # process does): the lock is released, the run's folder removed and nothing else is
-        # open but stdout/stderr. The interpreter's teardown (torch's modules and C++ objects)
-        # would take seconds more on a busy machine (4-5 s at load 20; ~1 s idle on 1 process).
-        dist.exit_after_shutdown(code)
+    if ending.skips_teardown():  # it trained here, or its workers did (launch/ending.py)
+        ending.exit_now(code)
     sys.exit(code)
 
 

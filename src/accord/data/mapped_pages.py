@@ -2,8 +2,8 @@
 
 `datasets` keeps a split (a JSONL corpus converted to Arrow, say) in Arrow files that it
 memory-maps. Reading the split through, as preparation does, leaves every page read
-resident in the reading process and counted in its RSS: 3.6 GB for a 4 GB JSONL corpus
-whose preparation held 0.35 GB of its own. Those pages are clean copies of the file, so
+resident in the reading process and counted in its RSS, many times what the preparation
+itself holds for a large corpus. Those pages are clean copies of the file, so
 dropping them from this process's mapping (madvise MADV_DONTNEED) is safe: a page touched
 again is read back from the page cache. Linux only; elsewhere nothing is done.
 """

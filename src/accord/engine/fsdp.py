@@ -84,6 +84,6 @@ class FSDPEngine(TorchUpdateEngine):
         # Every micro-step reduce-scatters its gradients and adds them to the sharded ones:
         # the same sum as one big batch. Skipping the sync until the last micro-step would
         # save communication, but FSDP2 then keeps the whole model's unsharded gradients on
-        # every rank in between (+4 bytes per parameter: measured +0.15 GiB per rank on a
-        # 38M model at world 2, i.e. more than the rank's shard of the weights and moments).
+        # every rank in between (+4 bytes per parameter: more than the rank's shard of the
+        # weights and moments at world 2).
         return contextlib.nullcontext()

@@ -37,7 +37,7 @@ def build_optimizer(
     settings = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "fused": device.type == "cuda" or None}
     if shard:
         # Imported here: torch.distributed.optim compiles its functional optimizers with
-        # TorchScript at import (~0.2 s of CPU per process), for zero1 only.
+        # TorchScript at import (CPU time in every process), for zero1 only.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)

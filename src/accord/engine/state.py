@@ -60,8 +60,8 @@ LEGACY_FILES = ("model.safetensors", "optimizer.pt")
 # tensors under ZeRO-1/2, the rows around its partition of each under ZeRO-3.
 READ_BUFFER_BYTES = 64 * 2**20
 # How many bytes of gathered whole tensors a rank keeps before writing them (DeepSpeed's save,
-# write_in_parts). 64 MiB keeps a zero3 checkpoint within the training peak (256 MiB raised it;
-# docs/benchmarks.md).
+# write_in_parts): small enough that a zero3 checkpoint stays within the training peak
+# (docs/benchmarks.md).
 WRITE_BUFFER_BYTES = 64 * 2**20
 # Whether dcp.async_save can be given a stager (torch 2.8 or so): without one it copies the
 # tensors, which a write of tensors made for it alone (write_sharded's `owned`) does not need.

@@ -3,7 +3,7 @@ when an outer launcher (torchrun, accelerate launch, ...) already started this p
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import sys
 import tempfile
@@ -11,14 +11,17 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from accord.distributed import group as dist
 from accord.errors import AccordError, RunStopped, UserInputError
+from accord.launch import ending
 from accord.launch.cluster import Topology, interface_towards, is_local_address
-from accord.recipe.schema import EngineConfig, Recipe
-from accord.stopping import PREEMPTED_EXIT_CODE
+from accord.recipe.schema import EngineConfig
+from accord.stopping import EXIT_CODES, PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
-    from accord.distributed.batch_plan import BatchPlan
+    from accord.launch.plan import LaunchPlan
 
 # The default where no topology is given: this node alone (Topology is frozen, so one instance serves all).
 LOCAL_TOPOLOGY = Topology()
@@ -50,8 +53,6 @@ def local_world_size(cfg: EngineConfig) -> int:
     from accord.engine.device import wants_cuda
 
     if wants_cuda(cfg):
-        import torch
-
         return len(cfg.devices) if cfg.devices is not None else torch.cuda.device_count()
     return cfg.processes
 
@@ -70,29 +71,28 @@ def starts_workers(cfg: EngineConfig, topology: Topology = LOCAL_TOPOLOGY) -> bo
     return local_world_size(cfg) > 1 or topology.multi_node
 
 
-def run(
-    recipe: Recipe,
-    topology: Topology = LOCAL_TOPOLOGY,
-    checks: PendingChecks | None = None,
-    plan: BatchPlan | None = None,
-) -> str:
-    """Train `recipe` here (outer launcher, or one process) or on freshly started local
+def run(plan: LaunchPlan, checks: PendingChecks | None = None) -> str:
+    """Train the plan's recipe here (outer launcher, or one process) or on freshly started local
     workers (joining the other nodes' when multi-node); returns how the run ended:
     completed | preempted | stopped.
 
     `checks`: the recipe's checks, still running; the workers start now and train only if
     they pass (else the checks' problems are raised as a UserInputError). Only where this
-    process starts the workers. `plan`: the batch plan this process derived already, for
-    training here (a worker process derives its own from the recipe it is handed)."""
+    process starts the workers, which are handed the plan."""
+    recipe, topology = plan.recipe, plan.topology
     nproc = local_world_size(recipe.engine)
-    if dist.outer_launcher() is None:
+    if plan.launcher == "accord":
         _set_worker_environment(recipe.engine, nproc, topology)
-    if not starts_workers(recipe.engine, topology):
+    if plan.trains_here:
         from accord.launch.worker import train_worker  # this process is the (only) worker
 
-        global _trained_here
-        status = train_worker(recipe, plan).status
-        _trained_here = True
+        try:
+            status = train_worker(recipe, plan.batch).status
+        except BaseException:
+            if dist.left_a_group():  # failed after its process group: it ends as a worker does
+                ending.trained()
+            raise
+        ending.trained()  # ended as a worker process does (train_worker: files closed, threads joined)
         return status
     if topology.hosts_rank_zero:
         from accord.observe.progress import announce
@@ -101,23 +101,21 @@ def run(
             f"starting {nproc} worker{'s' if nproc != 1 else ''}…"
             + (f" (this node's of {topology.nnodes})" if topology.multi_node else "")
         )
-    return _launch_watched(recipe, json.dumps(recipe.model_dump(mode="json")), nproc, topology, checks)
+    return _launch_watched(plan, nproc, checks)
 
 
-def _launch_watched(
-    recipe: Recipe, recipe_json: str, nproc: int, topology: Topology, checks: PendingChecks | None
-) -> str:
+def _launch_watched(plan: LaunchPlan, nproc: int, checks: PendingChecks | None) -> str:
     """The workers under the hang watchdog (accord.launch.watchdog): a hang that used up the restarts
     ends the run with its own message rather than "worker rank N failed"."""
     from accord.engine.device import wants_cuda
     from accord.launch.watchdog import HangDetected, watch_for_hangs
 
-    cfg = recipe.engine
+    cfg = plan.recipe.engine
     with watch_for_hangs(
-        cfg.hang_timeout_s, nproc, cfg.max_restarts, recipe.output.dir, nccl=wants_cuda(cfg)
+        cfg.hang_timeout_s, nproc, cfg.max_restarts, plan.recipe.output.dir, nccl=wants_cuda(cfg)
     ) as watchdog:
         try:
-            return _elastic_launch(recipe_json, nproc, cfg.max_restarts, topology, checks)
+            return _elastic_launch(plan.to_json(), nproc, cfg.max_restarts, plan.topology, checks)
         except WorkerFailed:
             if watchdog is None or watchdog.restart not in watchdog.verdicts:
                 raise
@@ -147,7 +145,7 @@ def _set_worker_environment(cfg: EngineConfig, nproc: int, topology: Topology) -
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.devices))
     # Each restart of the worker group gets a fresh store: sharing the agent's store
     # across restarts lets a new worker read a dead worker's address and hang in
-    # gloo's connectFullMesh (seen in 3 of 6 restarts with torch 2.13).
+    # gloo's connectFullMesh (seen often with torch 2.13).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         # Each process would otherwise start one thread per core: with 2 processes on
@@ -194,7 +192,7 @@ def _rendezvous(topology: Topology) -> dict[str, Any]:
 
 
 def _elastic_launch(
-    recipe_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None
+    plan_json: str, nproc: int, max_restarts: int, topology: Topology, checks: PendingChecks | None
 ) -> str:
     """Workers are separate `python -m accord.launch.worker_start` programs (not functions run
     through multiprocessing): a worker that finished after a stop signal can then simply
@@ -219,13 +217,13 @@ def _elastic_launch(
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             logs_specs=_agent_logs(folder),
         )
-        recipe_path, gate = os.path.join(folder, "recipe.json"), os.path.join(folder, "gate")
-        with open(recipe_path, "w", encoding="utf-8") as f:
-            f.write(recipe_json)
+        plan_path, gate = os.path.join(folder, "plan.json"), os.path.join(folder, "gate")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            f.write(plan_json)
         if checks is None:
             open_gate(gate, GO)
-            return _run_agent(config, [gate, recipe_path])
-        worker_args = [gate, recipe_path]
+            return _run_agent(config, [gate, plan_path])
+        worker_args = [gate, plan_path]
         if isinstance(checks, WorkerChecks):  # the workers check: local rank 0 reports here
             checks.report = os.path.join(folder, "checks")
             worker_args.append(checks.report)
@@ -271,35 +269,12 @@ class _Verdict:
             raise self._failure
 
 
-_workers_ran = False
-
-
-def ran_workers() -> bool:
-    """Whether this process started training workers (and they have ended once it returned)."""
-    return _workers_ran
-
-
-_trained_here = False
-
-
-def trained_here() -> bool:
-    """Whether this process trained as a worker itself (engine.processes=1, or under an outer
-    launcher) and that training has ended as a worker process's does (train_worker: files
-    closed, threads joined)."""
-    return _trained_here
-
-
 def _run_agent(config, worker_args: list[str]) -> str:
-    import sys
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from accord.stopping import EXIT_CODES
-
-    global _workers_ran
-    _workers_ran = True
+    ending.trained()  # once the agent returns or raises, its workers have ended
     try:
         elastic_launch(config, sys.executable)("-m", "accord.launch.worker_start", *worker_args)
     except ChildFailedError as e:
@@ -357,8 +332,6 @@ def _agent_logs(folder: str):
 def _quiet_agent() -> None:
     """The agent's log lines (closing workers, exit codes) repeat what accord and the
     workers print themselves; a worker's crash traceback comes from the worker."""
-    import logging
-
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 

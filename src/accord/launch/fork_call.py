@@ -1,7 +1,7 @@
 """Run a function in a forked child and take its result back, so what the function
 imports and allocates leaves with the child. The launcher checks a recipe this way before
-it starts its workers: those checks import transformers and datasets (~170 MB), which the
-launcher itself never needs again while it watches the workers for hours."""
+it starts its workers: those checks import transformers and datasets (much of a process's memory), which
+the launcher itself never needs again while it watches the workers for hours."""
 
 from __future__ import annotations
 

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
+
+import torch
+import yaml
 
 from accord.checkpoint.resume import check_resume
 from accord.data.nodeshare import NodeShare
 from accord.data.sources import DataError
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan, BatchPlanError
+from accord.engine import INSTALL_DEEPSPEED, deepspeed_available, runs_deepspeed
 from accord.errors import UserInputError
 from accord.observe.trackers import check_trackers
 from accord.output.folder import check_output_dir
 from accord.recipe.hub import HubError, local_path
 from accord.recipe.paths import PathError
-from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, ModelConfig, Recipe
+from accord.recipe.schema import BYTE_TOKENIZER, EngineConfig, LoraConfig, ModelConfig, Recipe
 
 
 def preflight(
@@ -46,7 +51,7 @@ def preflight(
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
         # created the folder.
-        problems += check_output_dir(recipe)
+        problems += check_output_dir(recipe.output, recipe.resume)
     problems += check_resume(recipe)
     if problems or not dist.env_info().leads_node:
         # The data step is the expensive part: only for a sound recipe, and once per node
@@ -88,8 +93,6 @@ def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None, keep_
 def _recipe_writing(out_dir: Path) -> str | None:
     """The recipe under ./recipes whose output.dir is `out_dir` (a shipped recipe that starts
     from another's final model names it in the error), if exactly one is."""
-    import yaml
-
     found = []
     for path in sorted(Path("recipes").glob("*.yaml")):
         try:
@@ -175,7 +178,6 @@ def check_rope_scaling(cfg: ModelConfig) -> list[str]:
 def check_sequence_parallel(recipe: Recipe) -> list[str]:
     """engine.sequence_parallel fits the task, the model's heads and attention, and DeepSpeed
     (whose Ulysses attention it runs) is installed; the model's config is read, no weights."""
-    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available
     from accord.engine.sequence_parallel.ulysses import check_sequence_parallel as check
 
     if not deepspeed_available():
@@ -212,15 +214,16 @@ def check_environment(recipe: Recipe) -> list[str]:
     """What this machine lacks for the recipe: the GPUs it selects, DeepSpeed, DeepSpeed's fp16, peft,
     the trackers' libraries. Kept out of the recipe's schema, so a recipe validates alike on every machine."""
     return (
-        check_devices(recipe.engine) or check_deepspeed(recipe.engine) or check_peft(recipe) or check_trackers(recipe)
+        check_devices(recipe.engine)
+        or check_deepspeed(recipe.engine)
+        or check_peft(recipe.lora)
+        or check_trackers(recipe.observe)
     )
 
 
-def check_peft(recipe: Recipe) -> list[str]:
+def check_peft(lora: LoraConfig | None) -> list[str]:
     """LoRA is an optional feature: its library is an extra."""
-    import importlib.util
-
-    if recipe.lora is not None and importlib.util.find_spec("peft") is None:
+    if lora is not None and importlib.util.find_spec("peft") is None:
         return ["lora needs peft, which is not installed: pip install 'accord[lora]' (or drop the lora section)"]
     return []
 
@@ -242,7 +245,6 @@ def check_devices(cfg: EngineConfig) -> list[str]:
             f"engine.devices={cfg.devices} selects GPUs but this run is on the CPU; drop it (engine.devices=null) or "
             "use a GPU machine"
         ]
-    import torch
 
     count = torch.cuda.device_count()
     bad = [d for d in cfg.devices if not 0 <= d < count]
@@ -253,7 +255,6 @@ def check_devices(cfg: EngineConfig) -> list[str]:
 
 def check_deepspeed(cfg: EngineConfig) -> list[str]:
     """A zero strategy that needs DeepSpeed has it here, and does not ask it for fp16 on the CPU."""
-    from accord.engine import INSTALL_DEEPSPEED, deepspeed_available, runs_deepspeed
     from accord.engine.device import wants_cuda
 
     # What it needs wherever it runs, and what it runs on here (zero1 may fall back to torch).

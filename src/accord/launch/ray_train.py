@@ -16,15 +16,20 @@ step, checkpoint, end "preempted"), and how the run ended, from rank 0.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accord.errors import UserInputError
 from accord.recipe.schema import PROCESS_GROUP_TIMEOUT_S, Recipe
-from accord.stopping import STOP_SIGNALS
+from accord.stopping import STOP_SIGNALS, StopRequest
+
+if TYPE_CHECKING:
+    from accord.launch.plan import LaunchPlan
 
 RAY_MISSING = (
     "engine.launcher=ray needs Ray Train, which is not installed here: pip install 'accord[ray]' "
@@ -64,15 +69,16 @@ def refusal(recipe: Recipe, outer_launcher: str | None, multi_node_flags: bool) 
 
 
 class RaySession:
-    """Ray, up and checked for the run: `RaySession(recipe)` starts a local Ray or joins the
+    """Ray, up and checked for the run: `RaySession(plan)` starts a local Ray or joins the
     cluster and refuses (UserInputError, Ray stopped again) one that cannot hold the workers,
     before the output folder is taken; `run()` trains; `close()` stops a Ray started here."""
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, plan: LaunchPlan) -> None:
         import ray
 
         from accord.observe.progress import announce
 
+        recipe = plan.recipe
         announce("joining the Ray cluster…" if cluster_address(recipe) else "starting Ray…")
         self.started_here = _connect(recipe)
         try:
@@ -84,7 +90,7 @@ class RaySession:
         # The workers pick their device from engine.device: settled here, where the cluster is known
         # (the driver itself may have no GPU).
         engine = recipe.engine.model_copy(update={"device": "cuda" if self.gpus else "cpu"})
-        self.recipe = recipe.model_copy(update={"engine": engine})
+        self.plan = plan.with_recipe(recipe.model_copy(update={"engine": engine}))
 
     def run(self) -> str:
         """Train on Ray Train workers; how the run ended: completed | preempted | stopped |
@@ -94,13 +100,13 @@ class RaySession:
 
         from accord.observe.progress import announce
 
-        recipe = self.recipe
+        recipe = self.plan.recipe
         control = ray.remote(num_cpus=0)(_RunControl).remote()
         workers = world_size(recipe)
         announce(f"starting {workers} Ray Train worker{'s' if workers != 1 else ''}…")
         with _stop_forwarded(control), tempfile.TemporaryDirectory(prefix="accord-ray-") as storage:
             try:
-                _trainer(recipe, recipe.engine.ray, self.gpus, control, storage).fit()
+                _trainer(self.plan, self.gpus, control, storage).fit()
             except TrainingFailedError as e:
                 from accord.launch.agent import WorkerFailed
 
@@ -124,8 +130,6 @@ def _connect(recipe: Recipe) -> bool:
     """ray.init: the cluster at engine.ray.address or RAY_ADDRESS, else a local instance with at
     least the CPUs the workers reserve (logical CPUs: a scheduling count, not cores). Whether
     this call started Ray here."""
-    import logging
-
     import ray
 
     cfg = recipe.engine.ray
@@ -161,8 +165,6 @@ def _no_cluster(recipe: Recipe, address: str, why: str) -> str:
 def _unreachable(address: str) -> str | None:
     """Why HOST:PORT takes no connection, found in seconds: ray.init retries a silent address
     for minutes. None for the other forms (auto, ray://...), which ray.init resolves itself."""
-    import socket
-
     host, _, port = address.rpartition(":")
     if "://" in address or not host or not port.isdigit():
         return None
@@ -177,8 +179,6 @@ def quiet_ray_process() -> None:
     """Run in each of the job's Ray processes as it starts. Ray Train's placement-group cleaner
     asks Ray's state API, served by the dashboard, whether the run's controller still lives;
     without the dashboard (ray[train] alone) it warns every second that it cannot tell."""
-    import logging
-
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
@@ -215,10 +215,13 @@ def _check_cluster_fits(recipe: Recipe, gpus: float) -> None:
             )
 
 
-def _trainer(recipe: Recipe, cfg, gpus: float, control, storage: str):
+def _trainer(plan: LaunchPlan, gpus: float, control, storage: str):
+    """Ray Train's trainer for the run; each worker is handed the plan (as accord's launcher
+    hands it to its workers)."""
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    recipe, cfg = plan.recipe, plan.recipe.engine.ray
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {}), **cfg.resources_per_worker}
     scaling = ScalingConfig(
         num_workers=world_size(recipe),
@@ -231,7 +234,7 @@ def _trainer(recipe: Recipe, cfg, gpus: float, control, storage: str):
     backend = "nccl" if gpus else "gloo"
     return TorchTrainer(
         _train_function,
-        train_loop_config={"recipe": recipe.model_dump_json(), "control": control, "cwd": os.getcwd()},
+        train_loop_config={"plan": plan.to_json(), "control": control, "cwd": os.getcwd()},
         scaling_config=scaling,
         torch_config=TorchConfig(backend=backend, timeout_s=PROCESS_GROUP_TIMEOUT_S),
         run_config=RunConfig(
@@ -312,8 +315,8 @@ def _train_function(config: dict[str, Any]) -> None:
     import ray.train
 
     from accord.distributed import group as dist
+    from accord.launch.plan import LaunchPlan
     from accord.launch.worker import train_worker
-    from accord.stopping import StopRequest
 
     control = config["control"]
     # Ray Train moves each worker into a folder of its own session: the recipe's relative paths
@@ -323,13 +326,13 @@ def _train_function(config: dict[str, Any]) -> None:
         os.chdir(config["cwd"])
     rank = ray.train.get_context().get_world_rank()
     dist.set_restart_count(ray.get(control.start.remote(rank)))
-    recipe = Recipe.model_validate_json(config["recipe"])
+    plan = LaunchPlan.from_json(config["plan"])
     stop = StopRequest()
     done = threading.Event()
     poller = threading.Thread(target=_poll_stop, args=(control, stop, done), name="accord-ray-stop", daemon=True)
     poller.start()
     try:
-        result = train_worker(recipe, stop=stop)
+        result = train_worker(plan.recipe, plan.batch, stop=stop)
     finally:
         done.set()
     if rank == 0:

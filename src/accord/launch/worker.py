@@ -1,7 +1,8 @@
 """What each worker process runs: join the group, train (or resume), save, leave cleanly.
 
-Started by accord's launcher as `python -m accord.launch.worker RECIPE.json`, or called directly
-when an outer launcher (torchrun, ...) started `accord train` itself. The exit code tells
+Started by accord's launcher through `python -m accord.launch.worker_start` (which reads the
+LaunchPlan the launcher wrote), by Ray Train's workers (launch/ray_train.py), or called
+directly when an outer launcher (torchrun, ...) started `accord train` itself. The exit code tells
 the launcher how the run ended (see EXIT_CODES).
 """
 
@@ -13,12 +14,16 @@ import sys
 import traceback
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
+from accord.checkpoint import node_folders as nodefolders
 from accord.checkpoint.disk_space import disk_space_warning
 from accord.checkpoint.resume import verified_resume_source
 from accord.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
     incomplete_checkpoints,
+    read_state,
 )
 from accord.data.sources import DataError
 from accord.distributed import group as dist
@@ -28,6 +33,7 @@ from accord.errors import UserInputError
 from accord.launch.host_memory import release_freed_memory
 from accord.launch.node_watch import watch_node
 from accord.observe import heartbeat
+from accord.observe.trackers import TrackerStartError, start_trackers
 from accord.output.folder import discard_earlier_run, prepare_output_dir, write_run_status
 from accord.recipe.schema import Recipe, read_resolved_recipe
 from accord.run.assemble import build_run, describe
@@ -171,9 +177,6 @@ def _start_trackers(recipe: Recipe, info: dist.DistInfo, source):
     start (a bad MLFLOW_TRACKING_URI, an unknown WANDB_MODE) refuses the run on every rank."""
     trackers, refusal = None, None
     if info.is_main:
-        from accord.checkpoint.store import read_state
-        from accord.observe.trackers import TrackerStartError, start_trackers
-
         try:
             step = read_state(source).step if source is not None else 0
             trackers = start_trackers(recipe, Path(recipe.output.dir), step)
@@ -214,10 +217,6 @@ def _node_folders(recipe: Recipe, info: dist.DistInfo, source, restarted: bool):
     """Multi-node: find whether the nodes share output.dir (collective); with a folder per
     node, each node's leader prepares its own, and every node resumes from the checkpoint
     rank 0 chose, in its own folder. The checkpoint source, agreed."""
-    from pathlib import Path
-
-    from accord.checkpoint import node_folders as nodefolders
-
     out_dir = Path(recipe.output.dir)
     layout = nodefolders.detect(out_dir, info)
     line = nodefolders.describe(layout)
@@ -235,8 +234,6 @@ def _node_folders(recipe: Recipe, info: dist.DistInfo, source, restarted: bool):
 
 def _quiet_libraries(info: dist.DistInfo) -> None:
     """accord draws its own progress bar; libraries' bars and per-rank chatter are noise."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     if not info.is_main:
         hf_logging.set_verbosity_error()

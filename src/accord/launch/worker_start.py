@@ -2,9 +2,12 @@
 transformers: seconds) while the checks of the recipe and the data still run, then waits
 for their verdict in a gate file — `go`, or `abort` when the checks failed.
 
-    python -m accord.launch.worker_start GATE RECIPE.json [REPORT]
+    python -m accord.launch.worker_start GATE PLAN.json [REPORT]
 
-With REPORT, the checks are the workers' own: local rank 0 runs them (accord.launch.preflight)
+PLAN.json is the launcher's LaunchPlan (accord.launch.plan): the resolved recipe and its batch
+plan, read once here and not derived again.
+
+With REPORT, the checks are the workers' own: local rank 0 runs them (accord.launch.plan.run_checks)
 once it has imported what they need — the same libraries training needs, so they are
 imported once, not again in the launcher — and writes their outcome to REPORT; the
 launcher reads it (WorkerChecks), takes the output folder and writes the verdict.
@@ -18,6 +21,8 @@ data cache.
 from __future__ import annotations
 
 import gc
+import importlib
+import json
 import os
 import sys
 import threading
@@ -27,11 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from accord.distributed.batch_plan import BatchPlan
+    from accord.launch.plan import LaunchPlan
     from accord.recipe.schema import Recipe
 
 from accord.atomic import write_atomic
+from accord.errors import RunStopped
 from accord.recipe.hub import local_path
+from accord.registry import STRATEGIES
 
 GO, ABORT = "go", "abort"
 _POLL_S = 0.01  # a stat per poll: the wait costs nothing, and "go" is seen within 10 ms
@@ -68,53 +75,42 @@ class _Watcher(threading.Thread):
 
 
 def main(argv: list[str] | None = None) -> int:
-    gate, recipe_path, *report = sys.argv[1:] if argv is None else argv
+    gate, plan_path, *report = sys.argv[1:] if argv is None else argv
     watcher = _Watcher(Path(gate))
     watcher.start()
-    from accord.distributed import group as dist
+    # After the watcher started: what these import (torch) takes seconds, and an `abort` may come first.
+    from accord.distributed import rank_env
+    from accord.launch.plan import read_plan
 
-    recipe = plan = None
+    plan = None
     # Once: a restarted worker group finds the report of the checks that let the first one through.
-    if report and not os.path.exists(report[0]) and dist.env_info().leads_node:
-        recipe, plan = _read_and_plan(recipe_path)
-        _check_and_report(recipe, plan, report[0])  # before the rest: bad input is found sooner
+    if report and not os.path.exists(report[0]) and rank_env.env_info().leads_node:
+        plan = read_plan(plan_path)
+        _check_and_report(plan, report[0])  # before the rest: bad input is found sooner
     from accord.launch import worker  # the slow part, overlapping the checks
 
-    if recipe is None:
-        # Read only now: a worker told to abort at once never looks at the recipe.
-        recipe, plan = _read_and_plan(recipe_path)
+    if plan is None:
+        # Read only now: a worker told to abort at once never looks at the plan.
+        plan = read_plan(plan_path)
     if not watcher.opened.is_set():
-        _import_what_the_run_builds(recipe)
-    # The imported libraries' objects (~400k) live as long as the process: kept out of the
-    # collector's full scans from here on (one scan over them took 3.4 s at load 27 here).
+        _import_what_the_run_builds(plan.recipe)
+    # The imported libraries' objects (hundreds of thousands) live as long as the process: kept
+    # out of the collector's full scans from here on (each scan over them takes seconds on a
+    # loaded machine).
     gc.freeze()
     watcher.opened.wait()
     watcher.join()
-    return worker.run_worker(recipe, plan)
+    return worker.run_worker(plan.recipe, plan.batch)
 
 
-def _read_and_plan(recipe_path: str) -> tuple[Recipe, BatchPlan]:
-    """The recipe the launcher wrote, validated once in this process, and its batch plan for
-    this run's world size (the launcher refused a split that does not work before it started
-    the workers)."""
-    from accord.distributed import group as dist
-    from accord.distributed.batch_plan import BatchPlan
-    from accord.recipe.schema import read_resolved_recipe
-
-    recipe = read_resolved_recipe(recipe_path)
-    return recipe, BatchPlan.for_recipe(recipe, dist.env_info().world_size)
-
-
-def _check_and_report(recipe: Recipe, plan: BatchPlan, report: str) -> None:
+def _check_and_report(plan: LaunchPlan, report: str) -> None:
     """Run the launcher's checks here, in the node's first worker (before the process group
     exists: the environment says this is global rank 0's node), and leave their outcome (the
     problems, or what they raised) in `report` for the launcher."""
     from accord.launch.fork_call import packed_outcome
-    from accord.launch.preflight import preflight
+    from accord.launch.plan import run_checks
 
-    payload = packed_outcome(
-        preflight, recipe, plan.processes, plan=plan, keep_for_run=True, where="local rank 0's checks"
-    )
+    payload = packed_outcome(run_checks, plan, keep_for_run=True, where="local rank 0's checks")
     write_atomic(report, payload)  # the launcher never reads half
 
 
@@ -129,7 +125,6 @@ class WorkerChecks:
         self._cancelled = threading.Event()
 
     def result(self) -> list[str]:
-        from accord.errors import RunStopped
         from accord.launch.fork_call import unpack_outcome
 
         assert self.report is not None, "the launcher sets the report's path before the workers start"
@@ -147,14 +142,10 @@ def _import_what_the_run_builds(recipe: Recipe) -> None:
     """Import the recipe's task, model class and strategy, and datasets where the prepared
     data is read with it, while the checks run (each another second or more on a loaded
     machine). Best effort: the run itself reports what fails."""
-    import importlib
-    import json
-
     try:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         from accord.data.prepare import reads_datasets
-        from accord.registry import STRATEGIES
         from accord.tasks import task_class
 
         if reads_datasets(recipe, task_class(recipe)):

@@ -15,7 +15,8 @@ import torch
 import transformers
 
 # Tokenizers and configs only at import: the launcher needs them for its checks, and the
-# model classes (transformers' modeling stack, ~1 s) are imported where models are built.
+# model classes (transformers' modeling stack, seconds on a busy machine) are imported where
+# models are built.
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from accord.compat.gguf import one_name_map_per_layout

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from accord.observe.metrics import read_metrics
 
 STEP = "optimizer step"
@@ -261,8 +263,6 @@ def _html(out_dir: Path, records: list[dict], recipe: dict, images: list[tuple[s
 
 
 def _recipe(out_dir: Path) -> dict:
-    import yaml
-
     path = out_dir / "recipe.yaml"
     try:
         data = yaml.safe_load(path.read_text()) if path.exists() else {}

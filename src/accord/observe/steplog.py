@@ -6,6 +6,7 @@ all-reduce, then rank 0 writes a `train` record per step and one `throughput` re
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,4 @@ def peak_memory_gib(device: torch.device) -> float:
     """This process's peak: allocated device memory on GPU, resident memory on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

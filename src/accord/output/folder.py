@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 from accord.atomic import replacing_folder, write_atomic
 from accord.observe.trackers import TRACKER_ARTEFACTS
 from accord.output.lock import lock_problem
-from accord.recipe.schema import Recipe, recipe_to_yaml
+from accord.recipe.schema import OutputConfig, Recipe, recipe_to_yaml
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
@@ -51,10 +51,10 @@ def remove_refused_run(out_dir: Path) -> None:
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
-def check_output_dir(recipe: Recipe, run_id: str = "") -> list[str]:
-    """Problems with output.dir, found before any work starts. `run_id`: this run's, whose own
-    lock on the folder is no problem."""
-    out_dir = Path(recipe.output.dir)
+def check_output_dir(output: OutputConfig, resume: str, run_id: str = "") -> list[str]:
+    """Problems with output.dir, found before any work starts, for the recipe's output section
+    and its `resume`. `run_id`: this run's, whose own lock on the folder is no problem."""
+    out_dir = Path(output.dir)
     if out_dir.exists() and not out_dir.is_dir():
         return [f"output.dir: {out_dir} exists and is not a folder"]
     found = earlier_run(out_dir)
@@ -68,9 +68,9 @@ def check_output_dir(recipe: Recipe, run_id: str = "") -> list[str]:
             f"output.dir: {out_dir / PREVIOUS_RUN} holds the run an interrupted --overwrite set aside "
             f"(the run replacing it never completed a step); move its contents back into {out_dir}, or delete it"
         ]
-    if recipe.output.overwrite and recipe.resume != "never":
+    if output.overwrite and resume != "never":
         return ["--overwrite starts over and --resume / resume continues: choose one"]
-    if found and not recipe.output.overwrite and recipe.resume == "never":
+    if found and not output.overwrite and resume == "never":
         return [
             f"output.dir: {out_dir} already holds a run ({', '.join(found)}); "
             f"pass --resume to continue it, --overwrite to replace it, or choose another output.dir=..."

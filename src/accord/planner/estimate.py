@@ -20,7 +20,7 @@ from accord.distributed.batch_plan import BatchPlan, divisors
 from accord.engine.long_rows import mlp_tiles
 from accord.engine.memory import Footprint, MemoryModel
 from accord.errors import UserInputError
-from accord.recipe.schema import TENSOR_PARALLEL_STRATEGIES, Recipe
+from accord.recipe.schema import Recipe
 from accord.registry import load_object
 from accord.tasks import task_class
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
@@ -191,7 +191,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     for strategy, spec in registry.STRATEGIES.items():  # in their order: least communication first
         if spec.memory is None:
             continue  # a user's strategy registered without one
-        if tp > 1 and strategy not in TENSOR_PARALLEL_STRATEGIES:
+        if tp > 1 and "tensor_parallel" not in spec.combines_with:
             continue
         offload = spec.offload_for(recipe.engine.offload)
         state = model_state(model, strategy, world // tp, recipe.engine.precision, offload)

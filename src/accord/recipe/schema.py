@@ -212,12 +212,6 @@ class OutputConfig(Section):
     overwrite: bool = Field(False, description="Replace an earlier run in `dir` (otherwise refused).")
 
 
-# What engine.tensor_parallel composes with: torch's own data parallelism over the TP groups,
-# and tasks that train one model (dpo's frozen reference and grpo's rollouts are not split).
-TENSOR_PARALLEL_STRATEGIES = ("ddp", "fsdp")
-TENSOR_PARALLEL_TASKS = ("sft", "pretrain", "classify", "reward")
-
-
 class Recipe(Section):
     """A whole training run."""
 
@@ -278,10 +272,13 @@ class Recipe(Section):
         if n == 1:
             return self
         key = f"engine.tensor_parallel={n}"
-        if self.engine.strategy not in TENSOR_PARALLEL_STRATEGIES:
+        # What combines with it is declared with the strategies and tasks (accord.registry).
+        strategies, tasks = registry.combining("tensor_parallel")
+        if self.engine.strategy not in strategies:
             raise ValueError(
-                f"{key} composes with engine.strategy=ddp or fsdp (torch's own data parallelism over the TP groups), "
-                f"not {self.engine.strategy}; use engine.strategy=fsdp to shard parameters too, or tensor_parallel=1"
+                f"{key} composes with engine.strategy={_or(strategies)} (torch's own data parallelism over the TP "
+                f"groups), not {self.engine.strategy}; use engine.strategy=fsdp to shard parameters too, or "
+                "tensor_parallel=1"
             )
         if self.engine.sequence_parallel > 1:
             raise ValueError(
@@ -290,15 +287,20 @@ class Recipe(Section):
             )
         if self.lora is not None:
             raise ValueError(f"{key} with lora is not supported (peft's adapters are not split); remove lora or TP")
-        if not isinstance(self.task, str) or self.task not in TENSOR_PARALLEL_TASKS:
+        if not isinstance(self.task, str) or self.task not in tasks:
             name = self.task if isinstance(self.task, str) else self.task.class_
             raise ValueError(
-                f"{key} supports task {', '.join(TENSOR_PARALLEL_TASKS)}, not {name} (its frozen or rollout model is "
+                f"{key} supports task {', '.join(tasks)}, not {name} (its frozen or rollout model is "
                 f"not split); set engine.tensor_parallel=1"
             )
         if self.engine.tiled_mlp:
             raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
         return self
+
+
+def _or(names: list[str]) -> str:
+    """Names as a sentence lists them: a, b or c."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else "none"
 
 
 # --------------------------------------------------------------------------- loading

@@ -16,7 +16,7 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
 from accord.models.build import apply_lora, build_model
 from accord.observe.throughput import flops_per_token, peak_tflops
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import Recipe, TrainConfig
 from accord.run.inputs import build_inputs
 from accord.run.setup import ModelFacts, RunSetup
 from accord.tasks import groups_by_length
@@ -32,7 +32,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     tokenizer, task, data, rows = inputs.tokenizer, inputs.task, inputs.data, inputs.rows
     grouped = rows.lengths if groups_by_length(recipe) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
-    total_steps = _total_steps(recipe, order, task.steps_per_batch)
+    total_steps = _total_steps(recipe.train, order, task.steps_per_batch)
 
     # On the meta device: the engine gives it storage and values, each rank only its shards
     # under fsdp; the facts below come from the shapes alone.
@@ -58,20 +58,20 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     n = recipe.engine.sequence_parallel
     sequence = SequenceShards(n, info.rank % n, getattr(task, "attn_implementation", "sdpa"))
     return RunSetup(
-        recipe,
-        info,
-        tokenizer,
-        task,
-        train_data,
-        eval_data,
-        report,
-        rows,
-        order,
-        plan,
-        total_steps,
-        engine,
-        facts,
-        sequence,
+        recipe=recipe,
+        info=info,
+        tokenizer=tokenizer,
+        task=task,
+        train_data=train_data,
+        eval_data=eval_data,
+        data_report=report,
+        rows=rows,
+        order=order,
+        plan=plan,
+        total_steps=total_steps,
+        engine=engine,
+        model=facts,
+        sequence=sequence,
     )
 
 
@@ -114,12 +114,12 @@ def eval_tokens(eval_ds) -> int:
     return int(np.asarray(eval_ds["length"]).sum())
 
 
-def _total_steps(recipe: Recipe, order: GlobalOrder, steps_per_batch: int) -> int:
+def _total_steps(train: TrainConfig, order: GlobalOrder, steps_per_batch: int) -> int:
     """train.max_steps, or the steps that train.epochs passes over the rows take."""
-    if recipe.train.max_steps is not None:
-        return recipe.train.max_steps
-    assert recipe.train.epochs is not None
-    return max(1, math.ceil(recipe.train.epochs * order.steps_per_epoch * steps_per_batch))
+    if train.max_steps is not None:
+        return train.max_steps
+    assert train.epochs is not None
+    return max(1, math.ceil(train.epochs * order.steps_per_epoch * steps_per_batch))
 
 
 def _count(n: int) -> str:

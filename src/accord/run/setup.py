@@ -27,9 +27,10 @@ class ModelFacts:
     peak_tflops: float | None  # one device's peak; None where unknown (no MFU then)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSetup:
-    """Everything a run is made of; every rank holds the same global plan (rows, order, plan)."""
+    """Everything a run is made of; every rank holds the same global plan (rows, order, plan).
+    Built from named parts only (build_run), so a part added here cannot shift the others."""
 
     recipe: Recipe
     info: dist.DistInfo

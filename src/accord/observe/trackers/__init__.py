@@ -20,7 +20,7 @@ from typing import Any
 
 from accord.atomic import write_atomic
 from accord.errors import UserInputError
-from accord.recipe.observe import TRACKERS
+from accord.recipe.observe import TRACKERS, ObserveConfig
 from accord.recipe.schema import Recipe
 
 
@@ -88,10 +88,10 @@ class Tracker:
         raise NotImplementedError
 
 
-def check_trackers(recipe: Recipe) -> list[str]:
+def check_trackers(observe: ObserveConfig) -> list[str]:
     """The trackers' libraries are installed (each is an extra); one line per missing one."""
     problems = []
-    for name in recipe.observe.report_to:
+    for name in observe.report_to:
         kind = KINDS[name]
         missing = [p for p in kind.packages if importlib.util.find_spec(p) is None]
         if name == "mlflow" and not missing and _mlflow_needs_sqlalchemy():

@@ -74,7 +74,7 @@ class MLflow(Tracker):
         self._pending += [Metric(tag, float(value), now, step) for tag, value in scalars.items()]
 
     def flush(self) -> None:
-        # One write per logging interval: each write to a SQL store is a transaction (~25 ms on SQLite).
+        # One write per logging interval: each write to a SQL store is a transaction (slow on SQLite).
         if self._pending:
             pending, self._pending = self._pending, []
             for first in range(0, len(pending), _METRICS_PER_CALL):
