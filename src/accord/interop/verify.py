@@ -141,12 +141,12 @@ def comparable(recipe: dict[str, Any], workdir: Path, steps: int) -> tuple[dict[
     recipe = copy.deepcopy(recipe)
     causes = []
     data = recipe.setdefault("data", {})
-    if data.get("packing"):
-        data["packing"] = False
+    if data.pop("packing", None) is not False:  # accord packs by default; TRL's trainers here do not
         causes.append(
             "packing: accord packs rows by its own best fit over the global order and TRL packs in dataset order, "
             "so their rows differ; compared with packing off on both sides (data.packing=false, packing: false)"
         )
+    data["packing"] = False
     if data.get("group_by_length"):
         data["group_by_length"] = False
         causes.append(

@@ -102,6 +102,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.
     handoff = Path(tempfile.gettempdir()) / f"accord-hub-{run_id}.json" if dist.outer_launcher() else None
     recipe = pin(recipe, _resumed_recipe(recipe), handoff, leads=locks_here, timeout_s=recipe.data.prepare_timeout_s)
+    recipe = _trainer_checkpoint(recipe)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     ray_session = None
@@ -198,6 +199,16 @@ def _resumed_recipe(recipe: Recipe) -> dict | None:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return None  # check_resume names a damaged run folder
+
+
+def _trainer_checkpoint(recipe: Recipe) -> Recipe:
+    """resume: a transformers.Trainer checkpoint-N folder, brought in as an accord checkpoint on
+    this node before any check or worker reads it; the workers resume from that."""
+    from accord.checkpoint.trainer_folder import bring_in, is_trainer_checkpoint
+
+    if recipe.resume in ("never", "auto") or not is_trainer_checkpoint(recipe.resume):
+        return recipe
+    return recipe.model_copy(update={"resume": str(bring_in(Path(recipe.resume), recipe))})
 
 
 def _check_something_to_resume(recipe: Recipe) -> None:

@@ -1,0 +1,170 @@
+"""A transformers.Trainer `checkpoint-N/` folder as accord's starting point: its weights as
+model.path, and `resume: PATH/checkpoint-N` continuing with its AdamW state, schedule and step
+(against the real Trainer's own continuation), on one process or two; a broken folder is one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, run_accord, run_accord_here, step_losses, write_recipe
+
+STEPS, SAVED = 4, 3
+
+
+def _stand_in(folder: Path) -> tuple[Path, Path]:
+    """A tiny Llama folder (with accord's byte tokenizer saved in it) and prompt/completion rows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accord.models.build import build_byte_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = folder / "model"
+    LlamaForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    rng = random.Random(0)
+    rows = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(48)]
+    data = folder / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n" for a, b in rows))
+    return model, data
+
+
+def _recipe(folder: Path, model: Path, data: Path, **engine) -> dict:
+    """Trainer's defaults spelled out (AdamW betas, eps, clipping at 1.0), file order on both sides."""
+    return {
+        "seed": 42,
+        "model": {"path": str(model)},
+        "task": "sft",
+        "data": {"train": str(data), "shuffle": False, "packing": False, "max_length": 64, "cache_dir": str(folder / "cache")},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "optim": {
+            "lr": 1e-3,
+            "weight_decay": 0.01,
+            "warmup_steps": 2,
+            "schedule": "linear",
+            "max_grad_norm": 1.0,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+        },
+        "train": {"max_steps": STEPS, "log_every": 1},
+        "engine": {"strategy": "ddp", "precision": "no", "processes": 1, "device": "cpu"} | engine,
+        "output": {"dir": str(folder / "accord")},
+    }
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """transformers.Trainer trains STEPS steps on accord's token rows in file order, saving at SAVED."""
+    import datasets
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+
+    from accord.api import load
+    from accord.models.build import build_tokenizer
+    from accord.run.inputs import build_inputs
+
+    folder = tmp_path_factory.mktemp("trainer")
+    model_dir, data = _stand_in(folder)
+    recipe = _recipe(folder, model_dir, data)
+    inputs = build_inputs(load(recipe), preparer=True)
+    rows = [inputs.data.train[i] for i in range(len(inputs.data.train))]
+    dataset = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    losses: dict[int, float] = {}
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"])
+
+    args = TrainingArguments(
+        output_dir=str(folder / "trainer"),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVED,
+        seed=42,
+        use_cpu=True,
+        report_to="none",
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )
+    tokenizer = build_tokenizer(load(recipe).model)
+    trainer = Trainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        callbacks=[Keep()],
+    )
+    trainer.train()
+    return folder, recipe, folder / "trainer" / f"checkpoint-{SAVED}", losses
+
+
+@pytest.mark.distributed
+def test_resume_from_a_trainer_checkpoint_continues_as_trainer_did(trainer_run):
+    folder, recipe, checkpoint, losses = trainer_run
+    path = write_recipe(folder / "one.yaml", recipe)
+    proc = run_accord("train", path, f"resume={checkpoint}")
+    assert_ok(proc)
+    assert f"resumed from the transformers.Trainer checkpoint {checkpoint.resolve()} at step {SAVED}" in proc.stdout + proc.stderr
+    assert "not carried over: Trainer's data position" in proc.stdout + proc.stderr
+    ours = step_losses(Path(recipe["output"]["dir"]))
+    assert sorted(ours) == [STEPS]
+    assert abs(ours[STEPS] - losses[STEPS]) <= 1e-5, (ours, losses)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_from_a_trainer_checkpoint_on_two_processes(trainer_run):
+    """The full AdamW state read by 2 ranks as accord's own resume reads it across layouts."""
+    folder, recipe, checkpoint, losses = trainer_run
+    two = _recipe(folder, Path(recipe["model"]["path"]), Path(recipe["data"]["train"]), processes=2)
+    two["output"]["dir"] = str(folder / "accord-2")
+    proc = run_accord("train", write_recipe(folder / "two.yaml", two), f"resume={checkpoint}")
+    assert_ok(proc)
+    ours = step_losses(folder / "accord-2")
+    assert abs(ours[STEPS] - losses[STEPS]) <= 1e-5, (ours, losses)
+
+
+def test_a_trainer_checkpoint_folder_is_a_model_path_and_its_gaps_are_one_line(tmp_path):
+    """Missing optimizer.pt; an optimizer.pt that is not plain tensors; LoRA adapters only."""
+    model, data = _stand_in(tmp_path)
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(model, checkpoint)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (checkpoint / "scheduler.pt").write_bytes(b"")
+    recipe = write_recipe(tmp_path / "r.yaml", _recipe(tmp_path, model, data))
+    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"resume: {checkpoint} is not a complete transformers.Trainer checkpoint: optimizer.pt missing" in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1
+    (checkpoint / "optimizer.pt").write_bytes(b"not a pickle")
+    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
+    assert proc.returncode == 2 and "optimizer.pt cannot be read as plain tensors" in proc.stderr, proc.stderr
+    (checkpoint / "model.safetensors").rename(checkpoint / "adapter_model.safetensors")
+    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
+    assert proc.returncode == 2 and "holds LoRA adapters, not a whole model" in proc.stderr
+    assert not (tmp_path / "accord").exists()
