@@ -58,7 +58,7 @@ def problems(folder: Path, recipe: Recipe) -> list[str]:
     missing = [name for name in (OPTIMIZER, SCHEDULER) if not (folder / name).is_file()]
     if not any((folder / name).is_file() for name in WEIGHTS):
         if (folder / "adapter_model.safetensors").is_file():
-            return [f"resume: {folder} holds LoRA adapters, not a whole model; resume from a full fine-tune's checkpoint"]
+            return [f"resume: {folder} holds LoRA adapters, not a whole model; resume from a full fine-tune's"]
         missing.insert(0, WEIGHTS[0])
     if missing:
         return [
@@ -184,11 +184,10 @@ def _optimizer_names(folder: Path, recipe: Recipe, weights: dict[str, Any]) -> d
     """Trainer's optimizer positions -> parameter names: its groups are the decayed parameters,
     then the others, each in the model's parameter order (Trainer.create_optimizer)."""
     import torch
+    from transformers import AutoConfig
 
     from accord.compat.transformers import trainer_decay_parameter_names
     from accord.models.build import auto_class
-
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
     with torch.device("meta"):
