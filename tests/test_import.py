@@ -266,3 +266,22 @@ def test_verify_names_the_loss_default_when_the_recipe_trains_other_tokens(tmp_p
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "NOT the same job" in proc.stdout and "completion_only_loss" in proc.stdout
+
+
+def test_resume_from_checkpoint_becomes_the_recipes_resume(tmp_path):
+    """A checkpoint-N path is kept; true is the newest checkpoint-N in output_dir (by step, not by name)."""
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    out = tmp_path / "out"
+    for step in (2, 10):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    args = ["trl", "sft", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(out)]
+    recipe, rows = import_recipe(build_job([], [*args, "--resume_from_checkpoint", str(out / "checkpoint-2")], 1))
+    assert recipe["resume"] == str(out / "checkpoint-2")
+    assert any(r.key == "resume_from_checkpoint" and r.decision == "changed" for r in rows)
+    recipe, _ = import_recipe(build_job([], [*args, "--resume_from_checkpoint", "true"], 1))
+    assert recipe["resume"] == str(out / "checkpoint-10")
+    args[-1] = str(tmp_path / "elsewhere")
+    with pytest.raises(RefusedKeys, match="holds no checkpoint-N folder"):
+        import_recipe(build_job([], [*args, "--resume_from_checkpoint", "true"], 1))

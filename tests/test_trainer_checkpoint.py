@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -161,23 +160,37 @@ def test_resume_from_a_trainer_checkpoint_on_two_processes(trainer_run):
     assert max_param_diff(final_params(folder / "accord-2"), params) <= 1e-5
 
 
-def test_a_trainer_checkpoint_folder_is_a_model_path_and_its_gaps_are_one_line(tmp_path):
-    """Missing optimizer.pt; an optimizer.pt that is not plain tensors; LoRA adapters only."""
-    model, data = _stand_in(tmp_path)
+def test_a_trainer_checkpoint_with_missing_or_foreign_files_is_one_line(tmp_path):
+    """Missing optimizer.pt; one that is not plain tensors; one of another model; LoRA adapters only.
+    The folder's files are written by hand (no model is built): each is refused before any check."""
+    import torch
+    from safetensors.torch import save_file
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n' * 8)
     checkpoint = tmp_path / "checkpoint-3"
-    shutil.copytree(model, checkpoint)
+    checkpoint.mkdir()
+    llama = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 262, **llama}))
+    save_file({"model.embed_tokens.weight": torch.zeros(262, 32)}, checkpoint / "model.safetensors")
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
     (checkpoint / "scheduler.pt").write_bytes(b"")
-    recipe = write_recipe(tmp_path / "r.yaml", _recipe(tmp_path, model, data))
-    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
-    assert proc.returncode == 2, proc.stderr
-    line = f"resume: {checkpoint} is not a complete transformers.Trainer checkpoint: optimizer.pt missing"
-    assert line in proc.stderr
-    assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1
+    recipe = write_recipe(tmp_path / "r.yaml", _recipe(tmp_path, checkpoint, data))
+
+    def refusal() -> str:
+        proc = run_accord_here("train", recipe, f"resume={checkpoint}")
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1, proc.stderr
+        return errors[0]
+
+    assert f"resume: {checkpoint} is not a complete transformers.Trainer checkpoint: optimizer.pt missing" in refusal()
     (checkpoint / "optimizer.pt").write_bytes(b"not a pickle")
-    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
-    assert proc.returncode == 2 and "optimizer.pt cannot be read as plain tensors" in proc.stderr, proc.stderr
+    assert "optimizer.pt cannot be read as plain tensors (torch.load weights_only=True)" in refusal()
+    torch.save({"state": {}, "param_groups": [{"params": [0, 1]}]}, checkpoint / "optimizer.pt")
+    assert "optimizer.pt holds 2 parameters in 1 group(s) but the model" in refusal()
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    assert f"the weights in {checkpoint} cannot be read" in refusal()
     (checkpoint / "model.safetensors").rename(checkpoint / "adapter_model.safetensors")
-    proc = run_accord_here("train", recipe, f"resume={checkpoint}")
-    assert proc.returncode == 2 and "holds LoRA adapters, not a whole model" in proc.stderr
+    assert "holds LoRA adapters, not a whole model" in refusal()
     assert not (tmp_path / "accord").exists()

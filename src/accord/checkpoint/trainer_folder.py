@@ -171,13 +171,20 @@ def _load(path: Path) -> Any:
 def _weights(folder: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    if (folder / WEIGHTS[0]).is_file():
-        return dict(load_file(folder / WEIGHTS[0]))
-    index = json.loads((folder / WEIGHTS[1]).read_text())["weight_map"]
-    out: dict[str, Any] = {}
-    for shard in sorted(set(index.values())):
-        out |= load_file(folder / shard)
-    return out
+    try:
+        if (folder / WEIGHTS[0]).is_file():
+            return dict(load_file(folder / WEIGHTS[0]))
+        index = json.loads((folder / WEIGHTS[1]).read_text())["weight_map"]
+        out: dict[str, Any] = {}
+        for shard in sorted(set(index.values())):
+            out |= load_file(folder / shard)
+        return out
+    except Exception as e:  # safetensors' own error type, JSON, a missing shard: all a damaged folder
+        reason = " ".join(str(e).split())[:200]
+        raise TrainerCheckpointError(
+            f"resume: the weights in {folder} cannot be read ({type(e).__name__}: {reason}); "
+            "copy the checkpoint again from where Trainer wrote it"
+        ) from None
 
 
 def _optimizer_names(folder: Path, recipe: Recipe, weights: dict[str, Any]) -> dict[int, str]:
