@@ -103,6 +103,8 @@ def bring_in(folder: Path, recipe: Recipe) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not final.exists():  # refused: nothing left behind
+            shutil.rmtree(root, ignore_errors=True)
     return final
 
 

@@ -143,8 +143,9 @@ def comparable(recipe: dict[str, Any], workdir: Path, steps: int) -> tuple[dict[
     data = recipe.setdefault("data", {})
     if data.pop("packing", None) is not False:  # accord packs by default; TRL's trainers here do not
         causes.append(
-            "packing: accord packs rows by its own best fit over the global order and TRL packs in dataset order, "
-            "so their rows differ; compared with packing off on both sides (data.packing=false, packing: false)"
+            "packing: accord packs rows (data.packing, on by default) by its own best fit over the global order; "
+            "TRL packs in dataset order, and Trainer takes the rows it is given: compared with packing off on both "
+            "sides (data.packing=false; TRL's packing: false)"
         )
     data["packing"] = False
     if data.get("group_by_length"):

@@ -5,6 +5,7 @@ here; the recipe is not validated again on the way."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
     # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.
     handoff = Path(tempfile.gettempdir()) / f"accord-hub-{run_id}.json" if dist.outer_launcher() else None
     recipe = pin(recipe, _resumed_recipe(recipe), handoff, leads=locks_here, timeout_s=recipe.data.prepare_timeout_s)
-    recipe = _trainer_checkpoint(recipe)
+    recipe, brought_in = _trainer_checkpoint(recipe)
     hold = _OutputHold(recipe, run_id, locks_here, writer=topology.hosts_rank_zero and dist.is_main())
     refusals.watch(then=hold.refused_elsewhere)  # another node's refusal ends this node's part too
     ray_session = None
@@ -145,6 +146,8 @@ def start(recipe: Recipe, where: Where = Where(), resume_requested: bool = False
         hold.leave()
         if handoff is not None and locks_here:
             handoff.unlink(missing_ok=True)
+        if brought_in is not None and locks_here:
+            shutil.rmtree(brought_in.parent, ignore_errors=True)
         if ray_session:
             ray_session.close()
     return Ended(status, f"stopped early on request; {_resume_hint(out_dir)}" if status == "preempted" else "")
@@ -201,14 +204,16 @@ def _resumed_recipe(recipe: Recipe) -> dict | None:
         return None  # check_resume names a damaged run folder
 
 
-def _trainer_checkpoint(recipe: Recipe) -> Recipe:
+def _trainer_checkpoint(recipe: Recipe) -> tuple[Recipe, Path | None]:
     """resume: a transformers.Trainer checkpoint-N folder, brought in as an accord checkpoint on
-    this node before any check or worker reads it; the workers resume from that."""
+    this node before any check or worker reads it; the workers resume from that. The copy is
+    removed when the run ends (the run's own checkpoints continue it from then on)."""
     from accord.checkpoint.trainer_folder import bring_in, is_trainer_checkpoint
 
     if recipe.resume in ("never", "auto") or not is_trainer_checkpoint(recipe.resume):
-        return recipe
-    return recipe.model_copy(update={"resume": str(bring_in(Path(recipe.resume), recipe))})
+        return recipe, None
+    folder = bring_in(Path(recipe.resume), recipe)
+    return recipe.model_copy(update={"resume": str(folder)}), folder
 
 
 def _check_something_to_resume(recipe: Recipe) -> None:
