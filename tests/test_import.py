@@ -231,6 +231,8 @@ def test_verify_of_a_task_without_a_peer_or_no_steps_is_one_line(tmp_path):
     proc = run_accord_here("import", "--devices", "1", "--verify", "3", "--out", out, "--", "trl", "kto")
     assert proc.returncode == 2 and "not a kto job; import without --verify" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    proc = run_accord_here("import", "--devices", "1", "--verify", "3", "--out", out, "--", "trl", "sft", "--use_peft")
+    assert proc.returncode == 2 and "--verify compares full fine-tunes" in proc.stderr
 
 
 def _losses(stdout: str) -> list[tuple[float, float, float]]:

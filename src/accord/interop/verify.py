@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,14 @@ def check_verifiable(job: Job, steps: int) -> None:
             f"--verify compares {', '.join(PEERS)} jobs with their own trainer, not a {job.task} job; "
             "import without --verify"
         )
+    if job.value("use_peft"):
+        raise ImportError_(
+            "--verify compares full fine-tunes (the peer would need its own peft setup): import once without "
+            "--use_peft and verify that, then import with it"
+        )
+    peer = PEERS[job.task].split(".")[0]
+    if importlib.util.find_spec(peer) is None:
+        raise ImportError_(f"--verify runs {PEERS[job.task]}, and {peer} is not installed: pip install {peer}")
 
 
 def comparable(recipe: dict[str, Any], workdir: Path, steps: int) -> tuple[dict[str, Any], list[str]]:
