@@ -287,3 +287,23 @@ def test_resume_from_checkpoint_becomes_the_recipes_resume(tmp_path):
     args[-1] = str(tmp_path / "elsewhere")
     with pytest.raises(RefusedKeys, match="holds no checkpoint-N folder"):
         import_recipe(build_job([], [*args, "--resume_from_checkpoint", "true"], 1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_of_a_train_py_job_equals_transformers_trainer(tmp_path):
+    """A train.py's Trainer tokenizes in the script: it is handed accord's token rows, in accord's order."""
+    files = _stand_ins(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(files['model'])!r})\n"
+        "args = TrainingArguments('out', per_device_train_batch_size=2, gradient_accumulation_steps=2,\n"
+        "                         learning_rate=1e-3, weight_decay=0.01, max_steps=50, seed=3)\n"
+    )
+    overrides = [f"data.train={files['sft']}", f"data.cache_dir={tmp_path / 'cache'}"]
+    command = ["import", tmp_path / "train.py", *overrides, "--devices", "2", "--verify", "3"]
+    proc = run_accord(*command, "--out", tmp_path / "r.yaml", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 3 and all(diff <= 1e-5 for _, _, diff in losses), proc.stdout
+    assert "transformers.Trainer loss" in proc.stdout and "verify: the same job" in proc.stdout
