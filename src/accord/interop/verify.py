@@ -117,7 +117,7 @@ def verify(job: Job, recipe: dict[str, Any], steps: int, workdir: Path) -> Verif
     theirs, params = _train_peer(job, validated, examples, workdir / "peer")
     ours = _train_accord(validated)
     final = _read_folder(Path(validated.output.dir) / "final")
-    diff = max((final[k] - params[k]).abs().max().item() for k in final if k in params)
+    diff = max(((final[k] - params[k]).abs().max().item() for k in final if k in params), default=math.inf)
     rows = [(s, ours[s], theirs[s]) for s in sorted(ours) if s in theirs]
     result = Verification(PEERS[job.task], rows, diff, causes)
     if not result.matches:
@@ -126,7 +126,8 @@ def verify(job: Job, recipe: dict[str, Any], steps: int, workdir: Path) -> Verif
 
 
 def check_verifiable(job: Job, steps: int) -> None:
-    """Refused before the import does any work: a task without a peer, a step count below 1."""
+    """Refused before the import does any work: a step count below 1, a task without a peer, a
+    LoRA job, a peer library that is not installed."""
     if steps < 1:
         raise ImportError_(f"--verify {steps}: give the number of steps to compare (1 or more)")
     if job.task not in PEERS:
@@ -163,8 +164,9 @@ def comparable(recipe: dict[str, Any], workdir: Path, steps: int) -> tuple[dict[
             "group_by_length: the two group rows by length differently; compared without it "
             "(data.group_by_length=false, train_sampling_strategy: sequential)"
         )
-    for key in ("eval", "test_split_size", "eval_fraction"):
-        data.pop(key, None)
+    # No evaluation (it changes no update); a held-out share of the training data stays, so the
+    # rows trained on are the job's.
+    data.pop("eval", None)
     recipe["train"] = {**recipe.get("train", {}), "max_steps": steps, "log_every": 1, "eval_every": None}
     recipe["train"].pop("epochs", None)
     recipe["engine"] = {
@@ -296,19 +298,16 @@ def _peer_rows(job: Job, recipe, examples: list[int], tokenizer):
     return raw.select_columns(keep).select(examples)
 
 
-class _Losses:
-    """A TrainerCallback (built lazily: transformers is imported only here) keeping each step's logged loss."""
+def _loss_keeper(store: dict[int, float]):
+    """A TrainerCallback keeping each step's logged loss (transformers is imported only here)."""
+    from transformers import TrainerCallback
 
-    @staticmethod
-    def make(store: dict[int, float]):
-        from transformers import TrainerCallback
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                store[state.global_step] = float(logs["loss"])
 
-        class Keep(TrainerCallback):
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    store[state.global_step] = float(logs["loss"])
-
-        return Keep()
+    return Keep()
 
 
 def _train_peer(job: Job, recipe, examples: list[int], out: Path):
@@ -322,7 +321,7 @@ def _train_peer(job: Job, recipe, examples: list[int], out: Path):
     args = peer_arguments(job, recipe, out)
     rows = _peer_rows(job, recipe, examples, tokenizer)
     losses: dict[int, float] = {}
-    callbacks = [_Losses.make(losses)]
+    callbacks = [_loss_keeper(losses)]
     if job.task == "sft":
         from trl import SFTTrainer
 
