@@ -417,3 +417,17 @@ def test_datasets_keeps_a_fingerprint_and_an_indices_mapping():
     assert not is_selection(ds)
     assert is_selection(ds.select([0, 2]))
     assert not is_selection(ds.select([0, 2]).flatten_indices())
+
+
+def test_transformers_trainer_decay_groups_are_read_without_a_trainer(tiny_llama):
+    """Trainer.get_decay_parameter_names reads nothing of the Trainer (called with None) and puts
+    the linear weights in the decay group, norms out: a Trainer optimizer.pt's positions follow it."""
+    from transformers import Trainer
+
+    from accord.compat.transformers import trainer_decay_parameter_names
+
+    source = inspect.getsource(Trainer.get_decay_parameter_names)
+    assert "self." not in source.split(":", 1)[1].split('"""', 2)[-1], "get_decay_parameter_names now reads the Trainer"
+    names = trainer_decay_parameter_names(tiny_llama)
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("norm" in name for name in names)

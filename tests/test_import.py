@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import json
+import random
 import re
 import shlex
 from pathlib import Path
@@ -137,3 +139,171 @@ def test_the_docs_mapping_table_is_generated_from_the_importers_table():
     text = (Path(__file__).parents[1] / "docs" / "coming-from-trl.md").read_text()
     table = text.split("<!-- mapping:start -->\n")[1].split("\n<!-- mapping:end -->")[0]
     assert table == markdown_table()
+
+
+# ---------------------------------------------------------------- --verify: side by side with TRL's trainers
+
+
+def _stand_ins(folder: Path) -> dict[str, Path]:
+    """A tiny Llama folder with accord's byte tokenizer saved beside it (what a hub name would
+    resolve to), and prompt/completion and preference rows written here."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accord.models.build import build_byte_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = folder / "model"
+    LlamaForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    rng = random.Random(0)
+    sft, dpo = [], []
+    for _ in range(48):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        sft.append({"prompt": f"{a}+{b}=", "completion": str(a + b)})
+        dpo.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + rng.randint(1, 9))})
+    for name, rows in (("sft", sft), ("dpo", dpo)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": model, "sft": folder / "sft.jsonl", "dpo": folder / "dpo.jsonl"}
+
+
+def _trl_command(task: str, files: dict[str, Path]) -> list[str]:
+    return [
+        "trl",
+        task,
+        "--model_name_or_path",
+        str(files["model"]),
+        "--dataset_name",
+        str(files[task]),
+        "--learning_rate",
+        "1e-3",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_steps",
+        "100",
+        "--packing" if task == "sft" else "--beta",
+        *([] if task == "sft" else ["0.2"]),
+        "--output_dir",
+        "out",
+    ]
+
+
+def test_verify_compares_in_accords_order_at_fp32_on_one_process_and_says_what_it_changed(tmp_path):
+    from accord.interop.job import build_job, import_recipe
+    from accord.interop.verify import comparable, peer_arguments
+    from accord.recipe.schema import validate_recipe
+
+    files = {"model": tmp_path / "m", "sft": tmp_path / "d.jsonl"}
+    job = build_job([], _trl_command("sft", files), devices=2)
+    recipe, _ = import_recipe(job)
+    assert recipe["data"]["packing"] is True and recipe["engine"]["precision"] == "bf16"
+    ready, causes = comparable(recipe, tmp_path, steps=5)
+    assert ready["data"]["packing"] is False and any("packing" in c and "data.packing=false" in c for c in causes)
+    engine = ready["engine"]
+    assert (engine["precision"], engine["processes"], engine["device"]) == ("no", 1, "cpu")
+    assert ready["train"]["max_steps"] == 5
+    args = peer_arguments(job, validate_recipe(ready), tmp_path / "peer")
+    # the original's global batch of 2 × 2 × 2 devices = 8 on one process, in the order given
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
+    assert args.train_sampling_strategy == "sequential" and args.max_steps == 5 and args.packing is False
+    assert not args.bf16 and args.learning_rate == 1e-3 and args.seed == ready["seed"]
+
+
+def test_verify_of_a_task_without_a_peer_or_no_steps_is_one_line(tmp_path):
+    out = tmp_path / "r.yaml"
+    proc = run_accord_here("import", "--devices", "1", "--verify", "0", "--out", out, "--", "trl", "sft")
+    assert proc.returncode == 2 and "--verify 0: give the number of steps" in proc.stderr
+    proc = run_accord_here("import", "--devices", "1", "--verify", "3", "--out", out, "--", "trl", "kto")
+    assert proc.returncode == 2 and "not a kto job; import without --verify" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    proc = run_accord_here("import", "--devices", "1", "--verify", "3", "--out", out, "--", "trl", "sft", "--use_peft")
+    assert proc.returncode == 2 and "--verify compares full fine-tunes" in proc.stderr
+
+
+def _losses(stdout: str) -> list[tuple[float, float, float]]:
+    return [tuple(map(float, m)) for m in re.findall(r"^\s+\d+\s+(\S+)\s+(\S+)\s+(\S+)$", stdout, re.M)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_verify_5_steps_equal_trls_trainer_step_by_step(tmp_path, task):
+    files = _stand_ins(tmp_path)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    command = ["import", cache, "--devices", "2", "--verify", "5", "--out", tmp_path / "r.yaml", "--"]
+    proc = run_accord(*command, *_trl_command(task, files), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 5 and all(diff <= 1e-5 and abs(a - b) <= 1e-5 for a, b, diff in losses), proc.stdout
+    assert "verify: the same job" in proc.stdout
+    assert float(re.search(r"largest parameter difference after 5 steps: (\S+)", proc.stdout)[1]) < 1e-5
+    if task == "sft":  # TRL packs here: compared unpacked on both sides, and said
+        assert "verify: packing:" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_names_the_loss_default_when_the_recipe_trains_other_tokens(tmp_path):
+    """A recipe overridden to train the prompt too is not TRL's completion-only job: verify fails, naming it."""
+    files = _stand_ins(tmp_path)
+    proc = run_accord(
+        "import", f"data.cache_dir={tmp_path / 'cache'}", "data.completion_only_loss=false", "--devices", "2",
+        "--verify", "2", "--out", tmp_path / "r.yaml", "--", *_trl_command("sft", files),
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "NOT the same job" in proc.stdout and "completion_only_loss" in proc.stdout
+
+
+def test_resume_from_checkpoint_becomes_the_recipes_resume(tmp_path):
+    """A checkpoint-N path is kept; true is the newest checkpoint-N in output_dir (by step, not by name)."""
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    out = tmp_path / "out"
+    for step in (2, 10):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    args = ["trl", "sft", "--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(out)]
+    recipe, rows = import_recipe(build_job([], [*args, "--resume_from_checkpoint", str(out / "checkpoint-2")], 1))
+    assert recipe["resume"] == str(out / "checkpoint-2")
+    assert any(r.key == "resume_from_checkpoint" and r.decision == "changed" for r in rows)
+    recipe, _ = import_recipe(build_job([], [*args, "--resume_from_checkpoint", "true"], 1))
+    assert recipe["resume"] == str(out / "checkpoint-10")
+    args[-1] = str(tmp_path / "elsewhere")
+    with pytest.raises(RefusedKeys, match="holds no checkpoint-N folder"):
+        import_recipe(build_job([], [*args, "--resume_from_checkpoint", "true"], 1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_of_a_train_py_job_equals_transformers_trainer(tmp_path):
+    """A train.py's Trainer tokenizes in the script: it is handed accord's token rows, in accord's order."""
+    files = _stand_ins(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(files['model'])!r})\n"
+        "args = TrainingArguments('out', per_device_train_batch_size=2, gradient_accumulation_steps=2,\n"
+        "                         learning_rate=1e-3, weight_decay=0.01, max_steps=50, seed=3)\n"
+    )
+    overrides = [f"data.train={files['sft']}", f"data.cache_dir={tmp_path / 'cache'}"]
+    command = ["import", tmp_path / "train.py", *overrides, "--devices", "2", "--verify", "3"]
+    proc = run_accord(*command, "--out", tmp_path / "r.yaml", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 3 and all(diff <= 1e-5 for _, _, diff in losses), proc.stdout
+    assert "transformers.Trainer loss" in proc.stdout and "verify: the same job" in proc.stdout

@@ -17,6 +17,7 @@ from accord.checkpoint.store import (
     read_checkpoint_recipe,
     read_state,
 )
+from accord.checkpoint.trainer_folder import is_trainer_checkpoint
 from accord.data.order import order_version, same_order
 from accord.distributed import group as dist
 from accord.errors import CheckpointError
@@ -40,9 +41,15 @@ def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
     if setting == "auto":
         return complete_checkpoints(out_dir / CHECKPOINTS)[::-1]
     folder = Path(setting)
+    if is_trainer_checkpoint(folder):  # brought in by the launcher (trainer_folder.bring_in) before this
+        raise CheckpointError(
+            f"resume: {folder} is a transformers.Trainer checkpoint; start the run with accord train "
+            "(or accord.train), which brings it in"
+        )
     if not (folder / COMPLETE).is_file():
         raise CheckpointError(
-            f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with {COMPLETE})"
+            f"resume: {folder} is not a complete checkpoint (expected a checkpoints/step-NNNNNN folder with "
+            f"{COMPLETE}, or a checkpoint-N folder written by transformers.Trainer)"
         )
     return [folder]
 

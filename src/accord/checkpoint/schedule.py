@@ -89,6 +89,15 @@ def restore_run(run, folder: Path) -> int:
         raise TrainingStopped(refusal)
     run.engine.load_state(folder)
     position = run.order.position(state.step)
+    if state.started_from:
+        dist.print0(
+            f"accord: resumed from the transformers.Trainer checkpoint {state.started_from} at step {state.step} "
+            "(weights, AdamW state, schedule); not carried over: Trainer's data position and RNG — accord goes on "
+            f"with step {state.step + 1} of its own global order (epoch {position.epoch}, example {position.index}), "
+            "as a run of its own would"
+        )
+        restore_rng(folder, state, run.info, run.recipe.seed)
+        return state.step
     if (position.epoch, position.index) != (state.epoch, state.index):
         raise TrainingStopped(
             f"{folder}: recorded data position (epoch {state.epoch}, index {state.index}) does not match "

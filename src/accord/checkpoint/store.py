@@ -62,6 +62,9 @@ class TrainingState:
     data_order: str = ""  # accord.data.order.order_version; "" in checkpoints from before it was recorded
     accord_version: str = __version__
     saved_at: float = 0.0
+    # A checkpoint brought in from another trainer's folder (checkpoint.trainer_folder): its
+    # path. Its data position is not that trainer's: the resume takes accord's at `step`.
+    started_from: str = ""
 
 
 # ------------------------------------------------------------------ writing

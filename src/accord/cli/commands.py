@@ -234,6 +234,10 @@ def import_job(args: argparse.Namespace) -> int:
     files = [item for item in args.inputs if "=" not in item]
     overrides = [item for item in args.inputs if "=" in item]
     job = build_job(files, args.command_line, devices=args.devices, nodes=args.nodes, task=args.task)
+    if args.verify is not None:
+        from accord.interop.verify import check_verifiable
+
+        check_verifiable(job, args.verify)
     try:
         recipe, rows = import_recipe(job, overrides)
     except RefusedKeys as e:
@@ -242,4 +246,13 @@ def import_job(args: argparse.Namespace) -> int:
     print(format_table(rows))
     write_recipe(recipe, Path(args.out))
     print(f"accord: wrote {args.out}; check it with: accord plan {args.out}", file=sys.stderr)
-    return 0
+    if args.verify is None:
+        return 0
+    import tempfile
+
+    from accord.interop.verify import verify
+
+    with tempfile.TemporaryDirectory(prefix="accord-verify-") as workdir:
+        result = verify(job, recipe, args.verify, Path(workdir))
+    print(result.table())
+    return 0 if result.matches else 1

@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     imports.add_argument("--nodes", type=int, metavar="M", help="nodes the original ran on (default 1)")
     imports.add_argument("--task", metavar="TASK", help="the TRL task when the inputs do not say (default sft)")
     imports.add_argument("--out", default="recipe.yaml", metavar="FILE", help="recipe to write (default recipe.yaml)")
+    imports.add_argument(
+        "--verify",
+        type=int,
+        metavar="N",
+        help="then train N steps with the original's trainer (TRL's SFTTrainer / DPOTrainer, transformers.Trainer) "
+        "and with accord side by side (1 process, fp32, the same model, rows and order) and compare each step's loss",
+    )
     imports.set_defaults(func=command.import_job, command_line=[])
 
     config = commands.add_parser(

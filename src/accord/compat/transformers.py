@@ -8,6 +8,9 @@
 - each model's `_init_weights` (models.weights initialises a meta-device model one module
   at a time, as transformers' own initialisation dispatches to it);
 - a model's `_no_split_modules`, the blocks FSDP wraps one by one (engine.wrapping);
+- `Trainer.get_decay_parameter_names`, the rule that splits Trainer's AdamW into its weight-decay
+  and no-decay groups (checkpoint.trainer_folder maps a Trainer optimizer.pt's positions to
+  parameter names with it); a method that reads nothing of the Trainer, called without one;
 - the name of the KV-cache argument of `forward` and `generate` (`past_key_values` before
   5.x renamed it `cache`), for GRPO's prompts prefilled once per group (tasks.rollout).
 
@@ -133,3 +136,13 @@ def text_config(config: Any) -> Any:
     """The config of a model's text part (a multimodal model's language model; the config
     itself otherwise, and for a plain namespace standing in for one)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def trainer_decay_parameter_names(model) -> list[str]:
+    """The parameters transformers.Trainer puts in its weight-decay group, in model order."""
+    from transformers import Trainer
+
+    method = getattr(Trainer, "get_decay_parameter_names", None)
+    if method is None:
+        raise _missing("Trainer.get_decay_parameter_names", "resuming from a Trainer checkpoint")
+    return list(method(None, model))

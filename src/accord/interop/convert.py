@@ -436,6 +436,25 @@ def _eval_split(value, job):
     return {}  # read with eval_strategy (it names the split the evaluation loads)
 
 
+def _resume(value, job):
+    """Trainer's resume_from_checkpoint: a checkpoint-N path, or true for the newest in output_dir."""
+    if value in (None, False, "", "false", "False"):
+        return {}
+    if value is True or str(value).lower() == "true":
+        out = Path(str(job.value("output_dir") or "."))
+        found = sorted(
+            out.glob("checkpoint-*"),
+            key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
+        )
+        if not found:
+            raise Refused(
+                f"resume_from_checkpoint: true, but {out} holds no checkpoint-N folder",
+                "the checkpoint-N folder's path",
+            )
+        return {"resume": str(found[-1])}
+    return {"resume": str(value)}
+
+
 # accelerate config conversions
 def _devices(value, job):
     return {}
@@ -523,6 +542,7 @@ CONVERSIONS = {
     "flash_attention": _flash,
     "revision": _revision,
     "eval_split": _eval_split,
+    "resume_from_checkpoint": _resume,
     "devices": _devices,
     "nodes": _devices,
     "mixed_precision": _mixed_precision,

@@ -253,7 +253,12 @@ RULES: dict[str, Rule] = {
     "save_only_model": _SAVE,
     "save_on_each_node": _SAVE,
     "restore_callback_states_from_checkpoint": _SAVE,
-    "resume_from_checkpoint": refused("a Trainer checkpoint folder cannot be resumed by accord", "a fresh run"),
+    "resume_from_checkpoint": changed(
+        "resume",
+        "resume_from_checkpoint",
+        "a checkpoint-N folder (true: the newest in output_dir) continues with its weights, AdamW state, schedule "
+        "and step; Trainer's data position does not carry over (accord goes on in its own global order)",
+    ),
     "ignore_data_skip": dropped("accord resumes at the exact position in its global order"),
     "push_to_hub": _HUB,
     "hub_model_id": _HUB,

@@ -70,6 +70,9 @@ class LaunchPlan:
     trains_here: bool  # this process is the worker (else it starts the workers, or Ray does)
     launcher: str  # accord | ray | the outer launcher that started this process
     hub_handoff: str | None = None  # where the node's leader leaves the hub commits (outer launchers)
+    # resume: a transformers.Trainer checkpoint-N, brought in on this node as an accord
+    # checkpoint (recipe.resume names it); the node's leader removes it when the run ends.
+    brought_in: str | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -99,6 +102,7 @@ class LaunchPlan:
             trains_here=fields["trains_here"],
             launcher=fields["launcher"],
             hub_handoff=fields["hub_handoff"],
+            brought_in=fields.get("brought_in"),
         )
 
 

@@ -77,6 +77,7 @@ def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
         leads=locks,
         timeout_s=recipe.data.prepare_timeout_s,
     )
+    recipe, brought_in = _trainer_checkpoint(recipe)
     launches = not on_ray and starts_workers(recipe.engine, topology)
     return LaunchPlan(
         recipe=recipe,
@@ -89,7 +90,20 @@ def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
         trains_here=not on_ray and not launches,
         launcher="ray" if on_ray else outer or "accord",
         hub_handoff=str(handoff) if handoff is not None else None,
+        brought_in=str(brought_in) if brought_in is not None else None,
     )
+
+
+def _trainer_checkpoint(recipe: Recipe) -> tuple[Recipe, Path | None]:
+    """resume: a transformers.Trainer checkpoint-N folder, brought in as an accord checkpoint on
+    this node before any check or worker reads it; the workers resume from that. The copy is
+    removed when the run ends (the run's own checkpoints continue it from then on)."""
+    from accord.checkpoint.trainer_folder import bring_in, is_trainer_checkpoint  # torch: only for such a resume
+
+    if recipe.resume in ("never", "auto") or not is_trainer_checkpoint(recipe.resume):
+        return recipe, None
+    folder = bring_in(Path(recipe.resume), recipe)
+    return recipe.model_copy(update={"resume": str(folder)}), folder
 
 
 def _where_checks_run(on_ray: bool, launches: bool, cuda: bool, multi_node: bool) -> ChecksRun:

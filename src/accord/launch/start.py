@@ -6,6 +6,7 @@ recipe is not validated again on the way."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +93,13 @@ def _check(plan: LaunchPlan, hold: _OutputHold) -> tuple[PendingChecks | None, r
 
 def _leave(plan: LaunchPlan, hold: _OutputHold, ray_session: ray_train.RaySession | None) -> None:
     """However the run ended: the output folder's hold released (an earlier run put back where
-    this one never stepped), the node's hub handoff file removed, a Ray started here stopped."""
+    this one never stepped), the node's hub handoff file and a Trainer checkpoint brought in
+    removed, a Ray started here stopped."""
     hold.leave()
     if plan.hub_handoff is not None and plan.holder.locks:
         Path(plan.hub_handoff).unlink(missing_ok=True)
+    if plan.brought_in is not None and plan.holder.locks:
+        shutil.rmtree(Path(plan.brought_in).parent, ignore_errors=True)
     if ray_session:
         ray_session.close()
 

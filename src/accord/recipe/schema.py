@@ -246,7 +246,8 @@ class Recipe(Section):
     resume: str = Field(
         "never",
         description="never: a fresh run; auto: continue from the latest complete checkpoint in output.dir "
-        "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder.",
+        "(fresh if there is none); or the path of a checkpoints/step-NNNNNN folder, or of a checkpoint-N folder "
+        "written by transformers.Trainer (its weights, AdamW state, schedule and step; not its data position).",
     )
 
     @field_validator("task")
