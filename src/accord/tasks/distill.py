@@ -1,0 +1,262 @@
+"""Knowledge distillation (GKD, TRL's GKDTrainer): the student learns a frozen teacher's next-token
+distributions through the generalized Jensen-Shannon divergence (accord.tasks.distill_loss), summed
+over completion tokens; the trainer divides by the completion tokens of the whole global batch.
+
+Rows are sft's (prompt/completion, or chat `messages` with the assistant turns as targets). Each
+optimizer step takes its completions from one source, chosen once per step from (seed, step), so
+the choice does not depend on how many processes draw it: with probability distill.lmbda the
+student's own samples (on-policy), else the teacher's samples (distill.seq_kd) or the data's. A
+sampled completion follows the row's prompt (everything before its last answer); it is drawn with
+grpo's per-sample seeds (accord.tasks.rollout), keyed by (seed, step, row), so it is the same on
+any layout. TRL flips its coin per micro-batch and rank; here one flip serves the global batch.
+
+Off-policy only (lmbda 0, no seq_kd) the rows are batched like sft's and the normaliser comes from
+the data plan; otherwise the task is online: the step's completions are made first
+(run/rollout_step.py) and one reduction gives the normaliser.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from accord.errors import UserInputError
+from accord.tasks.base import IGNORE, LossOutput, Task
+from accord.tasks.chunked_loss import shifted_targets
+from accord.tasks.distill_loss import generalized_jsd
+from accord.tasks.grpo import RolloutSummary
+from accord.tasks.reference_model import ReferenceModel
+from accord.tasks.rollout import padded_width, sample_groups, sample_seed
+from accord.tasks.sft import SFTTask
+
+# Where a step's completions come from.
+DATA, STUDENT, TEACHER = "data", "student", "teacher"
+# Mixed into the coin's seed so it draws apart from every other use of (seed, step).
+_COIN = 0x6B64
+
+
+def completion_source(seed: int, step: int, lmbda: float, seq_kd: bool) -> str:
+    """Whose completions optimizer step `step` (0-based) trains on: a function of the recipe and
+    the step alone, the same on every rank and world size."""
+    if lmbda > 0 and np.random.default_rng([seed, step, _COIN]).random() < lmbda:
+        return STUDENT
+    return TEACHER if seq_kd else DATA
+
+
+def prompt_ids(ids: list[int], labels: list[int]) -> list[int]:
+    """The tokens before a row's last answer (its last run of labelled tokens): the prompt a
+    sampled completion follows. Earlier assistant turns of a conversation stay in it, as the
+    prompt of TRL's chat collator is every message but the last."""
+    end = len(labels)
+    while end > 0 and labels[end - 1] == IGNORE:
+        end -= 1
+    while end > 0 and labels[end - 1] != IGNORE:
+        end -= 1
+    return list(ids[:end]) if end else list(ids)
+
+
+def vocab_size(config) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
+class DistillTask(SFTTask):
+    name = "distill"
+    # One example a row (a sampled completion replaces the row's answer), the teacher beside the
+    # student on whole rows: not packed, not split over a sequence-parallel group.
+    packable = False
+    splits_rows = False
+    chunked_loss = False
+    eval_hidden = ("entropy", "generated")
+
+    def __init__(self, tokenizer, recipe):
+        super().__init__(tokenizer, recipe)
+        self.cfg = recipe.distill
+        self.completion_only = True  # the recipe refuses data.completion_only_loss=false
+        self.online = self.cfg.lmbda > 0 or self.cfg.seq_kd
+        self.teacher = ReferenceModel(
+            recipe, tokenizer, self.model_kind, self.cfg.teacher, revision=self.cfg.teacher_revision
+        )
+        self.teacher_vocab = _teacher_vocab(recipe)
+        student = _student_vocab(recipe, tokenizer)
+        if student is not None:
+            _check_vocab(student, self.teacher_vocab, recipe)
+        self.policy: nn.Module | None = None
+        self.lockstep = False
+        self._sequences: dict[int, dict[str, list[int]]] = {}  # this step's rows: prompt + completion
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"format": "distill-1"}
+
+    # ---------------------------------------------------------------- the teacher
+
+    def configure_model(self, model: nn.Module) -> None:
+        super().configure_model(model)
+        # A GGUF student's vocabulary is known once converted: checked here, before any step.
+        _check_vocab(vocab_size(model.config), self.teacher_vocab, self.recipe)
+        self.teacher.configure_model(model)
+
+    def setup(self, engine, train, eval_ds):
+        self.teacher.setup(engine)
+        self.policy = engine.module
+        self.lockstep = engine.lockstep
+        return train, eval_ds
+
+    def describe(self) -> list[str]:
+        c = self.cfg
+        if c.lmbda == 0 and not c.seq_kd:
+            source = "the data's completions (off-policy)"
+        else:
+            rest = "the teacher's samples" if c.seq_kd else "the data's completions"
+            source = f"the student's samples on {c.lmbda:.0%} of steps, else {rest}, up to {c.max_new_tokens} tokens"
+        return [
+            f"distill: teacher {c.teacher} (vocabulary {self.teacher_vocab}); generalized JSD beta {c.beta:g}, "
+            f"temperature {c.temperature:g}; trains on {source}"
+        ]
+
+    # ---------------------------------------------------------------- the loss
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        targets = shifted_targets(batch["labels"])
+        mask = targets != IGNORE
+        teacher = self.teacher.module
+        assert teacher is not None, "configure_model() first"
+        # The teacher's pass first: a frozen forward before the training one, not between it and
+        # its backward (sharded strategies track the forward's order).
+        with torch.no_grad():
+            teacher_logits = teacher(**inputs).logits[mask]
+        student_logits = model(**inputs).logits[mask]
+        divergence = generalized_jsd(student_logits, teacher_logits, self.cfg.beta, self.cfg.temperature)
+        with torch.no_grad():
+            log_p = torch.log_softmax(student_logits.detach().float() / self.cfg.temperature, dim=-1)
+            entropy = -(log_p.exp() * log_p).sum()
+        return LossOutput(divergence.sum(), mask.sum(), {"entropy": entropy})
+
+    def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
+        return Task.eval_summary(self, sums)  # a divergence has no perplexity
+
+    # ---------------------------------------------------------------- online steps (lmbda > 0 or seq_kd)
+
+    def rollout(self, step: int, row_ids: list[int], rows: list[dict]) -> RolloutSummary:
+        """This rank's rows of `step`'s global batch with the step's completions. Every rank
+        calls it with the same number of rows and makes the same number of forward passes."""
+        start = time.perf_counter()
+        source = completion_source(self.recipe.seed, step, self.cfg.lmbda, self.cfg.seq_kd)
+        if source == DATA:
+            sequences = [{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in rows]
+        else:
+            sequences = self._sampled(source, step, row_ids, rows)
+        self._sequences = dict(zip(row_ids, sequences))
+        targets = sum(sum(label != IGNORE for label in s["labels"][1:]) for s in sequences)
+        lengths = [sum(label != IGNORE for label in s["labels"]) for s in sequences]
+        clipped = [n >= self.cfg.max_new_tokens and s["labels"][-1] != self.eos_id for n, s in zip(lengths, sequences)]
+        sums = {
+            "completions/mean_length": float(sum(lengths)),
+            "completions/clipped_ratio": float(sum(clipped)) if source != DATA else 0.0,
+            "on_policy": float(len(rows)) if source == STUDENT else 0.0,
+            "teacher_sampled": float(len(rows)) if source == TEACHER else 0.0,
+        }
+        tokens = sum(len(s["input_ids"]) for s in sequences)
+        return RolloutSummary(targets, tokens, len(rows), sums, time.perf_counter() - start)
+
+    def _sampled(self, source: str, step: int, row_ids: list[int], rows: list[dict]) -> list[dict[str, list[int]]]:
+        keep = self.max_length - self.cfg.max_new_tokens
+        prompts = []
+        for row in rows:
+            prompt = prompt_ids(row["input_ids"], row["labels"])
+            if len(prompt) > keep:  # an over-long prompt keeps its start (the BOS) and its end
+                head = len(self.prefix)
+                prompt = prompt[:head] + prompt[len(prompt) - (keep - head) :]
+            prompts.append(prompt)
+        model = self.policy if source == STUDENT else self.teacher.module
+        assert model is not None, "setup() first"
+        seeds = [[sample_seed(self.recipe.seed, step, int(rid), 0)] for rid in row_ids]
+        # Prompts of one padded width share a call; under lockstep each has its own (every rank
+        # holds the same number of rows, so every rank calls generate equally often).
+        calls: dict[Any, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            calls.setdefault(i if self.lockstep else padded_width(len(prompt)), []).append(i)
+        completions: dict[int, list[int]] = {}
+        was_training = model.training
+        model.eval()
+        try:
+            for call in calls.values():
+                groups = sample_groups(
+                    model,
+                    [prompts[i] for i in call],
+                    [seeds[i] for i in call],
+                    max_new_tokens=self.cfg.max_new_tokens,
+                    temperature=self.cfg.temperature,
+                    top_p=1.0,
+                    eos_id=self.eos_id,
+                    pad_id=self.pad_id,
+                    lockstep=self.lockstep,
+                )
+                completions.update((i, group[0]) for i, group in zip(call, groups))
+        finally:
+            model.train(was_training)
+        out = []
+        for i, prompt in enumerate(prompts):
+            completion = completions[i]
+            out.append({"input_ids": prompt + completion, "labels": [IGNORE] * len(prompt) + completion})
+        return out
+
+    def rollout_metric_names(self) -> list[str]:
+        return ["completions/mean_length", "completions/clipped_ratio", "on_policy", "teacher_sampled"]
+
+    def rollout_means(self, means: dict[str, float], completions: float) -> dict[str, float]:
+        return means
+
+    def rollout_batch(self, row_ids) -> dict[str, torch.Tensor]:
+        return self.collate([[self._sequences[int(r)]] for r in row_ids])
+
+
+def _teacher_vocab(recipe) -> int:
+    """The teacher's vocabulary size, from its config alone; a missing teacher is one line."""
+    from transformers import AutoConfig
+
+    from accord.recipe.hub import local_path
+
+    cfg = recipe.distill
+    folder = local_path(cfg.teacher, cfg.teacher_revision, where="distill.teacher")
+    if not (folder / "config.json").is_file():
+        what = "folder not found" if not folder.exists() else "no config.json in it (expected a save_pretrained folder)"
+        raise UserInputError(f"distill.teacher: {folder}: {what}; give the teacher's model folder or hub name")
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise UserInputError(f"distill.teacher: {folder}/config.json cannot be loaded: {reason}") from None
+    size = vocab_size(config)
+    if size is None:
+        raise UserInputError(f"distill.teacher: {folder}/config.json names no vocab_size; it must be a language model")
+    return size
+
+
+def _student_vocab(recipe, tokenizer) -> int | None:
+    """The student's vocabulary size before it is built (None: a GGUF file, known once converted)."""
+    model = recipe.model
+    if model.path is None:
+        return int((model.config or {}).get("vocab_size", len(tokenizer)))
+    from accord.recipe.hub import local_path
+
+    folder = local_path(model.path, model.revision, where="model.path")
+    if folder.suffix == ".gguf" or not (folder / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return vocab_size(AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code))
+
+
+def _check_vocab(student: int | None, teacher: int, recipe) -> None:
+    if student is not None and student != teacher:
+        raise UserInputError(
+            f"distill.teacher: the teacher's vocabulary has {teacher} tokens and the student's {student}; the "
+            f"divergence compares their distributions token by token, so give a teacher with the student's "
+            f"tokenizer (distill.teacher={recipe.distill.teacher})"
+        )
