@@ -30,7 +30,8 @@ def clean_registry(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(registry.TASKS))
 def test_every_registered_task_validates_and_resolves_to_a_task_class(name):
-    required = {"distill": {"distill": {"teacher": "teacher-folder", "max_new_tokens": 8}}}  # a section the task cannot do without
+    # A section the task cannot do without.
+    required = {"distill": {"distill": {"teacher": "teacher-folder", "max_new_tokens": 8}}}
     recipe = validate_recipe(TINY_RECIPE | {"task": name} | required.get(name, {}))
     assert task_class(recipe).name == name and task_class(name) is task_class(recipe)
 
