@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from accord.errors import UserInputError
-from accord.tasks.base import IGNORE, LossOutput, Task
+from accord.tasks.base import IGNORE, FrozenModel, LossOutput, Task
 from accord.tasks.chunked_loss import shifted_targets
 from accord.tasks.distill_loss import generalized_jsd
 from accord.tasks.grpo import RolloutSummary
@@ -72,6 +72,11 @@ class DistillTask(SFTTask):
     splits_rows = False
     chunked_loss = False
     eval_hidden = ("entropy", "generated")
+
+    @classmethod
+    def frozen_model(cls, recipe) -> FrozenModel | None:
+        cfg = recipe.distill
+        return FrozenModel(cfg.teacher, cfg.teacher_revision, keeps_logits=True)
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from accord.recipe.schema import ModelConfig
+from accord.tasks.base import FrozenModel
 from accord.tasks.chunked_loss import TargetLogprobs, answer_logprobs, chunking_blocker
 
 
@@ -23,6 +24,11 @@ def holds_frozen_copy(recipe, folder: str | None, reference_free: bool = False) 
     """Whether the run keeps a second, frozen model: a reference folder, or (without LoRA,
     whose reference is the policy with adapters off) a copy of the starting model."""
     return not reference_free and (folder is not None or recipe.lora is None)
+
+
+def frozen_reference(recipe, folder: str | None, reference_free: bool = False) -> FrozenModel | None:
+    """The reference a run holds, as `accord plan` counts it (Task.frozen_model)."""
+    return FrozenModel(folder) if holds_frozen_copy(recipe, folder, reference_free) else None
 
 
 class ReferenceModel:
