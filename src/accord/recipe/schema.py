@@ -365,6 +365,8 @@ def _anchor_paths(recipe: Recipe, folder: Path) -> None:
             source.path, source._looked_in = locate(source.path, folder)
     if recipe.model.path is not None:
         recipe.model.path = locate(recipe.model.path, folder)[0]
+    if recipe.distill.teacher is not None:
+        recipe.distill.teacher = locate(recipe.distill.teacher, folder)[0]
     if recipe.model.tokenizer not in (None, BYTE_TOKENIZER):
         recipe.model.tokenizer = locate(recipe.model.tokenizer, folder)[0]
 

@@ -231,6 +231,9 @@ def _teacher_vocab(recipe) -> int:
     folder = local_path(cfg.teacher, cfg.teacher_revision, where="distill.teacher")
     if not (folder / "config.json").is_file():
         what = "folder not found" if not folder.exists() else "no config.json in it (expected a save_pretrained folder)"
+        if folder.name == "final" and not folder.exists():
+            # A run's final model (recipes/distill.yaml's teacher is addition-sft's).
+            what += f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)"
         raise UserInputError(f"distill.teacher: {folder}: {what}; give the teacher's model folder or hub name")
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
