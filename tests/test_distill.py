@@ -76,13 +76,15 @@ def _recipe(root, **distill) -> dict:
     }
 
 
-def _task(root, **distill):
+def _task(root, chunk: int | str = "auto", **distill):
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
     from accord.tasks import build_task
 
     tokenizer = build_byte_tokenizer()
-    return build_task(validate_recipe(_recipe(root, **distill)), tokenizer), tokenizer
+    recipe = _recipe(root, **distill)
+    recipe["train"]["loss_chunk_size"] = chunk
+    return build_task(validate_recipe(recipe), tokenizer), tokenizer
 
 
 def _examples(task, rows: list[dict]) -> list[dict]:
@@ -172,18 +174,19 @@ def test_a_data_step_of_an_online_run_trains_on_the_rows_as_collated(tmp_path):
     assert summary.targets == int((expected["labels"][:, 1:] != -100).sum())
 
 
-@pytest.mark.parametrize(("beta", "temperature"), [(0.5, 0.7), (0.0, 1.0), (1.0, 2.0)])
+@pytest.mark.parametrize(("beta", "temperature", "chunk"), [(0.5, 0.7, "auto"), (0.0, 1.0, 3), (1.0, 2.0, 4)])
 def test_on_policy_divergence_and_gradient_equal_trl_distillation_trainers_on_the_same_completions(
-    beta, temperature, tmp_path
+    beta, temperature, chunk, tmp_path
 ):
     """TRL's DistillationTrainer samples with its own generator, so its objective is compared on
     the completions accord sampled: its chunked divergence (the teacher's and the student's
     hidden states at the completion positions through their own output layers, temperature on
-    both) equals accord's loss per completion token, and so does the gradient."""
+    both) equals accord's loss per completion token, and so does the gradient, with accord's
+    divergence over whole logits (auto, at this size) or `chunk` positions at a time."""
     pytest.importorskip("trl")
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-    task, _ = _task(tmp_path, lmbda=1.0, beta=beta, temperature=temperature)
+    task, _ = _task(tmp_path, chunk=chunk, lmbda=1.0, beta=beta, temperature=temperature)
     model = _ready(task, tmp_path)
     ids = list(range(5))
     task.rollout(0, ids, _examples(task, _rows(5)))
@@ -210,6 +213,29 @@ def test_on_policy_divergence_and_gradient_equal_trl_distillation_trainers_on_th
     assert int(count) == int(out.num_targets) > 5 and theirs.item() > 1e-3
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-4, atol=1e-8)
+
+
+def test_the_chunked_divergence_equals_the_whole_logits_one(tmp_path):
+    """train.loss_chunk_size: the teacher's logits at the target positions only, the student's
+    a few positions at a time (recomputed in backward): the same loss, entropy and gradient as
+    whole logits, a row without targets included."""
+    from accord.tasks.chunked_divergence import HeadCall
+
+    grads, outs = [], []
+    for chunk in (0, 3):
+        task, _ = _task(tmp_path, chunk=chunk, lmbda=0.0, beta=0.3, temperature=1.5)
+        model = _ready(task, tmp_path)
+        assert (task.heads is None) == (chunk == 0)
+        examples = _examples(task, _rows(5))
+        examples[2]["labels"] = [-100] * len(examples[2]["labels"])
+        out = task.loss(model, task.collate([[e] for e in examples]))
+        (grad,) = torch.autograd.grad(out.loss_sum, model.model.embed_tokens.weight)
+        grads.append(grad)
+        outs.append(out)
+    assert isinstance(task.heads[0], HeadCall) and outs[0].num_targets == outs[1].num_targets
+    torch.testing.assert_close(outs[1].loss_sum, outs[0].loss_sum, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(outs[1].metrics["entropy"], outs[0].metrics["entropy"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_naming_both_sizes(tmp_path):
@@ -260,8 +286,8 @@ def test_a_bad_distill_recipe_is_one_line_and_exit_2(change, message, tmp_path):
 @pytest.fixture(scope="module")
 def distill_runs(tmp_path_factory):
     """Off-policy on 1 process (1 × 4 × 2, for TRL's GKDTrainer); mixed (lmbda 0.5 and seq_kd:
-    the student's and the teacher's samples) on 1 process and on 2 (2 × 2 × 2) with evaluation
-    and a checkpoint at step 2."""
+    the student's and the teacher's samples; the chunked divergence) on 1 process and on 2
+    (2 × 2 × 2) with evaluation and a checkpoint at step 2."""
     root = tmp_path_factory.mktemp("distill")
     recipe = _recipe(root, lmbda=0.0, beta=0.5)
     path = write_recipe(root / "off.yaml", recipe)
@@ -271,6 +297,7 @@ def distill_runs(tmp_path_factory):
     mixed["data"] |= {"eval_fraction": 0.1, "shuffle": True}
     mixed["train"] = {"max_steps": 4, "log_every": 1, "eval_every": 4}
     mixed["checkpoint"] = {"every_steps": 2}
+    mixed["train"]["loss_chunk_size"] = 4  # the chunked divergence (the off-policy run: whole logits)
     path = write_recipe(root / "mixed.yaml", mixed)
     for processes, micro in ((1, 4), (2, 2)):
         outs[processes] = root / f"mixed-p{processes}"

@@ -26,7 +26,8 @@ from torch import nn
 
 from accord.errors import UserInputError
 from accord.tasks.base import IGNORE, FrozenModel, LossOutput, Task
-from accord.tasks.chunked_loss import shifted_targets
+from accord.tasks.chunked_divergence import HeadCall, divergence_at, entropy, logits_at
+from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.distill_loss import generalized_jsd
 from accord.tasks.grpo import RolloutSummary
 from accord.tasks.reference_model import ReferenceModel
@@ -70,7 +71,7 @@ class DistillTask(SFTTask):
     # student on whole rows: not packed, not split over a sequence-parallel group.
     packable = False
     splits_rows = False
-    chunked_loss = False
+    chunked_loss = True  # the student's logits chunk by chunk (accord.tasks.chunked_divergence)
     eval_hidden = ("entropy", "generated")
 
     @classmethod
@@ -92,6 +93,9 @@ class DistillTask(SFTTask):
             _check_vocab(student, self.teacher_vocab, recipe)
         self.policy: nn.Module | None = None
         self.lockstep = False
+        # The output layers' second mode (train.loss_chunk_size), when both models can take it.
+        self.heads: tuple[HeadCall, HeadCall] | None = None
+        self.plain_divergence_reason: str | None = None
         self._sequences: dict[int, dict[str, list[int]]] = {}  # this step's rows: prompt + completion
 
     def settings(self) -> dict[str, Any]:
@@ -104,6 +108,11 @@ class DistillTask(SFTTask):
         # A GGUF student's vocabulary is known once converted: checked here, before any step.
         _check_vocab(vocab_size(model.config), self.teacher_vocab, self.recipe)
         self.teacher.configure_model(model)
+        teacher = self.teacher.module
+        assert teacher is not None
+        self.plain_divergence_reason = chunking_blocker(model, self.recipe) or chunking_blocker(teacher, self.recipe)
+        if self.plain_divergence_reason is None:
+            self.heads = (HeadCall.install(model), HeadCall.install(teacher))
 
     def setup(self, engine, train, eval_ds):
         self.teacher.setup(engine)
@@ -121,7 +130,7 @@ class DistillTask(SFTTask):
         return [
             f"distill: teacher {c.teacher} (vocabulary {self.teacher_vocab}); generalized JSD beta {c.beta:g}, "
             f"temperature {c.temperature:g}; trains on {source}"
-        ]
+        ] + plain_loss_note(self.plain_divergence_reason)
 
     # ---------------------------------------------------------------- the loss
 
@@ -131,16 +140,25 @@ class DistillTask(SFTTask):
         mask = targets != IGNORE
         teacher = self.teacher.module
         assert teacher is not None, "configure_model() first"
+        cfg = self.cfg
+        chunk = chunk_tokens(self.recipe.train.loss_chunk_size, targets.numel(), self.teacher_vocab)
         # The teacher's pass first: a frozen forward before the training one, not between it and
         # its backward (sharded strategies track the forward's order).
+        if self.heads is not None and chunk:
+            positions = mask.reshape(-1).nonzero().squeeze(1)
+            student_head, teacher_head = self.heads
+            with torch.no_grad():
+                teacher_logits = teacher_head.run(teacher, inputs, logits_at(positions))
+            served = student_head.run(
+                model, inputs, divergence_at(positions, teacher_logits, cfg.beta, cfg.temperature, chunk)
+            )
+            return LossOutput(served[:, 0].sum(), mask.sum(), {"entropy": served[:, 1].sum()})
         with torch.no_grad():
             teacher_logits = teacher(**inputs).logits[mask]
         student_logits = model(**inputs).logits[mask]
-        divergence = generalized_jsd(student_logits, teacher_logits, self.cfg.beta, self.cfg.temperature)
-        with torch.no_grad():
-            log_p = torch.log_softmax(student_logits.detach().float() / self.cfg.temperature, dim=-1)
-            entropy = -(log_p.exp() * log_p).sum()
-        return LossOutput(divergence.sum(), mask.sum(), {"entropy": entropy})
+        divergence = generalized_jsd(student_logits, teacher_logits, cfg.beta, cfg.temperature)
+        metrics = {"entropy": entropy(student_logits.detach(), cfg.temperature).sum()}
+        return LossOutput(divergence.sum(), mask.sum(), metrics)
 
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         return Task.eval_summary(self, sums)  # a divergence has no perplexity
