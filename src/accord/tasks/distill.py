@@ -98,13 +98,10 @@ class DistillTask(SFTTask):
         self.plain_divergence_reason: str | None = None
         self._sequences: dict[int, dict[str, list[int]]] = {}  # this step's rows: prompt + completion
 
-    def settings(self) -> dict[str, Any]:
-        return super().settings() | {"format": "distill-1"}
-
     # ---------------------------------------------------------------- the teacher
 
     def configure_model(self, model: nn.Module) -> None:
-        super().configure_model(model)
+        # Not sft's: its packed attention and chunked cross-entropy serve no distillation loss.
         # A GGUF student's vocabulary is known once converted: checked here, before any step.
         _check_vocab(vocab_size(model.config), self.teacher_vocab, self.recipe)
         self.teacher.configure_model(model)
@@ -127,10 +124,14 @@ class DistillTask(SFTTask):
         else:
             rest = "the teacher's samples" if c.seq_kd else "the data's completions"
             source = f"the student's samples on {c.lmbda:.0%} of steps, else {rest}, up to {c.max_new_tokens} tokens"
-        return [
-            f"distill: teacher {c.teacher} (vocabulary {self.teacher_vocab}); generalized JSD beta {c.beta:g}, "
-            f"temperature {c.temperature:g}; trains on {source}"
-        ] + plain_loss_note(self.plain_divergence_reason)
+        return (
+            super().describe()
+            + [
+                f"distill: teacher {c.teacher} (vocabulary {self.teacher_vocab}); generalized JSD beta {c.beta:g}, "
+                f"temperature {c.temperature:g}; trains on {source}"
+            ]
+            + plain_loss_note(self.plain_divergence_reason)
+        )
 
     # ---------------------------------------------------------------- the loss
 
