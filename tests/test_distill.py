@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY_RECIPE, assert_ok, run_accord, write_jsonl, write_recipe
+from test_hub import offline_hub  # noqa: F401 (a fixture)
 
 STUDENT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 # A wider teacher with the student's (byte) vocabulary; large initial weights make its
@@ -236,6 +237,23 @@ def test_the_chunked_divergence_equals_the_whole_logits_one(tmp_path):
     torch.testing.assert_close(outs[1].loss_sum, outs[0].loss_sum, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(outs[1].metrics["entropy"], outs[0].metrics["entropy"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_a_hub_teacher_is_pinned_to_a_commit_and_read_from_the_cache(offline_hub, tmp_path):  # noqa: F811
+    """distill.teacher as a hub name: pinned like model.path (its commit recorded as
+    distill.teacher_revision), and its vocabulary read from the cached snapshot."""
+    from accord.models.build import build_byte_tokenizer
+    from accord.recipe.hub import pin
+    from accord.recipe.schema import validate_recipe
+    from accord.tasks import build_task
+    from test_hub import MODEL, MODEL_COMMIT, fake_model
+
+    fake_model(offline_hub)
+    recipe = _recipe(tmp_path)
+    recipe["distill"]["teacher"] = MODEL
+    pinned = pin(validate_recipe(recipe))
+    assert pinned.distill.teacher == MODEL and pinned.distill.teacher_revision == MODEL_COMMIT
+    assert build_task(pinned, build_byte_tokenizer()).teacher_vocab == 262
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_naming_both_sizes(tmp_path):
