@@ -89,3 +89,11 @@ def test_a_teacher_is_counted_at_its_own_size_with_its_kept_logits(tmp_path):
     assert "frozen" in table.splitlines()[0]
     assert f"{(rows['ddp'].frozen + rows['ddp'].frozen_activations) / GIB:9.3f}" in table.splitlines()[2]
     assert "frozen" not in format_table(list(_plan(small).values()), 8).splitlines()[0]
+
+
+def test_a_reference_folder_that_cannot_be_read_is_one_line_naming_its_key(tmp_path):
+    from accord.errors import UserInputError
+
+    recipe = TINY_RECIPE | {"task": "dpo", "dpo": {"reference": str(tmp_path / "missing")}}
+    with pytest.raises(UserInputError, match=r"^dpo.reference: .*missing cannot be read as a model folder"):
+        _plan(recipe)

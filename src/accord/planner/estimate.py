@@ -141,8 +141,12 @@ def frozen_meta_model(recipe: Recipe, frozen: FrozenModel, trained):
 
     from accord.recipe.hub import local_path
 
-    folder = local_path(frozen.folder, frozen.revision, where="the frozen model")
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+    folder = local_path(frozen.folder, frozen.revision, where=frozen.key)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise UserInputError(f"{frozen.key}: {folder} cannot be read as a model folder: {reason}") from None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
 

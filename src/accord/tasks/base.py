@@ -35,6 +35,7 @@ class FrozenModel:
     revision: str | None = None
     # Its logits are kept for the loss (distill's teacher), not reduced to per-row values in its forward.
     keeps_logits: bool = False
+    key: str = ""  # the recipe key that names the folder (for a one-line error)
 
 
 @dataclass

@@ -77,7 +77,7 @@ class DistillTask(SFTTask):
     @classmethod
     def frozen_model(cls, recipe) -> FrozenModel | None:
         cfg = recipe.distill
-        return FrozenModel(cfg.teacher, cfg.teacher_revision, keeps_logits=True)
+        return FrozenModel(cfg.teacher, cfg.teacher_revision, keeps_logits=True, key="distill.teacher")
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -35,7 +35,7 @@ class DPOTask(Task):
 
     @classmethod
     def frozen_model(cls, recipe):
-        return frozen_reference(recipe, recipe.dpo.reference, recipe.dpo.reference_free)
+        return frozen_reference(recipe, recipe.dpo.reference, "dpo.reference", recipe.dpo.reference_free)
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -41,7 +41,7 @@ class KTOTask(Task):
 
     @classmethod
     def frozen_model(cls, recipe):
-        return frozen_reference(recipe, recipe.kto.reference)
+        return frozen_reference(recipe, recipe.kto.reference, "kto.reference")
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -26,9 +26,9 @@ def holds_frozen_copy(recipe, folder: str | None, reference_free: bool = False) 
     return not reference_free and (folder is not None or recipe.lora is None)
 
 
-def frozen_reference(recipe, folder: str | None, reference_free: bool = False) -> FrozenModel | None:
-    """The reference a run holds, as `accord plan` counts it (Task.frozen_model)."""
-    return FrozenModel(folder) if holds_frozen_copy(recipe, folder, reference_free) else None
+def frozen_reference(recipe, folder: str | None, key: str, reference_free: bool = False) -> FrozenModel | None:
+    """The reference a run holds, as `accord plan` counts it (Task.frozen_model); `key` names `folder` in the recipe."""
+    return FrozenModel(folder, key=key) if holds_frozen_copy(recipe, folder, reference_free) else None
 
 
 class ReferenceModel:
