@@ -256,6 +256,33 @@ def test_a_hub_teacher_is_pinned_to_a_commit_and_read_from_the_cache(offline_hub
     assert build_task(pinned, build_byte_tokenizer()).teacher_vocab == 262
 
 
+def test_a_teacher_whose_tokenizer_maps_tokens_to_other_ids_is_refused(tmp_path):
+    """The same vocabulary size is not enough: a teacher folder's own tokenizer must give every
+    token the student's id (one saved from the student's tokenizer passes)."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from accord.errors import UserInputError
+    from accord.models.build import build_byte_tokenizer
+
+    _, teacher = _folders(tmp_path)
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(teacher, same)
+    build_byte_tokenizer().save_pretrained(same)
+    task, _ = _task(tmp_path, teacher=str(same))
+    assert task.teacher_vocab == 262
+    shutil.copytree(teacher, other)
+    vocab = build_byte_tokenizer().get_vocab()
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids
+    from tokenizers import Tokenizer, models
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=a))).save_pretrained(other)
+    with pytest.raises(UserInputError, match=r"differs from the student's on 2 token\(s\)"):
+        _task(tmp_path, teacher=str(other))
+
+
 def test_a_teacher_with_another_vocabulary_is_refused_naming_both_sizes(tmp_path):
     from accord.errors import UserInputError
 

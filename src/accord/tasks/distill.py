@@ -88,6 +88,7 @@ class DistillTask(SFTTask):
             recipe, tokenizer, self.model_kind, self.cfg.teacher, revision=self.cfg.teacher_revision
         )
         self.teacher_vocab = _teacher_vocab(recipe)
+        _check_tokenizers(recipe, tokenizer)
         student = _student_vocab(recipe, tokenizer)
         if student is not None:
             _check_vocab(student, self.teacher_vocab, recipe)
@@ -263,6 +264,36 @@ def _teacher_vocab(recipe) -> int:
     if size is None:
         raise UserInputError(f"distill.teacher: {folder}/config.json names no vocab_size; it must be a language model")
     return size
+
+
+# A teacher folder with these files has its own tokenizer, compared with the student's.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _check_tokenizers(recipe, tokenizer) -> None:
+    """Where the teacher ships a tokenizer, it must map every token to the student's id: the
+    divergence compares the two distributions id by id (equal vocabulary sizes are not enough)."""
+    from transformers import AutoTokenizer
+
+    from accord.recipe.hub import local_path
+
+    cfg = recipe.distill
+    folder = local_path(cfg.teacher, cfg.teacher_revision, where="distill.teacher")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    try:
+        theirs = AutoTokenizer.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code).get_vocab()
+    except (OSError, ValueError, TypeError):
+        return  # a folder whose tokenizer transformers cannot read: the vocabulary sizes were compared
+    ours = tokenizer.get_vocab()
+    differ = sorted({token for token in ours.keys() | theirs.keys() if ours.get(token) != theirs.get(token)})
+    if differ:
+        token = differ[0]
+        raise UserInputError(
+            f"distill.teacher: the teacher's tokenizer differs from the student's on {len(differ)} token(s) (first: "
+            f"{token!r} is id {theirs.get(token)} for the teacher, {ours.get(token)} for the student); the divergence "
+            f"compares the two distributions id by id, so give a teacher with the student's tokenizer"
+        )
 
 
 def _student_vocab(recipe, tokenizer) -> int | None:
