@@ -162,6 +162,37 @@ def test_sampled_completions_do_not_depend_on_which_rows_share_the_call(source, 
         assert 0 < len(seq["input_ids"]) - prompt <= 6
 
 
+def test_chat_rows_train_on_the_assistant_turns_and_sample_after_the_last_prompt(tmp_path):
+    """Conversational rows as sft reads them: off-policy targets are the assistant turns; a
+    sampled completion follows the conversation up to its last assistant turn (rendered with
+    the generation prompt, as TRL's chat collator builds GKD's prompt) and replaces that turn."""
+    import datasets
+
+    from accord.tasks.distill import IGNORE, prompt_ids
+
+    task, tokenizer = _task(tmp_path, lmbda=1.0)
+    turns = [
+        {"role": "user", "content": "1+2"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+    ]
+    train, _ = task.fit(datasets.Dataset.from_list([{"messages": turns}, {"messages": turns[:2]}]), None)
+    encoded = task.encode_batch(train.to_dict())
+    examples = [{"input_ids": encoded["input_ids"][i], "labels": encoded["labels"][i]} for i in range(2)]
+    for example, conversation in zip(examples, (turns, turns[:2])):
+        targets = tokenizer.decode([t for t in example["labels"] if t != IGNORE])
+        assert targets.startswith("3") and ("4" in targets) == (len(conversation) == 4)
+        prompt = tokenizer.decode(prompt_ids(example["input_ids"], example["labels"]))
+        assert prompt == tokenizer.apply_chat_template(conversation[:-1], tokenize=False, add_generation_prompt=True)
+    _ready(task, tmp_path)
+    task.rollout(0, [0, 1], examples)
+    for rid, example in enumerate(examples):
+        sampled = task._sequences[rid]
+        prompt = prompt_ids(example["input_ids"], example["labels"])
+        assert sampled["input_ids"][: len(prompt)] == prompt and set(sampled["labels"][: len(prompt)]) == {IGNORE}
+
+
 def test_a_data_step_of_an_online_run_trains_on_the_rows_as_collated(tmp_path):
     from accord.tasks.distill import completion_source
 
