@@ -93,38 +93,37 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert "Warning:" not in proc.stderr, proc.stderr[-3000:]
 
 
-# Two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's,
-# the missing-start line test_recipe's.
+# The real recipes' two-stage chains (32 s of CPU at load 5 for addition-sft + grpo-addition); the
+# grpo loop itself is test_grpo's, distill's test_distill's, the missing-start line test_recipe's.
+SHORT = [
+    "engine.device=cpu",
+    "train.max_steps=2",
+    "train.log_every=1",
+    "train.eval_every=null",
+    "checkpoint.every_steps=null",
+    "train.eval_generate=8",
+]
+
+
+@pytest.fixture(scope="module")
+def addition_sft_final(tmp_path_factory):
+    """addition-sft shortened: the final model grpo-addition starts from and distill learns from."""
+    sft = tmp_path_factory.mktemp("chain") / "addition-sft"
+    assert_ok(run_accord("train", REPO / "recipes" / "addition-sft.yaml", *SHORT, f"output.dir={sft}", timeout=600))
+    return sft / "final"
+
+
 @pytest.mark.slow
-def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
+def test_grpo_addition_trains_from_addition_sfts_final_model(addition_sft_final, tmp_path):
     """The shipped two-stage chain, shortened: addition-sft writes the final model that
     grpo-addition starts from (model.path pointed at it, as the recipe does with its own
     runs/), which then samples, scores, updates and scores its held-out sums greedily."""
-    short = [
-        "engine.device=cpu",
-        "train.max_steps=2",
-        "train.log_every=1",
-        "train.eval_every=null",
-        "checkpoint.every_steps=null",
-    ]
-    sft = tmp_path / "addition-sft"
-    assert_ok(
-        run_accord(
-            "train",
-            REPO / "recipes" / "addition-sft.yaml",
-            *short,
-            "train.eval_generate=8",
-            f"output.dir={sft}",
-            timeout=600,
-        )
-    )
     out = tmp_path / "grpo-addition"
     proc = run_accord(
         "train",
         REPO / "recipes" / "grpo-addition.yaml",
-        *short,
-        "train.eval_generate=8",
-        f"model.path={sft / 'final'}",
+        *SHORT,
+        f"model.path={addition_sft_final}",
         f"output.dir={out}",
         timeout=600,
     )
@@ -135,3 +134,28 @@ def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2] and all(r["generated"] == 8 for r in evals)
     assert (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_distill_learns_from_addition_sfts_final_model_as_its_teacher(addition_sft_final, tmp_path):
+    """recipes/distill.yaml with addition-sft's final model as its teacher (distill.teacher
+    pointed at it): the smaller student trains on sampled and data steps, is scored greedily
+    on held-out sums and exports a plain model folder."""
+    out = tmp_path / "distill"
+    proc = run_accord(
+        "train",
+        REPO / "recipes" / "distill.yaml",
+        *SHORT,
+        "train.max_steps=4",
+        f"distill.teacher={addition_sft_final}",
+        f"output.dir={out}",
+        timeout=600,
+    )
+    assert_ok(proc)
+    records = read_metrics(out)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in train)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4] and all(r["generated"] == 8 for r in evals)
+    assert (out / "final" / "config.json").is_file()
+    assert proc.stdout == "" and "Warning:" not in proc.stderr, proc.stderr[-3000:]

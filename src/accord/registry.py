@@ -36,6 +36,7 @@ TASKS: dict[str, str] = {
     "reward": "accord.tasks.reward:RewardTask",
     "grpo": "accord.tasks.grpo:GRPOTask",
     "rloo": "accord.tasks.rloo:RLOOTask",
+    "distill": "accord.tasks.distill:DistillTask",
 }
 
 # What engine.offload may ask, least first.

@@ -5,7 +5,9 @@ device (no memory, no download): parameters, gradients, AdamW's two moments and 
 counters, and DeepSpeed's fp32 master partition, split over the ranks as each strategy
 splits them. Every registered strategy with a memory model is planned, in the registry's
 order; the model lives beside its engine (accord.engine.memory). Activations are an
-estimate per layer from the config, micro batch and length.
+estimate per layer from the config, micro batch and length. A task's frozen second model (dpo's
+and kto's reference, grpo's KL anchor, distill's teacher: Task.frozen_model) adds its weights,
+sharded as the strategy shards the trained model's, and what its forward holds while it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from accord.errors import UserInputError
 from accord.recipe.schema import Recipe
 from accord.registry import load_object
 from accord.tasks import task_class
+from accord.tasks.base import FrozenModel
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
 PHASES = ("build", "train", "checkpoint", "export", "resume")
@@ -43,10 +46,21 @@ class StrategyPlan:
     phases: dict[str, float] = field(default_factory=dict)
     # Activations per rank under each engine.sequence_parallel the world and model allow.
     sequence_parallel: dict[int, float] = field(default_factory=dict)
+    # The frozen model's (Task.frozen_model) weights per rank, and what its forward holds.
+    frozen: float = 0.0
+    frozen_activations: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.master + self.activations
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.master
+            + self.activations
+            + self.frozen
+            + self.frozen_activations
+        )
 
     def as_dict(self) -> dict:
         return asdict(self) | {
@@ -118,6 +132,46 @@ def activations(
     return kept + logits + mask
 
 
+def frozen_meta_model(recipe: Recipe, frozen: FrozenModel, trained):
+    """The frozen model on the meta device: a folder's (or hub name's) config, or the trained
+    model itself when it is a copy of the starting model (whose LoRA parameters it lacks)."""
+    if frozen.folder is None:
+        return trained
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accord.recipe.hub import local_path
+
+    folder = local_path(frozen.folder, frozen.revision, where=frozen.key)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise UserInputError(f"{frozen.key}: {folder} cannot be read as a model folder: {reason}") from None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+
+
+def frozen_weights(model) -> float:
+    """Bytes of a frozen model's fp32 weights (adapters, which a frozen copy lacks, left out)."""
+    return float(sum(p.numel() * 4 for name, p in model.named_parameters() if "lora_" not in name))
+
+
+def frozen_activations(model, micro: int, length: int, precision: str, keeps_logits: bool, loss_chunk: int) -> float:
+    """Bytes a frozen model's forward holds (no gradients, so nothing is kept for a backward):
+    one layer's tensors at a time (about 8h + 4f values per token in the compute dtype), and
+    its fp32 logits: whole when they are kept for the loss (distill's teacher), else as the
+    answer log-probabilities take them (chunk-sized with the chunked loss)."""
+    config = model.config
+    h = getattr(config, "hidden_size", 0)
+    f = getattr(config, "intermediate_size", 4 * h)
+    vocab = getattr(config, "vocab_size", 0)
+    element = 2 if precision in ("bf16", "fp16") else 4
+    tokens = micro * length
+    whole = 4 * tokens * vocab
+    logits = whole if keeps_logits or not loss_chunk else min(whole, 2 * 4 * loss_chunk * vocab)
+    return (8 * h + 4 * f) * element * tokens + logits
+
+
 def phase_peaks(
     model, strategy: str, world: int, state: dict[str, float], activations: float, recipe: Recipe, cpu: bool
 ) -> dict[str, float]:
@@ -165,7 +219,8 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         tensor_parallel_local(model, tp)
     # Tasks that chunk their loss (train.loss_chunk_size) hold chunk-sized logits; others whole ones.
     loss_chunk = 0
-    if task_class(recipe).chunked_loss and chunking_blocker(model, recipe) is None:
+    cls = task_class(recipe)
+    if cls.chunked_loss and chunking_blocker(model, recipe) is None:
         positions = batch.micro_batch_size * recipe.data.max_length
         loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
     # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
@@ -187,6 +242,18 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     else:
         per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
         act = per_degree[recipe.engine.sequence_parallel]
+    frozen = cls.frozen_model(recipe)
+    frozen_model = frozen_meta_model(recipe, frozen, model) if frozen is not None else None
+    frozen_act = 0.0
+    if frozen is not None:
+        frozen_act = frozen_activations(
+            frozen_model,
+            batch.micro_batch_size,
+            recipe.data.max_length,
+            recipe.engine.precision,
+            frozen.keeps_logits,
+            loss_chunk,
+        )
     rows = []
     for strategy, spec in registry.STRATEGIES.items():  # in their order: least communication first
         if spec.memory is None:
@@ -196,6 +263,11 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         offload = spec.offload_for(recipe.engine.offload)
         state = model_state(model, strategy, world // tp, recipe.engine.precision, offload)
         phases = phase_peaks(model, strategy, world // tp, state, act, recipe, cpu)
+        held = 0.0
+        if frozen_model is not None:
+            # Sharded like the trained model where the strategy shards its parameters (Engine.prepare_frozen).
+            held = frozen_weights(frozen_model) / (world // tp if spec.shards_params else 1)
+            phases = {name: peak + held + (frozen_act if name == "train" else 0.0) for name, peak in phases.items()}
         rows.append(
             StrategyPlan(
                 strategy,
@@ -205,6 +277,8 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
                 grad_accum=batch.grad_accum,
                 phases=phases,
                 sequence_parallel=per_degree,
+                frozen=held,
+                frozen_activations=frozen_act if frozen_model is not None else 0.0,
             )
         )
     return rows, world
@@ -252,8 +326,10 @@ def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: 
     # data-parallel: a sequence- or tensor-parallel group shares its rows
     groups = world // (recipe.engine.sequence_parallel * recipe.engine.tensor_parallel)
     per_rank = recipe.batch.global_batch_size // groups
-    base = choice.total - choice.activations
-    per_sequence = choice.activations / choice.micro_batch_size
+    # Both models' activations grow with the micro batch (a frozen model's forward too).
+    scaling = choice.activations + choice.frozen_activations
+    base = choice.total - scaling
+    per_sequence = scaling / choice.micro_batch_size
     fits = [m for m in divisors(per_rank) if base + per_sequence * m <= budget]
     micro = max(fits) if fits else choice.micro_batch_size
     return (
@@ -294,9 +370,13 @@ def _nothing_fits(rows: list[StrategyPlan], memory_gib: float, device: str) -> s
 
 
 def format_table(rows: list[StrategyPlan], memory_gib: float | None) -> str:
+    """One row per strategy; a `frozen` column (the frozen model's weights and forward) when the task holds one."""
+    frozen = any(r.frozen for r in rows)
     header = (
         f"{'strategy':9} {'params':>9} {'grads':>9} {'optimizer':>10} {'master':>9} {'activations':>12} "
-        f"{'total GiB':>10}" + ("  fits" if memory_gib else "")
+        + (f"{'frozen':>9} " if frozen else "")
+        + f"{'total GiB':>10}"
+        + ("  fits" if memory_gib else "")
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -304,7 +384,9 @@ def format_table(rows: list[StrategyPlan], memory_gib: float | None) -> str:
         line = (
             f"{r.strategy:9} "
             + " ".join(f"{c / GIB:>9.3f}" for c in cells[:3])
-            + f" {cells[3] / GIB:>9.3f} {r.activations / GIB:>12.3f} {r.total / GIB:>10.3f}"
+            + f" {cells[3] / GIB:>9.3f} {r.activations / GIB:>12.3f}"
+            + (f" {(r.frozen + r.frozen_activations) / GIB:>9.3f}" if frozen else "")
+            + f" {r.total / GIB:>10.3f}"
         )
         if memory_gib:
             line += "  yes" if r.total <= memory_gib * GIB else "  no"

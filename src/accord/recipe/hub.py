@@ -107,7 +107,7 @@ class HubRef:
 
 
 def hub_refs(recipe) -> list[HubRef]:
-    """Every hub name in a recipe: model and tokenizer, data sources, grpo's reward models."""
+    """Every hub name in a recipe: model and tokenizer, data sources, grpo's reward models, distill's teacher."""
     refs = []
     model = recipe.model
     if model.path and is_hub_name(model.path):
@@ -122,6 +122,9 @@ def hub_refs(recipe) -> list[HubRef]:
     for i, reward in enumerate(getattr(grpo, "rewards", None) or []):
         if getattr(reward, "kind", None) == "model" and is_hub_name(reward.path):
             refs.append(HubRef(f"grpo.rewards[{i}]", ("grpo", "rewards", i), reward, "path", "revision", "model"))
+    distill = getattr(recipe, "distill", None)
+    if recipe.task == "distill" and distill is not None and distill.teacher and is_hub_name(distill.teacher):
+        refs.append(HubRef("distill.teacher", ("distill",), distill, "teacher", "teacher_revision", "model"))
     return refs
 
 
@@ -172,6 +175,8 @@ def _commit(ref: HubRef, recorded: dict | None, cached_only: bool) -> str:
 
 
 def _field(ref: HubRef) -> str:
+    if ref.key == "distill.teacher":
+        return "distill.teacher_revision"
     return f"{'model' if ref.key.startswith('model.') else ref.key}.{ref.revision_field}"
 
 

@@ -18,6 +18,7 @@ from accord import registry
 from accord.errors import UserInputError
 from accord.recipe.cpo import CPOConfig
 from accord.recipe.data import DataConfig, GeneratedData, SourceConfig, addition_capacity  # noqa: F401 (read from here)
+from accord.recipe.distill import DistillConfig
 from accord.recipe.dpo import DPOConfig
 from accord.recipe.engine import PROCESS_GROUP_TIMEOUT_S, EngineConfig  # noqa: F401 (PROCESS_GROUP_TIMEOUT_S: read from here)
 from accord.recipe.errors import describe_error
@@ -224,7 +225,8 @@ class Recipe(Section):
         "dpo (prompt, chosen, rejected), orpo and cpo (the same rows, no reference model), kto (prompt, completion, "
         "label, or preference pairs unpaired), reward (prompt, chosen, "
         "rejected -> a one-output scorer), grpo (prompts; online RL with the grpo section's rewards), rloo (the same "
-        "prompts, rewards and grpo keys; leave-one-out advantages, the rloo section); or "
+        "prompts, rewards and grpo keys; leave-one-out advantages, the rloo section), distill (prompt -> completion or "
+        "chat messages, learning a frozen teacher's distributions; the distill section); or "
         "{class: package.module:Class} for a task written outside accord.",
     )
     data: DataConfig
@@ -238,6 +240,7 @@ class Recipe(Section):
     orpo: ORPOConfig = ORPOConfig()
     cpo: CPOConfig = CPOConfig()
     kto: KTOConfig = KTOConfig()
+    distill: DistillConfig = DistillConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -264,6 +267,29 @@ class Recipe(Section):
                 "task kto with batch.global_batch_size=1: its KL estimate pairs each row with another row's "
                 "completion in the global batch; set batch.global_batch_size to 2 or more (or kto.loss_type: "
                 "apo_zero_unpaired, which has no KL term)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _distill(self) -> Recipe:
+        if self.task != "distill":
+            return self
+        cfg = self.distill
+        if cfg.teacher is None:
+            raise ValueError(
+                "task distill needs a teacher: set distill.teacher to a model folder or hub name (ORG/NAME) with "
+                "the student's vocabulary"
+            )
+        if not self.data.completion_only_loss:
+            raise ValueError(
+                "task distill trains on completion tokens only (the teacher is matched where the student answers); "
+                "remove data.completion_only_loss=false"
+            )
+        samples = cfg.lmbda > 0 or cfg.seq_kd
+        if samples and cfg.max_new_tokens >= self.data.max_length:
+            raise ValueError(
+                f"distill.max_new_tokens={cfg.max_new_tokens} leaves no room for the prompt in "
+                f"data.max_length={self.data.max_length}; raise data.max_length or lower distill.max_new_tokens"
             )
         return self
 
@@ -342,6 +368,8 @@ def _anchor_paths(recipe: Recipe, folder: Path) -> None:
             source.path, source._looked_in = locate(source.path, folder)
     if recipe.model.path is not None:
         recipe.model.path = locate(recipe.model.path, folder)[0]
+    if recipe.distill.teacher is not None:
+        recipe.distill.teacher = locate(recipe.distill.teacher, folder)[0]
     if recipe.model.tokenizer not in (None, BYTE_TOKENIZER):
         recipe.model.tokenizer = locate(recipe.model.tokenizer, folder)[0]
 

@@ -25,6 +25,19 @@ PADDING = "__accord_padding__"
 ROW_SUM = "per_row:"
 
 
+@dataclass(frozen=True)
+class FrozenModel:
+    """A second, frozen model a task runs beside the trained one (a reference, a teacher), as
+    `accord plan` counts it: built from `folder` (a folder or hub name, at `revision`), or when
+    folder is None a copy of the starting model (without adapters)."""
+
+    folder: str | None = None
+    revision: str | None = None
+    # Its logits are kept for the loss (distill's teacher), not reduced to per-row values in its forward.
+    keeps_logits: bool = False
+    key: str = ""  # the recipe key that names the folder (for a one-line error)
+
+
 @dataclass
 class LossOutput:
     loss_sum: torch.Tensor
@@ -96,6 +109,12 @@ class Task:
         """Whether several examples share a row: the task's to decide (data.packing only turns
         it off), before any row is built (and before a task exists: a checkpoint's order)."""
         return cls.packable and recipe.data.packing is not False
+
+    @classmethod
+    def frozen_model(cls, recipe) -> FrozenModel | None:
+        """The frozen model a run of this task holds beside the trained one (None: none); read
+        by `accord plan` before any task exists."""
+        return None
 
     @property
     def row_capacity(self) -> int | None:

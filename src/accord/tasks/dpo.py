@@ -23,7 +23,7 @@ from accord.tasks.base import IGNORE, LossOutput, Task, text_prefix
 from accord.tasks.chunked_loss import plain_loss_note, shifted_targets
 from accord.tasks.pairs import collate_pairs, encode_pairs, pair_schema
 from accord.tasks.preference_losses import LossParams, PairLogps, pair_loss
-from accord.tasks.reference_model import ReferenceModel
+from accord.tasks.reference_model import ReferenceModel, frozen_reference
 
 
 class DPOTask(Task):
@@ -32,6 +32,10 @@ class DPOTask(Task):
     token_shards = eval_shards = True
     takes_streams = True  # pairs are encoded as they come: nothing reads the whole table first
     chunked_loss = True
+
+    @classmethod
+    def frozen_model(cls, recipe):
+        return frozen_reference(recipe, recipe.dpo.reference, "dpo.reference", recipe.dpo.reference_free)
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

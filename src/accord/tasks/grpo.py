@@ -24,7 +24,7 @@ from torch import nn
 
 from accord.data.sources import DataError, check_columns
 from accord.errors import UserInputError
-from accord.tasks.base import PADDING, LossOutput, Task, pad_rows, text_prefix
+from accord.tasks.base import PADDING, FrozenModel, LossOutput, Task, pad_rows, text_prefix
 from accord.tasks.grpo_loss import clipped, grpo_token_loss, kl_k3
 from accord.tasks.reference_model import adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
@@ -87,6 +87,11 @@ class GRPOTask(Task):
         self._rollouts: dict[int, Rollout] = {}
         self._generation: int | None = None  # which generation batch _rollouts holds
         self._summary: RolloutSummary | None = None
+
+    @classmethod
+    def frozen_model(cls, recipe) -> FrozenModel | None:
+        # The KL anchor (beta > 0): a copy of the starting model; under LoRA the policy with its adapters off.
+        return FrozenModel() if recipe.grpo.beta > 0 and recipe.lora is None else None
 
     @property
     def steps_per_batch(self) -> int:

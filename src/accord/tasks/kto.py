@@ -24,7 +24,7 @@ from torch import nn
 from accord.data.rows import DataError, row_origin
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, text_prefix, token_ids
 from accord.tasks.chunked_loss import plain_loss_note
-from accord.tasks.reference_model import ReferenceModel
+from accord.tasks.reference_model import ReferenceModel, frozen_reference
 
 PAIRED = ("chosen", "rejected")
 
@@ -38,6 +38,10 @@ class KTOTask(Task):
     batch_statistics = True
 
     eval_hidden = ("logps/chosen", "logps/rejected")
+
+    @classmethod
+    def frozen_model(cls, recipe):
+        return frozen_reference(recipe, recipe.kto.reference, "kto.reference")
 
     def __init__(self, tokenizer, recipe):
         super().__init__(tokenizer, recipe)

@@ -1,6 +1,7 @@
 """The frozen reference policy of the methods that score answers against the starting model
-(dpo, kto): a separate frozen model (a folder, or a copy of the starting model taken before
-adapters are added), or with LoRA the policy itself with its adapters switched off.
+(dpo, kto), and distill's frozen teacher: a separate frozen model (a folder or hub name, or a
+copy of the starting model taken before adapters are added), or with LoRA the policy itself
+with its adapters switched off.
 
 It also installs the chunked answer log-probabilities (train.loss_chunk_size) on the policy
 and on a frozen reference, so both score answers the same way.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from accord.recipe.schema import ModelConfig
+from accord.tasks.base import FrozenModel
 from accord.tasks.chunked_loss import TargetLogprobs, answer_logprobs, chunking_blocker
 
 
@@ -24,10 +26,24 @@ def holds_frozen_copy(recipe, folder: str | None, reference_free: bool = False) 
     return not reference_free and (folder is not None or recipe.lora is None)
 
 
+def frozen_reference(recipe, folder: str | None, key: str, reference_free: bool = False) -> FrozenModel | None:
+    """The reference a run holds, as `accord plan` counts it (Task.frozen_model); `key` names `folder` in the recipe."""
+    return FrozenModel(folder, key=key) if holds_frozen_copy(recipe, folder, reference_free) else None
+
+
 class ReferenceModel:
-    def __init__(self, recipe, tokenizer, model_kind: str, folder: str | None, reference_free: bool = False):
+    def __init__(
+        self,
+        recipe,
+        tokenizer,
+        model_kind: str,
+        folder: str | None,
+        reference_free: bool = False,
+        revision: str | None = None,
+    ):
         self.recipe, self.tokenizer, self.model_kind = recipe, tokenizer, model_kind
-        self.folder = folder
+        self.folder = folder  # a model folder or a hub name (read at `revision`)
+        self.revision = revision
         self.reference_free = reference_free  # a uniform reference: log-probabilities 0, no model
         self.module: nn.Module | None = None  # a frozen model, or None: adapters off (or no reference)
         self.policy: nn.Module | None = None
@@ -43,9 +59,8 @@ class ReferenceModel:
             # Here, not at the top: only a separate reference model needs the model builder (transformers).
             from accord.models.build import build_model
 
-            self.module = build_model(
-                ModelConfig(path=self.folder), self.tokenizer, self.recipe.seed, self.model_kind, meta=True
-            )
+            config = ModelConfig(path=self.folder, revision=self.revision)
+            self.module = build_model(config, self.tokenizer, self.recipe.seed, self.model_kind, meta=True)
         elif holds_frozen_copy(self.recipe, None, self.reference_free):
             self.module = copy.deepcopy(model)
         if self.module is not None:
