@@ -177,6 +177,14 @@ def freeze(model: nn.Module, names: list[str]) -> list[str]:
     return frozen
 
 
+def leaves_parameters_unused(model: nn.Module) -> bool:
+    """Whether some trained parameters may get no gradient in a step: a vision tower is
+    unused by a micro-batch without images, and some towers have layers no caption reaches
+    (CLIP's post-layernorm feeds only its pooled output). DDP must then look for them."""
+    towers = [module for _, module in part_modules(model).get("vision_tower", [])]
+    return any(p.requires_grad for tower in towers for p in tower.parameters())
+
+
 def language_model_linears(model: nn.Module) -> list[str]:
     """The qualified names of the language model's linear layers (LoRA's `all-linear` on a
     vision-language model: the vision tower and projector keep their weights)."""
