@@ -180,6 +180,27 @@ def test_image_rows_encode_with_the_answer_as_the_only_targets_and_the_pixels_ba
     assert np.allclose(collated["pixel_values"][5].numpy(), first["pixel_values"][0])
 
 
+def test_generated_shape_rows_hold_png_bytes_that_encode_to_their_caption(tmp_path):
+    """data.generate kind shapes: pictures as {bytes, path} (as datasets stores an Image in
+    parquet / arrow), read from the bytes; eval pictures are other draws."""
+    from accord.data.generated import generate
+    from accord.data.sources import ROW, SOURCE
+    from accord.recipe.schema import GeneratedData
+
+    cfg = GeneratedData(kind="shapes", train_examples=3, eval_examples=1, image_size=IMAGE_SIZE)
+    train, held_out = generate(cfg, seed=0)
+    assert len(train) == 3 and len(held_out) == 1
+    assert train[0]["images"][0]["bytes"].startswith(b"\x89PNG")
+    recipe = vlm_recipe(tmp_path, tmp_path / "unused.jsonl")
+    recipe["data"] = {"generate": {"kind": "shapes", "train_examples": 3, "eval_examples": 1, "image_size": 16}}
+    task, tokenizer, _ = _task(recipe)
+    batch = {key: [row[key] for row in train] for key in ("messages", "images", SOURCE, ROW)}
+    encoded = task.encode_batch(batch)
+    targets = [t for t, label in zip(encoded["input_ids"][0], encoded["labels"][0]) if label != -100]
+    assert tokenizer.decode(targets) == train[0]["messages"][1]["content"][0]["text"] + "<|eos|>"
+    assert encoded["image_names"][0] == ["(bytes)"]
+
+
 def test_model_freeze_names_the_parts_and_a_wrong_name_lists_them():
     from accord.errors import UserInputError
     from accord.models.build import build_model, build_tokenizer
@@ -242,6 +263,12 @@ def test_bad_image_rows_are_one_line_naming_file_and_row(tmp_path):
 
     packed = vlm_recipe(tmp_path, data, data={"packing": True})
     assert "data.packing: rows with images are not packed" in _refusal(tmp_path, packed)
+
+    text_row = copy.deepcopy(rows)
+    text_row[1]["images"] = []
+    sharded = vlm_recipe(tmp_path, write_jsonl(tmp_path / "text_row.jsonl", text_row), engine={"strategy": "fsdp"})
+    line = _refusal(tmp_path, sharded)
+    assert "text_row.jsonl: row 2: a row without images, which engine.strategy=fsdp cannot mix" in line
 
 
 # ---------------------------------------------------------------- one shared pair of runs

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from accord import registry
 from accord.compat.transformers import attn_implementation
 from accord.data.images import check_image_row, image_column, open_image, row_images, source_folder, with_image_parts
 from accord.data.rows import ROW, SOURCE, DataError, row_origin
@@ -59,6 +60,7 @@ class VisionSFTTask(SFTTask):
         return super().settings() | {"processor": processor, "image_token_id": self.image_token_id}
 
     def fit(self, train, eval_ds):
+        sharded = registry.strategy(self.recipe.engine.strategy).shards_params
         for split, ds in (("train", train), ("eval", eval_ds)):
             if ds is None:
                 continue
@@ -75,6 +77,14 @@ class VisionSFTTask(SFTTask):
                 _check_messages(messages, where)
                 images = row_images(row[column]) if column else []
                 check_image_row(messages, images, source_folder(str(row.get(SOURCE, ""))), where)
+                if sharded and not images:
+                    # The vision tower's forward gathers its shards from every rank: a rank
+                    # whose micro-batch has no image would leave the others waiting.
+                    raise DataError(
+                        f"{where}: a row without images, which engine.strategy={self.recipe.engine.strategy} "
+                        "cannot mix with image rows (the sharded vision tower runs on every rank together); "
+                        "give every row an image, or use ddp, zero1 or zero2"
+                    )
         if self.tokenizer.chat_template is None and getattr(self.processor, "chat_template", None) is None:
             raise DataError("sft on chat `messages` needs a processor with a chat template (the model's has none)")
         return train, eval_ds
