@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import (
     TINY_RECIPE,
@@ -170,6 +171,15 @@ def test_image_rows_encode_with_the_answer_as_the_only_targets_and_the_pixels_ba
         assert tokenizer.decode(targets) == answer + "<|eos|>"
         assert encoded["num_targets"][i] == len(targets)
     assert encoded["image_names"][4] == rows[4]["images"]
+    # `accord data --show`: each image where it sits, with its token count; the answer marked.
+    from accord.cli.data_view import render_example
+
+    shown = render_example({k: v[4] for k, v in encoded.items()}, task, tokenizer, color=False)
+    first, second = rows[4]["images"]
+    assert shown == [
+        f"<|user|>first<image 1: {first}, {IMAGE_TOKENS} tokens>then<image 2: {second}, {IMAGE_TOKENS} tokens>"
+        f"<|eos|><|assistant|>[[{rows[4]['messages'][1]['content'][0]['text']}<|eos|>]]"
+    ]
     examples = [[{k: v[i] for k, v in encoded.items()}] for i in range(len(rows))]
     collated = task.collate(examples)
     assert collated["pixel_values"].shape == (6, 3, IMAGE_SIZE, IMAGE_SIZE)  # rows' images one after another
@@ -367,6 +377,31 @@ def test_frozen_tower_with_checkpointing_under_fsdp_trains_the_language_model_on
         if ".vision_tower." in name or ".multi_modal_projector." in name:
             assert moved == 0.0, name
     assert any((trained[n] - start[n]).abs().max() > 0 for n in trained if ".language_model." in n)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_on_the_language_model_exports_a_merged_model_transformers_loads(runs):
+    """LoRA (all-linear: the language model's layers) on 2 processes: final/ is the merged
+    model with its processor; the vision tower is the starting one."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    _, _, out = runs
+    adapted = _variant(runs, "lora", lora={"r": 4, "alpha": 8}, checkpoint={"every_steps": None})
+    model = AutoModelForImageTextToText.from_pretrained(adapted / "final")
+    assert AutoProcessor.from_pretrained(adapted / "final").image_processor is not None
+    merged, trained = final_params(adapted), final_params(out["two"])
+    assert merged.keys() == trained.keys()
+    from accord.models.build import build_model, build_tokenizer
+    from accord.recipe.schema import ModelConfig
+
+    cfg = ModelConfig(config=TINY_VLM)
+    initial = build_model(cfg, build_tokenizer(cfg), seed=TINY_RECIPE["seed"], kind="image_text_to_text").state_dict()
+    tower = [n for n in merged if ".vision_tower." in n]
+    assert tower and all(torch.equal(merged[n], initial[n]) for n in tower)
+    moved = [n for n in merged if ".language_model." in n and not torch.equal(merged[n], initial[n])]
+    assert moved and all("proj" in n for n in moved)
+    assert model.config.model_type == "llava"
 
 
 @pytest.mark.slow  # the example recipe end to end: a few minutes on 2 cores
