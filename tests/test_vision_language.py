@@ -325,9 +325,9 @@ def _variant(runs, name: str, **sections) -> Path:
     return folder / name / "out"
 
 
-@pytest.mark.slow  # two more 2-process runs
+@pytest.mark.slow  # four more 2-process runs
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp", "zero3"])
 def test_sharded_strategies_make_the_ddp_updates(runs, strategy):
     """The vision tower sharded layer by layer (fsdp) or by DeepSpeed (zero3): the same
     parameters and losses as DDP's run."""
