@@ -266,6 +266,11 @@ def test_bad_image_rows_are_one_line_naming_file_and_row(tmp_path):
     line = _refusal(tmp_path, vlm_recipe(tmp_path, write_jsonl(tmp_path / "extra.jsonl", extra)))
     assert "extra.jsonl: row 5: 2 image placeholder(s)" in line and "but 3 image(s)" in line
 
+    video = copy.deepcopy(rows)
+    video[4]["messages"][0]["content"].append({"type": "video"})
+    line = _refusal(tmp_path, vlm_recipe(tmp_path, write_jsonl(tmp_path / "video.jsonl", video)))
+    assert "video.jsonl: row 5: a content part of type 'video'" in line
+
     text_model = vlm_recipe(tmp_path, data)
     text_model["model"] = copy.deepcopy(TINY_RECIPE["model"])
     line = _refusal(tmp_path, text_model)

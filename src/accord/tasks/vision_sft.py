@@ -282,5 +282,20 @@ def _check_messages(messages: Any, where: str) -> None:
         problem = "every message needs a string `role` and a `content` (a string or a list of parts)"
     elif not any(m["role"] == "assistant" for m in messages):
         problem = "no assistant turn, so nothing to train on (zero target tokens)"
+    else:
+        parts = [part for m in messages if isinstance(m["content"], list) for part in m["content"]]
+        odd = next((part for part in parts if not _known_part(part)), None)
+        if odd is not None:
+            kind = odd.get("type") if isinstance(odd, dict) else type(odd).__name__
+            problem = (
+                f"a content part of type {kind!r}: only {{type: text, text: ...}} and {{type: image}} parts "
+                "can be trained on"
+            )
     if problem:
         raise DataError(f"{where}: {problem}")
+
+
+def _known_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    return part.get("type") == "image" or (part.get("type") == "text" and isinstance(part.get("text"), str))
