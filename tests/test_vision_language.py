@@ -214,12 +214,15 @@ def test_generated_shape_rows_hold_png_bytes_that_encode_to_their_caption(tmp_pa
 def test_model_freeze_names_the_parts_and_a_wrong_name_lists_them():
     from accord.errors import UserInputError
     from accord.models.build import build_model, build_tokenizer
-    from accord.models.vision import freeze
+    from accord.models.vision import freeze, leaves_parameters_unused
     from accord.recipe.schema import ModelConfig
 
     cfg = ModelConfig(config=TINY_VLM)
     model = build_model(cfg, build_tokenizer(cfg), seed=0, kind="image_text_to_text", meta=True)
+    # DDP looks for unused parameters while the image side trains (a micro-batch may have no image).
+    assert leaves_parameters_unused(model)
     frozen = freeze(model, ["vision_tower", "projector"])
+    assert not leaves_parameters_unused(model)
     assert frozen == ["model.vision_tower", "model.multi_modal_projector"]
     trained = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad}
     assert trained == {"language_model", "weight"}  # and lm_head.weight

@@ -178,11 +178,13 @@ def freeze(model: nn.Module, names: list[str]) -> list[str]:
 
 
 def leaves_parameters_unused(model: nn.Module) -> bool:
-    """Whether some trained parameters may get no gradient in a step: a vision tower is
-    unused by a micro-batch without images, and some towers have layers no caption reaches
-    (CLIP's post-layernorm feeds only its pooled output). DDP must then look for them."""
-    towers = [module for _, module in part_modules(model).get("vision_tower", [])]
-    return any(p.requires_grad for tower in towers for p in tower.parameters())
+    """Whether some trained parameters may get no gradient in a step: the vision tower and
+    projector are unused by a micro-batch without images, and some towers have layers no
+    caption reaches (CLIP's post-layernorm feeds only its pooled output). DDP must then look
+    for them."""
+    parts = part_modules(model)
+    image_side = [module for part in ("vision_tower", "projector") for _, module in parts.get(part, [])]
+    return any(p.requires_grad for module in image_side for p in module.parameters())
 
 
 def language_model_linears(model: nn.Module) -> list[str]:
