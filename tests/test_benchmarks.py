@@ -1,4 +1,4 @@
-"""The benchmarks still run end to end (slow tier): every contender of throughput.py and
+"""The benchmarks still run end to end (slow tier): every contender of throughput.py, vlm.py and
 grpo.py trains for a step in its own pinned process, none fails, the last line is the verdict,
 and --write-docs rewrites only the text between the section's markers; startup.py times each
 contender to its first step and writes its section; tensor_parallel.py measures each layout
@@ -54,6 +54,16 @@ def test_throughput_benchmark_runs_every_contender_and_writes_its_docs_section(t
 
     lines, written = run_benchmark(tmp_path, "throughput.py", "throughput", "--steps", "1")
     check(lines, written, [c.name for c in throughput.CONTENDERS])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_vlm_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import vlm
+
+    lines, written = run_benchmark(tmp_path, "vlm.py", "vlm", "--rows", "8")
+    check(lines, written, [c.name for c in vlm.CONTENDERS])
 
 
 @pytest.mark.slow

@@ -73,18 +73,38 @@ def render_example(example: dict[str, Any], task, tokenizer, color: bool) -> lis
             f"label: {start}{task.labels[example['label_id']]}{end} (id {example['label_id']})",
         ]
     lines = []
+    images = (getattr(task, "image_token_id", None), example.get("image_names") or [])
     for side in ("", "chosen_", "rejected_"):
         if f"{side}labels" in example:
-            text = marked(example[f"{side}input_ids"], example[f"{side}labels"], tokenizer, start, end)
+            text = marked(example[f"{side}input_ids"], example[f"{side}labels"], tokenizer, start, end, images)
             lines.append(f"{side[:-1]}: {text}" if side else text)
     return lines
 
 
-def marked(ids: list[int], labels: list[int], tokenizer, start: str, end: str) -> str:
+def marked(
+    ids: list[int], labels: list[int], tokenizer, start: str, end: str, images: tuple[int | None, list] = (None, [])
+) -> str:
     """The decoded tokens, each run of targets (label != IGNORE) between `start` and `end`.
-    Runs are decoded whole, so a character made of several byte tokens stays intact."""
+    Runs are decoded whole, so a character made of several byte tokens stays intact. Each run
+    of an image's tokens (`images`: the image token id and the row's image names) is shown
+    as one `<image N: name, K tokens>`."""
+    image_id, names = images
     out, run, target = [], [], None
-    for token, label in zip(ids, labels):
+    shown = first = 0
+    for k, (token, label) in enumerate(zip(ids, labels)):
+        if image_id is not None and token == image_id:
+            if k == 0 or ids[k - 1] != image_id:
+                first = k
+            if k + 1 < len(ids) and ids[k + 1] == image_id:
+                continue
+            if run:
+                out.append(_decoded(run, target, tokenizer, start, end))
+                run, target = [], None
+            count = k + 1 - first
+            name = names[shown] if shown < len(names) else "?"
+            shown += 1
+            out.append(f"<image {shown}: {name}, {count} tokens>")
+            continue
         is_target = label != IGNORE
         if run and is_target != target:
             out.append(_decoded(run, target, tokenizer, start, end))

@@ -4,13 +4,15 @@
   (found without any setting when a source has `conversations` and no `messages`).
 - Content given as a list of parts (`[{"type": "text", "text": ...}]`, the OpenAI shape):
   the text parts are joined with a line break, as vLLM joins them for templates that
-  take a string; any other kind of part is refused.
+  take a string; any other kind of part is refused. Rows with images (an `images` or
+  `image` column, data/images.py) keep their parts for a vision-language model's processor.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from accord.data.images import image_column
 from accord.data.rows import ROW, SOURCE, DataError
 
 # ShareGPT speakers -> chat-template roles.
@@ -31,7 +33,7 @@ def normalise_chat(ds):
     columns = ds.column_names
     if "conversations" in columns and "messages" not in columns:
         return ds.map(_from_sharegpt, batched=True, remove_columns=["conversations"], desc="sharegpt")
-    if "messages" in columns and _has_part_lists(ds.features["messages"]):
+    if "messages" in columns and image_column(columns) is None and _has_part_lists(ds.features["messages"]):
         return ds.map(_flatten_parts, batched=True, desc="content parts")
     return ds
 
@@ -87,6 +89,11 @@ def _text(content: Any, where: str) -> Any:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            raise DataError(
+                f"{where}: a message has an image part ({{type: image}}) but the row has no `images` column; "
+                "give the image files in `images` (a list of paths relative to the data file)"
+            )
         if kind != "text" or not isinstance(part.get("text"), str):
             raise DataError(
                 f"{where}: a message content part of type {kind!r}: only text parts ({{type: text, text: ...}}) "

@@ -2,18 +2,74 @@
 
 from __future__ import annotations
 
+import io
 import random
+from typing import Any
 
+from accord.data.rows import ROW, SOURCE
 from accord.recipe.schema import GeneratedData, addition_capacity
 
-Rows = list[dict[str, str]]
+Rows = list[dict[str, Any]]
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 80, 230),
+    "yellow": (235, 215, 40),
+    "white": (245, 245, 245),
+    "purple": (150, 60, 200),
+}
+SHAPES = ("circle", "square", "triangle")
+QUESTION = "What is in the picture?"
 
 
 def generate(cfg: GeneratedData, seed: int) -> tuple[Rows, Rows]:
-    """(train, eval) rows of {prompt, completion}; eval prompts never occur in train."""
+    """(train, eval) rows: addition's {prompt, completion}, eval prompts never in train; shapes'
+    chat {messages, images} (PNG bytes), eval pictures drawn apart from the training ones."""
     if cfg.kind == "addition":
         return _addition(cfg, seed)
+    if cfg.kind == "shapes":
+        rng = random.Random(f"accord-shapes-{seed}")
+        rows = [shape_row(rng, cfg.image_size) for _ in range(cfg.train_examples + cfg.eval_examples)]
+        for i, row in enumerate(rows):
+            row[SOURCE], row[ROW] = "data.generate", i + 1
+        return rows[: cfg.train_examples], rows[cfg.train_examples :]
     raise ValueError(f"unknown generated data kind {cfg.kind!r}")
+
+
+def shape_picture(rng: random.Random, size: int):
+    """A PIL picture of one shape in one colour on a dark background, and its caption."""
+    from PIL import Image, ImageDraw
+
+    colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    shade = rng.randint(0, 60)
+    image = Image.new("RGB", (size, size), (shade, shade, shade))
+    extent = rng.randint(size // 3, size - 2)
+    x, y = rng.randint(0, size - extent), rng.randint(0, size - extent)
+    box = (x, y, x + extent - 1, y + extent - 1)
+    draw = ImageDraw.Draw(image)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLOURS[colour])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLOURS[colour])
+    else:
+        corners = [(x + extent // 2, y), (x, y + extent - 1), (x + extent - 1, y + extent - 1)]
+        draw.polygon(corners, fill=COLOURS[colour])
+    return image, f"a {colour} {shape}"
+
+
+def shape_row(rng: random.Random, size: int) -> dict[str, Any]:
+    """A chat row asking what the picture shows, answered by its caption; the picture as PNG bytes."""
+    image, caption = shape_picture(rng, size)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": [{"type": "text", "text": caption}]},
+        ],
+        "images": [{"bytes": buffer.getvalue(), "path": None}],
+    }
 
 
 def _addition(cfg: GeneratedData, seed: int) -> tuple[Rows, Rows]:

@@ -13,6 +13,7 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine.long_rows import apply_memory_levers
 from accord.engine.torch_update import TorchUpdateEngine
+from accord.models.vision import leaves_parameters_unused
 from accord.models.weights import materialize
 from accord.recipe.schema import Recipe
 
@@ -39,6 +40,7 @@ class DDPEngine(TorchUpdateEngine):
                 model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
+                find_unused_parameters=leaves_parameters_unused(model),
                 **_no_buffer_sync_per_forward(),
             )
         super().__init__(model, wrapped, recipe, info, device, total_steps)

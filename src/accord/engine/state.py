@@ -252,7 +252,17 @@ def load_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder:
     """Collective: each rank reads the pieces its tensors cover (all of them under DDP, its
     shard under FSDP2) from whatever layout wrote them."""
     state, groups = torch_state(model, optimizer)
-    read_into(state, folder)
+    # A parameter that never had a gradient (a vision tower's layer no caption reaches) has no
+    # optimizer state in the checkpoint; torch's state dict gives every parameter one (a step
+    # at lr 0), dropped again below so that its first gradient starts it as in the
+    # uninterrupted run.
+    held = stored_keys(folder)
+    fresh = [
+        name
+        for name, fields in state[OPTIM].items()
+        if isinstance(fields, dict) and not any(f"{OPTIM}.{name}.{field}" in held for field in fields)
+    ]
+    read_into({MODEL: state[MODEL], OPTIM: {k: v for k, v in state[OPTIM].items() if k not in fresh}}, folder)
     set_state_dict(
         model,
         optimizer,
@@ -260,6 +270,10 @@ def load_torch_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder:
         optim_state_dict={"state": state[OPTIM], "param_groups": groups},
         options=StateDictOptions(),
     )
+    if fresh:
+        by_name = {name.removeprefix("module."): p for name, p in model.named_parameters()}
+        for name in fresh:
+            optimizer.state.pop(by_name.get(name), None)
 
 
 # ------------------------------------------------------------------ reading

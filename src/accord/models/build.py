@@ -33,7 +33,11 @@ BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_AUTO = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
+_AUTO = {
+    "causal_lm": "AutoModelForCausalLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "image_text_to_text": "AutoModelForImageTextToText",
+}
 GGUF_CACHE = Path("~/.cache/accord/models")
 
 
@@ -80,7 +84,10 @@ def model_folder(cfg: ModelConfig) -> Path | None:
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.tokenizer == BYTE_TOKENIZER or (cfg.tokenizer is None and cfg.path is None):
-        return build_byte_tokenizer()
+        from accord.models.vision import add_image_token, is_vision_language
+
+        tokenizer = build_byte_tokenizer()
+        return add_image_token(tokenizer) if is_vision_language(cfg) else tokenizer
     if cfg.tokenizer:
         source = local_path(cfg.tokenizer, cfg.tokenizer_revision, where="model.tokenizer")
     else:
@@ -115,18 +122,9 @@ def build_model(
     from accord.models.weights import WeightsSource, attach_source, materialize
 
     auto = auto_class(kind)
-    kwargs = dict(extra or {})
     attn = cfg.attn_implementation
     folder = model_folder(cfg)
-    if folder is not None:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code, **kwargs)
-    else:
-        settings = dict(cfg.config or {})
-        architecture = settings.pop("architecture")
-        settings.setdefault("vocab_size", len(tokenizer))
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            settings.setdefault(name, getattr(tokenizer, name))
-        config = AutoConfig.for_model(architecture, **settings, **kwargs)
+    config = build_config(cfg, tokenizer, kind, extra)
     apply_rope_scaling(config, cfg.rope_scaling)
     with torch.device("meta"):
         model = auto.from_config(
@@ -141,11 +139,33 @@ def build_model(
             from transformers import GenerationConfig
 
             model.generation_config = GenerationConfig.from_pretrained(folder)
-    if model.config.pad_token_id is None:
+    if kind != "image_text_to_text" and model.config.pad_token_id is None:
         # Sequence classification with a decoder finds the last token through the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
     attach_source(model, WeightsSource(folder, seed))
     return model if meta else materialize(model, "cpu")
+
+
+def build_config(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, kind: str = "causal_lm", extra: dict[str, Any] | None = None
+):
+    """The model's transformers config: its folder's, or model.config's with the tokenizer's
+    vocabulary and special ids filled in."""
+    kwargs = dict(extra or {})
+    folder = model_folder(cfg)
+    if folder is not None:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    settings = dict(cfg.config or {})
+    architecture = settings.pop("architecture")
+    if kind == "image_text_to_text":  # the vocabulary is the text model's
+        from accord.models.vision import vision_config
+
+        settings = vision_config(settings, tokenizer)
+    else:
+        settings.setdefault("vocab_size", len(tokenizer))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            settings.setdefault(name, getattr(tokenizer, name))
+    return AutoConfig.for_model(architecture, **settings, **kwargs)
 
 
 def apply_rope_scaling(config, scaling: RopeScalingConfig | None) -> None:
@@ -183,8 +203,13 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, kind: str, seed: int) ->
 
     from accord.models.weights import WeightsSource, fill, is_meta
 
-    task_type = TaskType.CAUSAL_LM if kind == "causal_lm" else TaskType.SEQ_CLS
+    task_type = TaskType.SEQ_CLS if kind == "sequence_classification" else TaskType.CAUSAL_LM
     target = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
+    if kind == "image_text_to_text" and target == "all-linear":
+        from accord.models.vision import language_model_linears
+
+        # The language model's layers: the vision tower and projector keep their weights.
+        target = language_model_linears(model)
     peft_config = PeftLoraConfig(
         task_type=task_type, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target
     )

@@ -27,6 +27,9 @@ ADAPTER = "default"  # peft's name for the one adapter accord trains
 def export_final(engine, recipe: Recipe, task, tokenizer, out_dir: Path, info: dist.DistInfo) -> Path:
     """Collective: every rank takes part in gathering each sharded tensor; rank 0 writes."""
     final = out_dir / "final"
+    # A vision-language model's processor (image processor, chat template and tokenizer), so
+    # that AutoProcessor loads final/ as it loads the model.
+    tokenizer = getattr(task, "processor", None) or tokenizer
     tensors = engine.full_tensors(writer=info.is_main)
     if not info.is_main:
         for _ in tensors:  # the same collectives as the writer, in the same order

@@ -13,17 +13,22 @@ from accord.recipe.section import Section
 class GeneratedData(Section):
     """A learnable task that accord generates itself, deterministically from the seed."""
 
-    kind: Literal["addition"] = Field("addition", description="addition: `123+45=` -> `168`.")
+    kind: Literal["addition", "shapes"] = Field(
+        "addition",
+        description="addition: `123+45=` -> `168`; shapes: chat rows with a picture of a coloured shape and its "
+        "caption (`a red circle`), for vision-language models.",
+    )
     train_examples: int = Field(4000, gt=0, description="Number of training examples.")
     eval_examples: int = Field(200, ge=0, description="Number of held-out examples (never seen in training).")
     max_digits: int = Field(3, ge=1, le=9, description="Largest number of digits of an operand.")
+    image_size: int = Field(32, ge=8, le=1024, description="shapes: the pictures' width and height in pixels.")
 
     @model_validator(mode="after")
     def _enough_distinct_sums(self) -> GeneratedData:
         # Held-out sums must never occur in training, so every example is a distinct pair of
         # operands; drawing more than half of the pairs would take ever longer.
         most = addition_capacity(self.max_digits)
-        if self.train_examples + self.eval_examples > most:
+        if self.kind == "addition" and self.train_examples + self.eval_examples > most:
             raise ValueError(
                 f"data.generate: {self.train_examples} train + {self.eval_examples} eval examples asked for, but at "
                 f"most {most} distinct "

@@ -55,6 +55,17 @@ class ModelConfig(Section):
     tokenizer_revision: str | None = Field(
         None, description="A hub model.tokenizer: its branch, tag or commit (default: main); recorded like revision."
     )
+    processor: str | None = Field(
+        None,
+        description="Vision-language models: a local folder (or hub name) with the model's processor (image "
+        "processor, chat template). Default: the model folder's; a llava built from model.config gets one made "
+        "in code.",
+    )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parts of the model left untrained: vision_tower, projector, language_model (a "
+        "vision-language model's), or any module's qualified name.",
+    )
     attn_implementation: str | None = Field(
         None, description="Attention kernel: sdpa, eager, flash_attention_2; default: transformers' choice."
     )

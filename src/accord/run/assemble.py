@@ -15,6 +15,7 @@ from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
 from accord.models.build import apply_lora, build_model
+from accord.models.vision import freeze
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe, TrainConfig
 from accord.run.inputs import build_inputs
@@ -38,6 +39,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     # under fsdp; the facts below come from the shapes alone.
     model = build_model(recipe.model, tokenizer, recipe.seed, task.model_kind, task.model_kwargs(), meta=True)
     task.configure_model(model)
+    freeze(model, recipe.model.freeze)
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)

@@ -32,6 +32,13 @@ def task_class(recipe: Recipe | str) -> type[Task]:
     cls = load_object(target, what)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserInputError(f"{what}: {target} is not a subclass of accord.tasks.base.Task")
+    if task == "sft" and not isinstance(recipe, str):
+        from accord.models.vision import is_vision_language
+
+        if is_vision_language(recipe.model):  # the same method on image rows (tasks/vision_sft.py)
+            from accord.tasks.vision_sft import VisionSFTTask
+
+            return VisionSFTTask
     return cls
 
 

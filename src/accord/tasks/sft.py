@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accord.data.images import image_column
 from accord.data.rows import DataError, row_origin
 from accord.data.sources import check_columns
 from accord.data.streams import checked as checked_rows
@@ -41,6 +42,14 @@ class SFTTask(CausalLMTask):
 
     def fit(self, train, eval_ds):
         self.chat = "messages" in (columns(train) if is_stream(train) else train.column_names)
+        for ds in (train, eval_ds):
+            if ds is not None and image_column(columns(ds) if is_stream(ds) else ds.column_names):
+                first = "" if is_stream(ds) else f"{row_origin(ds[0])}: "
+                raise DataError(
+                    f"{first}image rows (an `images` column) need a vision-language model, and "
+                    f"{self.recipe.model.path or self.recipe.model.config.get('architecture')} is text-only; use a "
+                    "model transformers loads with AutoModelForImageTextToText (llava, qwen2_vl, idefics3, ...)"
+                )
         checked = []
         self.empty_completions = {}
         for split, ds in (("train", train), ("eval", eval_ds)):
