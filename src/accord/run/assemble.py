@@ -20,6 +20,7 @@ from accord.recipe.schema import Recipe
 from accord.run.inputs import build_inputs
 from accord.run.setup import ModelFacts, RunSetup
 from accord.tasks import groups_by_length
+from accord.tasks.router_balance import balance_router
 from accord.tasks.sequence_shards import SequenceShards
 
 
@@ -41,6 +42,8 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
+    # A mixture-of-experts model's router hooks go on before the engine wraps it.
+    task = balance_router(task, model, recipe, plan)
     facts = ModelFacts(
         name=type(model).__name__,
         num_params=num_params,
