@@ -131,6 +131,7 @@ class RouterBalancedTask:
         if self.mode != "global_batch":
             stats = RouterStatistics.of(record)
             self._step = stats if self._step is None else self._step + stats
+            self._step_aux += float(balance_loss(stats.counts, stats.prob_sums, stats.tokens))
         return out
 
     def _term(self, record: RouterRecord) -> torch.Tensor | None:
@@ -147,7 +148,6 @@ class RouterBalancedTask:
             counts, tokens = record.counts().to(prob_sums), record.tokens().to(prob_sums)
             aux = balance_loss(counts, prob_sums, tokens)
             z = lse_squares.sum() / tokens.sum().clamp(min=1)
-            self._step_aux += float(aux.detach())
             aux, z = aux / self.forwards, z / self.forwards
         return self.aux_coef * aux + self.z_coef * z if self.z_coef else self.aux_coef * aux
 
