@@ -267,6 +267,19 @@ def test_moe_final_folder_is_a_plain_transformers_model_with_the_trained_logits(
             assert torch.equal(value, trained[name]), name
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_2_process_moe_checkpoint_resumes_under_fsdp_on_1_process(moe_runs, tmp_path):
+    """Router statistics hold no state between steps: the 2-process run's step-2 checkpoint,
+    resumed under fsdp on 1 process, ends where the uninterrupted runs ended."""
+    recipe = write_recipe(tmp_path / "moe.yaml", moe_recipe())
+    checkpoint = moe_runs["2x4x4"] / "checkpoints" / "step-000002"
+    out = tmp_path / "resumed"
+    overrides = ["engine.processes=1", "engine.strategy=fsdp", f"resume={checkpoint}", f"output.dir={out}"]
+    assert_ok(run_accord("train", recipe, *overrides))
+    assert max_param_diff(final_params(moe_runs["1x8x4"]), final_params(out)) <= TOLERANCE
+
+
 # ---------------------------------------------------------------- every strategy (slow)
 
 STRATEGIES = {
@@ -311,3 +324,30 @@ def test_per_forward_balance_loss_changes_with_the_split(tmp_path):
         outs[name] = tmp_path / name
         assert_ok(run_accord("train", recipe, f"output.dir={outs[name]}", *overrides))
     assert max_param_diff(final_params(outs["one"]), final_params(outs["two"])) > 1e-4
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_a_moe_folder_with_experts_stored_one_by_one_loads_into_the_fused_experts(tmp_path, architecture):
+    """save_pretrained (and the hub's checkpoints) store each expert's projections apart; accord
+    reads them slice by slice into transformers 5's fused 3-D expert parameters, as from_pretrained does."""
+    from safetensors import safe_open
+
+    from accord.models.build import build_byte_tokenizer, build_model
+    from accord.models.weights import Checkpoint
+    from accord.recipe.schema import ModelConfig
+
+    original = _tiny_moe(architecture, vocab=len(build_byte_tokenizer()))
+    original.save_pretrained(tmp_path / "moe")
+    with safe_open(str(tmp_path / "moe" / "model.safetensors"), framework="pt") as stored:
+        assert any(".experts.3." in key for key in stored.keys())  # one by one, not fused
+    loaded = build_model(ModelConfig(path=str(tmp_path / "moe")), build_byte_tokenizer(), seed=0)
+    theirs = original.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, theirs[name]), name
+    # A shard of the experts (what one FSDP rank reads): only its rows.
+    meta = build_model(ModelConfig(path=str(tmp_path / "moe")), build_byte_tokenizer(), seed=0, meta=True)
+    checkpoint = Checkpoint(tmp_path / "moe", meta)
+    name = "model.layers.1.mlp.experts.down_proj"
+    key = checkpoint.key_for(name)
+    part = checkpoint.read(key, (2, 0, 0), (2, *theirs[name].shape[1:]))
+    assert torch.equal(part, theirs[name][2:4])
