@@ -148,6 +148,10 @@ def test_global_batch_balance_loss_equals_transformers_on_the_whole_batch_in_one
     means = task.step_means()
     assert means["router_balance_loss"] == pytest.approx(float(out.aux_loss), rel=1e-6)
     assert means["router_imbalance"] >= 1.0
+    # per_forward logs what it trained (the forwards' mean) beside the whole batch's balance
+    logged = per_forward.step_means()
+    assert logged["router_aux_loss_per_forward"] == pytest.approx(float(mean_of_forwards), rel=1e-6)
+    assert logged["router_balance_loss"] == pytest.approx(float(out.aux_loss), rel=1e-6)
 
 
 def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_batch(tmp_path):
@@ -326,7 +330,7 @@ def test_per_forward_balance_loss_changes_with_the_split(tmp_path):
     assert max_param_diff(final_params(outs["one"]), final_params(outs["two"])) > 1e-4
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("architecture", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_a_moe_folder_with_experts_stored_one_by_one_loads_into_the_fused_experts(tmp_path, architecture):
     """save_pretrained (and the hub's checkpoints) store each expert's projections apart; accord
     reads them slice by slice into transformers 5's fused 3-D expert parameters, as from_pretrained does."""

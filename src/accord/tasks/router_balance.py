@@ -156,8 +156,9 @@ class RouterBalancedTask:
         if self.mode == "global_batch":
             stats = self._global
         else:  # one reduction: the step's sums over the ranks, the forwards' aux_loss with them
-            vector = torch.cat([self._step.vector(), torch.tensor([self._step_aux], dtype=torch.float64)])
-            vector = dist.all_reduce_sum(vector.to(self.capture_device()))
+            device = self.capture_device()
+            aux = torch.tensor([self._step_aux], dtype=torch.float64, device=device)
+            vector = dist.all_reduce_sum(torch.cat([self._step.vector().to(device), aux]))
             stats = RouterStatistics.from_vector(vector[:-1].cpu(), self.layout)
             means["router_aux_loss_per_forward"] = float(vector[-1]) / self.forwards
         self._step, self._step_aux, self._global = None, 0.0, None
