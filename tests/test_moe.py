@@ -355,3 +355,31 @@ def test_a_moe_folder_with_experts_stored_one_by_one_loads_into_the_fused_expert
     key = checkpoint.key_for(name)
     part = checkpoint.read(key, (2, 0, 0), (2, *theirs[name].shape[1:]))
     assert torch.equal(part, theirs[name][2:4])
+
+
+def test_lora_on_the_experts_and_router_merges_on_export_as_peft_merges_it():
+    """peft's all-linear on an MoE adapts the fused 3-D expert parameters and the router too
+    (ParamWrapper): accord's streamed merge gives peft's own merge_and_unload, tensor by tensor."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from accord.output.export import merged_lora
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(_tiny_moe(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_()
+    ours = dict(merged_lora(list(model.state_dict().items()), model))
+    theirs = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(theirs)
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in ours)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    assert not torch.equal(
+        ours["model.layers.0.mlp.experts.down_proj"], _tiny_moe().state_dict()["model.layers.0.mlp.experts.down_proj"]
+    )
