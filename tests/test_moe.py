@@ -383,3 +383,14 @@ def test_lora_on_the_experts_and_router_merges_on_export_as_peft_merges_it():
     assert not torch.equal(
         ours["model.layers.0.mlp.experts.down_proj"], _tiny_moe().state_dict()["model.layers.0.mlp.experts.down_proj"]
     )
+
+
+def test_flops_per_token_count_only_the_experts_a_token_is_routed_to():
+    from accord.models.moe import idle_expert_parameters
+    from accord.observe.throughput import flops_per_token
+
+    model = _tiny_moe()
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert idle_expert_parameters(model) == experts // 2  # top-2 of 4
+    dense = flops_per_token(model, 16.0)
+    assert flops_per_token(model, 16.0, idle_expert_parameters(model)) == dense - 6.0 * experts // 2

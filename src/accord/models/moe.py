@@ -84,6 +84,16 @@ def moe_layout(model: nn.Module) -> MoELayout | None:
     return MoELayout(experts, config_top_k(inner.config), len(modules))
 
 
+def idle_expert_parameters(model: nn.Module) -> int:
+    """Parameters of the routed experts a token does not go to: (1 - top_k / experts) of the
+    fused 3-D expert weights (0 for a dense model), left out of the training FLOPs per token."""
+    layout = moe_layout(model)
+    if layout is None:
+        return 0
+    fused = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.shape[0] == layout.num_experts)
+    return int(fused * (1 - layout.top_k / layout.num_experts))
+
+
 class RouterRecord:
     """What the routers did in the forwards of one recording, per router layer: top-k
     assignments and tokens (float64, no gradient), and the fp32 sums the losses are made of

@@ -15,6 +15,7 @@ from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
 from accord.models.build import apply_lora, build_model
+from accord.models.moe import idle_expert_parameters
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe
 from accord.run.inputs import build_inputs
@@ -49,7 +50,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
         num_params=num_params,
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         # Counted before the engine shards the parameters (zero3 leaves local stubs).
-        flops_per_token=flops_per_token(model, context=float(rows.lengths.mean())),
+        flops_per_token=flops_per_token(model, float(rows.lengths.mean()), idle_expert_parameters(model)),
         peak_tflops=peak_tflops(device, recipe.engine.peak_tflops),
     )
     engine = build_engine(recipe, model, info, device, plan, total_steps)
