@@ -210,7 +210,10 @@ def check_moe(recipe: Recipe) -> list[str]:
     cfg = recipe.model
     if cfg.path is not None and local_path(cfg.path, cfg.revision).suffix == ".gguf":
         return []  # its config exists only after conversion (no GGUF MoE family is built here)
-    experts = config_experts(_model_config(cfg))
+    try:
+        experts = config_experts(_model_config(cfg))
+    except (KeyError, ValueError, TypeError, OSError):
+        return []  # a config transformers cannot build: the model's own build says why, in one line
     if experts == 0:
         if recipe.moe != MoEConfig():
             return [
