@@ -222,7 +222,9 @@ def check_moe(recipe: Recipe) -> list[str]:
             ]
         return []
     engine = recipe.engine
-    for key, value in (("sequence_parallel", engine.sequence_parallel), ("tensor_parallel", engine.tensor_parallel)):
+    # pipeline_parallel: the router layers would be split over stages (read where the key exists).
+    for key in ("sequence_parallel", "tensor_parallel", "pipeline_parallel"):
+        value = getattr(engine, key, 1)
         if value > 1:
             return [f"engine.{key}={value} with a mixture-of-experts model is not supported yet; set engine.{key}=1"]
     task = task_class(recipe)
