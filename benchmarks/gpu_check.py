@@ -23,7 +23,10 @@ Prints a table of:
   7. tensor parallelism (engine.tensor_parallel 2, which needs 2 GPUs: on one it says it skips
      and why): the ~0.5B Llama under fsdp alone and fsdp x TP 2 on the same GPUs (an even
      number of them), tokens/s and each rank's peak memory.
-Phases 1-5 and 7 run through `accord train` itself; figures come from each run's metrics.jsonl.
+  8. a mixture-of-experts model (Qwen3-MoE, 16 experts, top-2, built from a config) under ddp and
+     fsdp in bf16 with the router's balancing loss over the global batch: tokens/s, peak memory,
+     router imbalance. Expert parallelism is not built yet, so its part says it skips and why.
+Phases 1-5, 7 and 8 run through `accord train` itself; figures come from each run's metrics.jsonl.
 `--out` writes every figure as JSON, `--markdown` the tables as markdown (for docs/benchmarks.md).
 `--dry-run` needs no GPU (a few minutes on a CPU): it writes the recipes, prints the plan's
 figures, runs phase 6's plumbing on the CPU with the tiny model (one step, two contenders
@@ -43,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpu_check_moe  # phase 8 (beside this script)
 import yaml
 
 MODEL = {  # ~0.45B parameters with the byte-level vocabulary
@@ -393,7 +397,9 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
         long_context(folder, dry_run=True)
-        tp = tensor_parallel(folder, dry_run=True, visible=0)
+        tp = tensor_parallel(folder, dry_run=True, visible=0) + gpu_check_moe.mixture_of_experts(
+            folder, True, recipe, train
+        )
         write_outputs(args, tp, peers(dry_run=True), "the CPU (dry run: plumbing only, tiny model)")
         return
     results = []
@@ -440,6 +446,7 @@ def check(args: argparse.Namespace, folder: Path) -> None:
         )
     results += long_context(folder, dry_run=False)
     results += tensor_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
+    results += gpu_check_moe.mixture_of_experts(folder, False, recipe, train)
     write_outputs(args, results, peers(dry_run=False), torch.cuda.get_device_name(0))
 
 

@@ -66,6 +66,14 @@ def test_vlm_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path
     check(lines, written, [c.name for c in vlm.CONTENDERS])
 
 
+def test_moe_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import moe
+
+    lines, written = run_benchmark(tmp_path, "moe.py", "moe", "--steps", "1")
+    check(lines, written, [c.name for c in moe.CONTENDERS])
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_grpo_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
@@ -170,10 +178,13 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
     for peer in data["peers"]:
         assert "error" not in peer, peer
         assert VERDICT.fullmatch(peer["verdict"]) and peer["verdict"] in table.read_text()
-    assert [r["run"] for r in data["runs"]] == ["fsdp (2)", "fsdp x tp2 (2)"]
-    for run in data["runs"]:
-        assert "error" not in run and len(run["peak_gib_per_rank"]) == 2, run
+    runs = [r["run"] for r in data["runs"]]
+    assert runs == ["fsdp (2)", "fsdp x tp2 (2)", "moe ddp", "moe fsdp", "moe expert parallel"]
+    for run in data["runs"][:4]:
+        assert "error" not in run and len(run["peak_gib_per_rank"]) == (2 if "(2)" in run["run"] else 1), run
         assert f"| {run['run']} | {run['tokens_per_s']:,.0f} |" in table.read_text()
+    assert data["runs"][2]["router_imbalance"] >= 1.0
+    assert "skipped: engine.expert_parallel is not built yet" in table.read_text()
 
 
 def test_gpu_check_skips_tensor_parallel_on_one_gpu_and_says_why():

@@ -349,6 +349,43 @@ def test_transformers_generate_continues_from_a_prefilled_cache_shared_by_severa
     assert torch.allclose(torch.stack(shared.logits), torch.stack(scratch.logits), atol=1e-5)
 
 
+def _tiny_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=16, moe_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    config.vocab_size, config.num_experts, config.num_experts_per_tok = 32, 4, 2
+    return Qwen3MoeForCausalLM(config)
+
+
+def test_transformers_names_the_router_modules_of_a_mixture_of_experts_model(tiny_llama):
+    from accord.compat.transformers import router_output
+
+    model = _tiny_moe()
+    is_router, index = router_output(model)
+    assert [type(m).__name__ for m in model.modules() if is_router(m)] == ["Qwen3MoeTopKRouter"]
+    assert index == 0 and router_output(tiny_llama) is None
+
+
+# ---------------------------------------------------------------- peft
+
+
+def test_peft_adapts_fused_expert_parameters_with_a_parameter_wrapper():
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from accord.compat.peft import is_parameter_adapter, parameter_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(_tiny_moe(), LoraConfig(r=2, target_modules="all-linear"))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    assert is_parameter_adapter(experts) and parameter_name(experts) == "down_proj"
+    assert experts.num_experts == 4 and isinstance(experts._did_swap_in_out_features, bool)
+
+
 # ---------------------------------------------------------------- gguf
 
 

@@ -12,7 +12,9 @@
   and no-decay groups (checkpoint.trainer_folder maps a Trainer optimizer.pt's positions to
   parameter names with it); a method that reads nothing of the Trainer, called without one;
 - the name of the KV-cache argument of `forward` and `generate` (`past_key_values` before
-  5.x renamed it `cache`), for GRPO's prompts prefilled once per group (tasks.rollout).
+  5.x renamed it `cache`), for GRPO's prompts prefilled once per group (tasks.rollout);
+- the router modules a mixture-of-experts model records `output_router_logits` from
+  (`_can_record_outputs["router_logits"]`), hooked by accord's balancing loss (models.moe).
 
 Public API is used wherever it does the same: `config.name_or_path`, a fast tokenizer's
 `backend_tokenizer`, AttentionInterface / AttentionMaskInterface registration.
@@ -146,3 +148,29 @@ def trainer_decay_parameter_names(model) -> list[str]:
     if method is None:
         raise _missing("Trainer.get_decay_parameter_names", "resuming from a Trainer checkpoint")
     return list(method(None, model))
+
+
+def router_output(model: Any) -> tuple[Callable[[Any], bool], int] | None:
+    """A mixture-of-experts model's router modules and where their output holds the router logits:
+    (is a router module, index into its output), from the recorder the model declares for
+    `output_router_logits` (`_can_record_outputs["router_logits"]`); None for a model without one."""
+    recorders = getattr(type(model), "_can_record_outputs", None)
+    if recorders is None:
+        return None
+    if not isinstance(recorders, dict):
+        raise _missing("_can_record_outputs is no dict", "the MoE router statistics")
+    recorder = recorders.get("router_logits")
+    if recorder is None:
+        return None
+    if isinstance(recorder, type):
+        return (lambda module: isinstance(module, recorder)), 0
+    target, class_name, index = (getattr(recorder, name, None) for name in ("target_class", "class_name", "index"))
+    if target is None and class_name is None:
+        raise _missing("an OutputRecorder without target_class or class_name", "the MoE router statistics")
+
+    def is_router(module: Any) -> bool:
+        if target is not None:
+            return isinstance(module, target)
+        return type(module).__name__.endswith(class_name)
+
+    return is_router, int(index or 0)

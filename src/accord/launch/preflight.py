@@ -47,6 +47,8 @@ def preflight(
         problems += check_sequence_parallel(recipe)
     if recipe.engine.tensor_parallel > 1 and not problems:
         problems += check_tensor_parallel(recipe, world_size)
+    if not problems:
+        problems += check_moe(recipe)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -198,6 +200,43 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
         return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
     return check(recipe, _model_config(recipe.model), world_size)
+
+
+def check_moe(recipe: Recipe) -> list[str]:
+    """The moe section fits the model, and a mixture-of-experts model's layout and task are ones
+    its router statistics are counted right in; the model's config is read, no weights."""
+    from accord.models.moe import config_experts
+    from accord.recipe.moe import MoEConfig
+    from accord.tasks import task_class
+
+    cfg = recipe.model
+    if cfg.path is not None and local_path(cfg.path, cfg.revision).suffix == ".gguf":
+        return []  # its config exists only after conversion (no GGUF MoE family is built here)
+    try:
+        experts = config_experts(_model_config(cfg))
+    except (KeyError, ValueError, TypeError, OSError):
+        return []  # a config transformers cannot build: the model's own build says why, in one line
+    if experts == 0:
+        if recipe.moe != MoEConfig():
+            return [
+                "moe: the model has no mixture-of-experts layers (no routed experts in its config); drop the "
+                "moe section"
+            ]
+        return []
+    engine = recipe.engine
+    # pipeline_parallel: the router layers would be split over stages (read where the key exists).
+    for key in ("sequence_parallel", "tensor_parallel", "pipeline_parallel"):
+        value = getattr(engine, key, 1)
+        if value > 1:
+            return [f"engine.{key}={value} with a mixture-of-experts model is not supported yet; set engine.{key}=1"]
+    task = task_class(recipe)
+    if recipe.moe.balance_loss == "global_batch" and (task.online or task.batch_statistics):
+        return [
+            f"moe.balance_loss=global_batch with task {task.name} is not supported yet (the task "
+            f"{'samples its batches online' if task.online else 'runs its own pass over the global batch'}); "
+            "set moe.balance_loss=per_forward or off"
+        ]
+    return []
 
 
 def _model_config(cfg: ModelConfig):

@@ -290,7 +290,8 @@ class Checkpoint:
         self.folder = Path(folder)
         self._handles = {f: self._open(f) for f in self._files()}
         stored = {key: f for f, h in self._handles.items() for key in h.keys()}
-        self._keys = _rename(stored, model)
+        self._keys, self._merged = _rename(stored, model)
+        self._keys |= {name: name for name in self._merged}  # read through the stored experts
         self._stored = stored
         self._check_shapes(model)
 
@@ -306,13 +307,18 @@ class Checkpoint:
             want = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
             have = self._shape(key)
             if have != want:
+                first = self._merged[key][0][0] if key in self._merged else key
                 raise UserInputError(
-                    f"model.path: {self.folder / self._stored[key]} holds {key} of shape {list(have)}, "
+                    f"model.path: {self.folder / self._stored[first]} holds {key} of shape {list(have)}, "
                     f"but the model its config.json describes wants {list(want)}: the weights and config.json "
                     "come from different models; re-save the folder with save_pretrained"
                 )
 
     def _shape(self, key: str) -> tuple[int, ...]:
+        if key in self._merged:  # experts × (their pieces joined) × ...
+            sources = self._merged[key]
+            pieces = [self._shape(keys[0]) for keys in sources]
+            return (len(sources[0]), sum(p[0] for p in pieces), *pieces[0][1:])
         handle = self._handles[self._stored[key]]
         if isinstance(handle, dict):  # a memory-mapped .bin
             return tuple(handle[key].shape)
@@ -332,6 +338,12 @@ class Checkpoint:
         return self._keys.get(name)
 
     def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if key in self._merged:
+            # Only the experts of the region are read, each whole (its pieces joined), then cut.
+            sources = self._merged[key]
+            experts = range(offset[0], offset[0] + shape[0])
+            whole = [torch.cat([self.read(keys[e], (), ()) for keys in sources]) for e in experts]
+            return torch.stack(whole)[(slice(None), *slice_of(offset[1:], shape[1:]))]
         handle = self._handles[self._stored[key]]
         if isinstance(handle, dict):  # a memory-mapped .bin
             return handle[key][slice_of(offset, shape)].clone()
@@ -394,8 +406,11 @@ def check_weight_files(folder: Path) -> list[str]:
     return problems
 
 
-def _rename(stored: dict[str, str], model: nn.Module) -> dict[str, str]:
-    """Model tensor name (peft wrapping taken out) -> stored key, as from_pretrained maps them."""
+def _rename(stored: dict[str, str], model: nn.Module) -> tuple[dict[str, str], dict[str, list[list[str]]]]:
+    """Model tensor name (peft wrapping taken out) -> stored key, as from_pretrained maps them;
+    and the tensors transformers builds from several stored ones (a mixture-of-experts layer's
+    experts, stored one by one, fused into one 3-D parameter): name -> the stored keys of each
+    source (gate, up, ...), expert by expert."""
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -403,24 +418,55 @@ def _rename(stored: dict[str, str], model: nn.Module) -> dict[str, str]:
     base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     names = {canonical_name(n) for n, _ in _named_tensors(model)}
     if base is None:
-        return {k: k for k in stored if k in names}
+        return {k: k for k in stored if k in names}, {}
     transforms = get_model_conversion_mapping(base)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = {n: True for n in names}
     out: dict[str, str] = {}
+    merged: dict[str, dict[int, dict[int, str]]] = {}
     for key in stored:
-        target, converter = rename_source_key(key, renamings, converters, base.base_model_prefix, meta_state)
-        if converter is not None:
-            from accord.errors import UserInputError
+        target, pattern = rename_source_key(key, renamings, converters, base.base_model_prefix, meta_state)
+        if pattern is not None:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            expert = _EXPERT_INDEX.search(key)
+            if not _stacks_experts(converter) or expert is None:
+                from accord.errors import UserInputError
 
-            raise UserInputError(
-                f"model.path: {key!r} must be converted ({converter}) to load into {type(base).__name__}; "
-                f"sharded loading reads tensors as stored: re-save the folder with save_pretrained first"
-            )
+                raise UserInputError(
+                    f"model.path: {key!r} must be converted ({converter}) to load into {type(base).__name__}; "
+                    f"sharded loading reads tensors as stored: re-save the folder with save_pretrained first"
+                )
+            if target in names:
+                sources = merged.setdefault(target, {})
+                sources.setdefault(converter.source_patterns.index(pattern), {})[int(expert.group(1))] = key
+            continue
         if target in names:
             out[target] = key
-    return out
+    return out, {target: _expert_lists(target, sources) for target, sources in merged.items()}
+
+
+# A stored expert's index in its name (mlp.experts.3.gate_proj.weight, block_sparse_moe.experts.3.w1.weight).
+_EXPERT_INDEX = re.compile(r"experts\.(\d+)\.")
+
+
+def _stacks_experts(converter) -> bool:
+    """The conversions accord reads slice by slice: the experts stacked along a new first
+    dimension, and then, for several sources, each expert's pieces joined along its first."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
+def _expert_lists(target: str, sources: dict[int, dict[int, str]]) -> list[list[str]]:
+    lists = []
+    for index in sorted(sources):
+        by_expert = sources[index]
+        if sorted(by_expert) != list(range(len(by_expert))):
+            from accord.errors import UserInputError
+
+            raise UserInputError(f"model.path: the experts stored for {target} are not numbered 0..N-1; re-save it")
+        lists.append([by_expert[e] for e in range(len(by_expert))])
+    return lists
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

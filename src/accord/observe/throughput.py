@@ -45,12 +45,14 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
     return None
 
 
-def flops_per_token(model: nn.Module, context: float) -> float:
-    """Training FLOPs per token (forward + backward) for a context of `context` tokens."""
+def flops_per_token(model: nn.Module, context: float, idle_params: int = 0) -> float:
+    """Training FLOPs per token (forward + backward) for a context of `context` tokens;
+    `idle_params`: parameters a token does not pass through (a mixture-of-experts model's
+    experts it is not routed to)."""
     config = getattr(model, "config", None)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     embedding_params = embeddings.weight.numel() if embeddings is not None else 0
-    n = sum(p.numel() for p in model.parameters()) - embedding_params
+    n = sum(p.numel() for p in model.parameters()) - embedding_params - idle_params
     layers = getattr(config, "num_hidden_layers", 0) or 0
     width = getattr(config, "hidden_size", 0) or 0
     return 6.0 * n + 12.0 * layers * width * context

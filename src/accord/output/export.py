@@ -9,6 +9,7 @@ shard when it is full. A LoRA layer is merged as its three tensors arrive (W + B
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -77,7 +78,7 @@ def _writing_base(tensors, add) -> Iterator[tuple[str, torch.Tensor]]:
     adapters, the original of each module_to_save) to `add` under the base model's names."""
     for name, tensor in tensors:
         if ".lora_" not in name and ".modules_to_save." not in name:
-            add(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", "."), tensor)
+            add(_base_name(name).replace(".original_module.", "."), tensor)
         yield name, tensor
 
 
@@ -91,26 +92,38 @@ def _keeping_adapter(tensors, adapter: dict[str, torch.Tensor]) -> Iterator[tupl
 
 def merged_lora(tensors, module) -> Iterator[tuple[str, torch.Tensor]]:
     """A peft model's tensors (state-dict order) as the merged base model's: each LoRA layer's
-    weight W + (B @ A) * scale (transposed for fan_in_fan_out layers), named as in the base
-    model; the trained copies of modules_to_save replace the originals. At most one layer's
-    tensors wait for their partners."""
+    weight W + (B @ A) * scale (transposed for fan_in_fan_out layers; per expert for an adapter
+    on a mixture-of-experts model's fused expert parameter), named as in the base model; the
+    trained copies of modules_to_save replace the originals. At most one layer's tensors wait
+    for their partners."""
     from peft.tuners.lora import LoraLayer
+
+    from accord.compat.peft import is_parameter_adapter, parameter_delta, parameter_name
 
     layers = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
     for name, layer in layers.items():
         if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_embedding_A", {}).get(ADAPTER) is not None:
             raise NotImplementedError(f"{name}: merging DoRA or embedding adapters on export is not supported")
+    # An adapted parameter's own name, without the wrappers' base_layer hops -> its adapter layer.
+    parameters = {
+        f"{_unwrapped(prefix)}.{parameter_name(layer)}": prefix
+        for prefix, layer in layers.items()
+        if is_parameter_adapter(layer)
+    }
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     parts = {".base_layer.weight": "W", f".lora_A.{ADAPTER}.weight": "A", f".lora_B.{ADAPTER}.weight": "B"}
     for name, tensor in tensors:
-        part = next(
-            (
-                (prefix, kind)
-                for suffix, kind in parts.items()
-                if name.endswith(suffix) and (prefix := name[: -len(suffix)]) in layers
-            ),
-            None,
-        )
+        if ".lora_" not in name and _unwrapped(name) in parameters:
+            part = (parameters[_unwrapped(name)], "W")
+        else:
+            part = next(
+                (
+                    (prefix, kind)
+                    for suffix, kind in parts.items()
+                    if name.endswith(suffix) and (prefix := name[: -len(suffix)]) in layers
+                ),
+                None,
+            )
         if part is None:
             if ".original_module." in name or ".lora_" in name:
                 continue
@@ -119,17 +132,26 @@ def merged_lora(tensors, module) -> Iterator[tuple[str, torch.Tensor]]:
         prefix, kind = part
         got = waiting.setdefault(prefix, {})
         got[kind] = tensor
-        if len(got) == 3:
+        if kind == "W":
+            got["name"] = name
+        if len(got) == 4:
             del waiting[prefix]
             layer = layers[prefix]
-            delta = got["B"].float() @ got["A"].float()
-            if layer.fan_in_fan_out:
-                delta = delta.T
-            yield _base_name(f"{prefix}.weight"), (got["W"].float() + delta * layer.scaling[ADAPTER]).to(got["W"].dtype)
+            if is_parameter_adapter(layer):
+                delta = parameter_delta(layer, got["A"].float(), got["B"].float(), layer.scaling[ADAPTER])
+            else:
+                delta = got["B"].float() @ got["A"].float()
+                delta = (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[ADAPTER]
+            yield _base_name(got["name"]), (got["W"].float() + delta).to(got["W"].dtype)
     if waiting:
         raise RuntimeError(f"LoRA layers without all their tensors on export: {', '.join(sorted(waiting)[:3])}")
 
 
+def _unwrapped(name: str) -> str:
+    """A name with peft's wrapping taken out: its prefix and every base_layer hop."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name.removeprefix(PEFT_PREFIX))
+
+
 def _base_name(name: str) -> str:
-    name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    name = re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))
     return name.replace(f".modules_to_save.{ADAPTER}.", ".")

@@ -25,6 +25,7 @@ from accord.recipe.errors import describe_error
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.kto import KTOConfig
 from accord.recipe.model import BYTE_TOKENIZER, ModelConfig, RopeScalingConfig  # noqa: F401 (read from here)
+from accord.recipe.moe import MoEConfig
 from accord.recipe.observe import ObserveConfig
 from accord.recipe.orpo import ORPOConfig
 from accord.recipe.paths import locate
@@ -241,6 +242,7 @@ class Recipe(Section):
     cpo: CPOConfig = CPOConfig()
     kto: KTOConfig = KTOConfig()
     distill: DistillConfig = DistillConfig()
+    moe: MoEConfig = MoEConfig()
     lora: LoraConfig | None = Field(None, description="Train low-rank adapters instead of every weight.")
     engine: EngineConfig = EngineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

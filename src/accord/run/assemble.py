@@ -15,12 +15,14 @@ from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
 from accord.models.build import apply_lora, build_model
+from accord.models.moe import idle_expert_parameters
 from accord.models.vision import freeze
 from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe, TrainConfig
 from accord.run.inputs import build_inputs
 from accord.run.setup import ModelFacts, RunSetup
 from accord.tasks import groups_by_length
+from accord.tasks.router_balance import balance_router
 from accord.tasks.sequence_shards import SequenceShards
 
 
@@ -43,12 +45,14 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     num_params = sum(p.numel() for p in model.parameters())
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
+    # A mixture-of-experts model's router hooks go on before the engine wraps it.
+    task = balance_router(task, model, recipe, plan)
     facts = ModelFacts(
         name=type(model).__name__,
         num_params=num_params,
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         # Counted before the engine shards the parameters (zero3 leaves local stubs).
-        flops_per_token=flops_per_token(model, context=float(rows.lengths.mean())),
+        flops_per_token=flops_per_token(model, float(rows.lengths.mean()), idle_expert_parameters(model)),
         peak_tflops=peak_tflops(device, recipe.engine.peak_tflops),
     )
     engine = build_engine(recipe, model, info, device, plan, total_steps)

@@ -106,6 +106,7 @@ class Trainer:
             tokens, means = int(self.rows.lengths[global_batch].sum()), {}
             # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
             padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
+        means = means | self.task.step_means()  # a mixture-of-experts router's balance, say
         return StepStats(
             self.step,
             loss_sum,

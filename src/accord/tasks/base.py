@@ -21,6 +21,10 @@ from accord.data.token_ids import token_ids  # noqa: F401 (read from here too)
 
 # A row that only keeps a rank's number of forward passes equal to the others'.
 PADDING = "__accord_padding__"
+# A batch's real tokens (1) and padding (0), rows × length, where its attention mask is 4-D
+# and cannot say (packed rows): read by a mixture-of-experts model's router statistics, never
+# handed to the model.
+TOKEN_MASK = "token_mask"
 # eval_sums' prefix for the sums of a LossOutput's row term (averaged over rows, not targets).
 ROW_SUM = "per_row:"
 
@@ -52,16 +56,24 @@ class LossOutput:
     row_loss_sum: torch.Tensor | None = None
     num_rows: torch.Tensor | None = None
     row_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A term already divided by its own count of the whole global batch (a mixture-of-experts
+    # router's balancing loss, over the batch's tokens and router layers): this micro-batch's
+    # share of it, added to the step's loss as it is.
+    normalised_loss: torch.Tensor | None = None
 
     def over_targets(self, targets: int, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and metric sums that, divided by the global batch's `targets`, give the
         step's values: a row term is rescaled by targets / rows, a constant of the global
-        batch, so the update still does not depend on how the batch is split."""
-        if self.row_loss_sum is None:
-            return self.loss_sum, self.metrics
-        scale = targets / max(rows, 1)
-        metrics = self.metrics | {name: value * scale for name, value in self.row_metrics.items()}
-        return self.loss_sum + self.row_loss_sum * scale, metrics
+        batch, so the update still does not depend on how the batch is split; a normalised
+        term by the targets (the trainer's division undoes it)."""
+        loss, metrics = self.loss_sum, self.metrics
+        if self.row_loss_sum is not None:
+            scale = targets / max(rows, 1)
+            metrics = metrics | {name: value * scale for name, value in self.row_metrics.items()}
+            loss = loss + self.row_loss_sum * scale
+        if self.normalised_loss is not None:
+            loss = loss + self.normalised_loss * max(targets, 1)
+        return loss, metrics
 
 
 class Task:
@@ -200,6 +212,11 @@ class Task:
 
     def use_statistics(self, totals: torch.Tensor) -> None:
         """batch_statistics: statistics_sums added over the global batch, before its micro-batches."""
+
+    def step_means(self) -> dict[str, float]:
+        """Values of the step just trained, already reduced over the ranks, logged as they are
+        (a mixture-of-experts router's balance). Called on every rank after each step."""
+        return {}
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         """Tensors for a micro-batch; each row is one example (or several, packed)."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from accord.compat.transformers import attn_implementation
 from accord.models.documents import flat_inputs, install_document_attention
-from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, token_loss_sum
+from accord.tasks.base import IGNORE, TOKEN_MASK, LossOutput, Task, pad_rows, token_loss_sum
 from accord.tasks.chunked_loss import TargetLogprobs, chunking_blocker, plain_loss_note, shifted_targets
 
 
@@ -27,6 +27,9 @@ class CausalLMTask(Task):
         self.flatten = False  # packed micro-batches as one sequence, attended document by document
         self.logprobs: TargetLogprobs | None = None  # the chunked loss (train.loss_chunk_size)
         self.plain_loss_reason: str | None = None
+        # Packed rows under a 4-D attention mask also carry TOKEN_MASK (a mixture-of-experts
+        # router's statistics leave the padding out; accord.tasks.router_balance sets it).
+        self.marks_tokens = False
 
     def configure_model(self, model: nn.Module) -> None:
         self.attn_implementation = attn_implementation(model.config) or "sdpa"
@@ -68,6 +71,9 @@ class CausalLMTask(Task):
             batch["attention_mask"] = block_causal_mask(
                 doc_lengths, input_ids.shape[1], float_mask=self.attn_implementation == "eager"
             )
+        if self.marks_tokens:
+            lengths = torch.tensor([sum(row) for row in doc_lengths])
+            batch[TOKEN_MASK] = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         return batch
 
     def _flat(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
@@ -96,7 +102,7 @@ class CausalLMTask(Task):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         # `shift_labels`: targets already shifted over the whole row (a sequence-parallel
         # slice of it, accord.tasks.sequence_shards); else the next token's label.
-        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", TOKEN_MASK)}
         targets = batch["shift_labels"] if "shift_labels" in batch else shifted_targets(batch["labels"])
         if self.logprobs is not None and self.logprobs.serves(targets):
             row_logprobs = self.logprobs.row_logprobs(model, inputs, targets)
