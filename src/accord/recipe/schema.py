@@ -216,6 +216,10 @@ class OutputConfig(Section):
 # and tasks that train one model (dpo's frozen reference and grpo's rollouts are not split).
 TENSOR_PARALLEL_STRATEGIES = ("ddp", "fsdp")
 TENSOR_PARALLEL_TASKS = ("sft", "pretrain", "classify", "reward")
+# engine.pipeline_parallel: one forward and backward of the trained model per micro-batch, a
+# causal LM's token loss on the last stage.
+PIPELINE_PARALLEL_STRATEGIES = ("ddp", "fsdp")
+PIPELINE_PARALLEL_TASKS = ("sft", "pretrain")
 
 
 class Recipe(Section):
@@ -298,6 +302,45 @@ class Recipe(Section):
             )
         if self.engine.tiled_mlp:
             raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_parallel(self) -> Recipe:
+        n = self.engine.pipeline_parallel
+        if n == 1:
+            return self
+        key = f"engine.pipeline_parallel={n}"
+        if self.engine.strategy not in PIPELINE_PARALLEL_STRATEGIES:
+            raise ValueError(
+                f"{key} composes with engine.strategy=ddp or fsdp (torch's own data parallelism over the pipelines), "
+                f"not {self.engine.strategy}; use engine.strategy=fsdp to shard the stages too, or pipeline_parallel=1"
+            )
+        if not isinstance(self.task, str) or self.task not in PIPELINE_PARALLEL_TASKS:
+            name = self.task if isinstance(self.task, str) else self.task.class_
+            raise ValueError(
+                f"{key} supports task {' and '.join(PIPELINE_PARALLEL_TASKS)}, not {name}: its loss needs more than "
+                "one forward of the trained model per row (a reference, pairs or rollouts), which the pipeline "
+                "schedule cannot run yet; set engine.pipeline_parallel=1"
+            )
+        if self.lora is not None:
+            raise ValueError(f"{key} with lora is not supported yet (peft's wrapper is not split); remove one of them")
+        held_out = (
+            "data.eval"
+            if self.data.eval is not None
+            else "data.eval_fraction"
+            if self.data.eval_fraction
+            else "data.generate.eval_examples"
+            if self.data.generate is not None and self.data.generate.eval_examples
+            else None
+        )
+        if held_out:
+            fix = "set it to 0" if held_out != "data.eval" else "remove it"
+            raise ValueError(
+                f"{key} with {held_out} is not supported yet (evaluation does not run through the stages); "
+                f"{fix}, or set engine.pipeline_parallel=1"
+            )
+        if self.engine.compile:
+            raise ValueError(f"{key} with engine.compile is not supported yet; remove one of them")
         return self
 
 

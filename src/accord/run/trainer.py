@@ -27,6 +27,7 @@ from accord.output.export import export_final
 from accord.run.batch_pass import batch_pass
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
+from accord.run.pipeline_step import pipeline_pass
 from accord.run.rollout_step import rollout_step
 from accord.run.setup import RunSetup
 from accord.stopping import RunResult, StopRequest
@@ -69,29 +70,10 @@ class Trainer:
         training_started = time.perf_counter()
         # The normaliser: targets in the whole global batch, known to every rank from the plan.
         targets = online.targets if online else int(self.rows.targets[global_batch].sum())
-        loss_sum = torch.zeros((), device=self.engine.device)
-        metrics: dict[str, torch.Tensor] = {}
-        for micro_step in range(self.plan.grad_accum):
-            last = micro_step == self.plan.grad_accum - 1
-            heartbeat.phase("forward", self.step + 1)
-            # The ranks of a sequence-parallel group take the same rows, each a slice of their tokens.
-            row_ids = global_batch[self.plan.micro_slice(self.plan.data_rank(self.run.info.rank), micro_step)]
-            rows = self.task.rollout_batch(row_ids) if online else self.task.collate(self._rows(row_ids))
-            batch = to_device(self.run.sequence.shard(rows), self.engine.device)
-            with self.engine.sync_context(last_micro_step=last):
-                with self.engine.autocast():
-                    out = self.task.loss(self.engine.train_model, batch)
-                heartbeat.phase(
-                    "backward/all-reduce" if last else "backward", self.step + 1
-                )  # gradients sync on the last
-                # A row term (ORPO's, CPO's pair losses) rides on the target normaliser.
-                micro_loss, micro_metrics = out.over_targets(targets, len(global_batch))
-                self.engine.backward(micro_loss, max(targets, 1))
-            # A tensor-parallel group computes one loss on every rank: it counts once in the logged sums.
-            share = 1.0 if self.plan.counts(self.run.info.rank) else 0.0
-            loss_sum += micro_loss.detach() * share
-            for name, value in micro_metrics.items():
-                metrics[name] = metrics.get(name, 0) + value.detach().float() * share
+        if self.engine.pipelined:
+            loss_sum, metrics = pipeline_pass(self.run, self.task, self.step + 1, global_batch, targets, self._rows)
+        else:
+            loss_sum, metrics = self._micro_steps(global_batch, targets, online)
         lr = self.engine.lr
         heartbeat.phase("optimizer step", self.step + 1)
         grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
@@ -118,6 +100,34 @@ class Trainer:
             skipped=not applied,
             means=means,
         )
+
+    def _micro_steps(self, global_batch: np.ndarray, targets: int, online) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of this rank's micro-batches, one after another; the logged loss
+        and metric sums."""
+        loss_sum = torch.zeros((), device=self.engine.device)
+        metrics: dict[str, torch.Tensor] = {}
+        for micro_step in range(self.plan.grad_accum):
+            last = micro_step == self.plan.grad_accum - 1
+            heartbeat.phase("forward", self.step + 1)
+            # The ranks of a sequence-parallel group take the same rows, each a slice of their tokens.
+            row_ids = global_batch[self.plan.micro_slice(self.plan.data_rank(self.run.info.rank), micro_step)]
+            rows = self.task.rollout_batch(row_ids) if online else self.task.collate(self._rows(row_ids))
+            batch = to_device(self.run.sequence.shard(rows), self.engine.device)
+            with self.engine.sync_context(last_micro_step=last):
+                with self.engine.autocast():
+                    out = self.task.loss(self.engine.train_model, batch)
+                heartbeat.phase(
+                    "backward/all-reduce" if last else "backward", self.step + 1
+                )  # gradients sync on the last
+                # A row term (ORPO's, CPO's pair losses) rides on the target normaliser.
+                micro_loss, micro_metrics = out.over_targets(targets, len(global_batch))
+                self.engine.backward(micro_loss, max(targets, 1))
+            # A tensor-parallel group computes one loss on every rank: it counts once in the logged sums.
+            share = 1.0 if self.plan.counts(self.run.info.rank) else 0.0
+            loss_sum += micro_loss.detach() * share
+            for name, value in micro_metrics.items():
+                metrics[name] = metrics.get(name, 0) + value.detach().float() * share
+        return loss_sum, metrics
 
     def _rows(self, row_ids) -> list[list[dict]]:
         """The examples of each row (one, or several when packed), fetched in one read."""
