@@ -34,7 +34,7 @@ def preflight(
     problems: list[str] = []
     if plan is None:
         try:
-            BatchPlan.for_recipe(recipe, world_size)
+            plan = BatchPlan.for_recipe(recipe, world_size)
         except BatchPlanError as e:
             problems.append(str(e))
     problems += check_model_source(recipe.model)
@@ -42,6 +42,8 @@ def preflight(
         problems += check_sequence_parallel(recipe)
     if recipe.engine.tensor_parallel > 1 and not problems:
         problems += check_tensor_parallel(recipe, world_size)
+    if recipe.engine.pipeline_parallel > 1 and not problems:
+        problems += check_pipeline_parallel(recipe, plan.grad_accum)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -196,6 +198,16 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
         return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
     return check(recipe, _model_config(recipe.model), world_size)
+
+
+def check_pipeline_parallel(recipe: Recipe, micro_batches: int) -> list[str]:
+    """engine.pipeline_parallel: the schedule can run the plan's micro-batches, the decoder
+    layers split evenly into the stages, no tied embeddings; the config is read, no weights."""
+    from accord.engine.pipeline.stages import check_pipeline
+
+    if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
+        return check_pipeline(recipe, None, micro_batches)  # its config exists only after conversion
+    return check_pipeline(recipe, _model_config(recipe.model), micro_batches)
 
 
 def _model_config(cfg: ModelConfig):
