@@ -149,6 +149,22 @@ def test_stages_keep_the_whole_models_names_and_owners():
     assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
 
 
+def test_plan_gives_each_pipeline_rank_its_stages_state_and_micro_batches_in_flight():
+    from accord.planner.estimate import plan, recommend
+
+    whole = {r.strategy: r for r in plan(_recipe(), 2)[0]}["ddp"]
+    rows, world = plan(_recipe(pipeline_parallel=2), 2)
+    assert [r.strategy for r in rows] == ["ddp:0", "ddp:1"] and world == 2
+    assert sum(r.params for r in rows) == pytest.approx(whole.params)  # each parameter on one rank
+    assert all(r.params < whole.params for r in rows)
+    # 1f1b: rank 0 keeps 2 micro-batches in flight, rank 1 one (plus the whole logits of each).
+    assert rows[0].grad_accum == 4 and rows[0].activations > 0 and rows[1].activations > 0
+    sharded = plan(_recipe(pipeline_parallel=2, strategy="fsdp", processes=4), 4)[0]
+    assert [r.strategy for r in sharded] == ["fsdp:0", "fsdp:1"]
+    assert sharded[0].params < rows[0].params  # each stage sharded over the 2 pipelines
+    assert recommend(rows, _recipe(pipeline_parallel=2), 2, 1.0, "GPU").startswith("pipeline rank ")
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_stage_modules_in_a_chain_give_the_models_logits(packed):
     from accord.engine.pipeline.stages import StageModule, stage_layers

@@ -154,6 +154,10 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
     phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
+    if recipe.engine.pipeline_parallel > 1:  # one row per pipeline rank, under the recipe's strategy
+        from accord.planner.stages import stage_rows
+
+        return stage_rows(recipe, world, cpu), world
     batch = BatchPlan.for_recipe(recipe, world)
     model = meta_model(recipe)
     tp = recipe.engine.tensor_parallel
@@ -244,6 +248,10 @@ def _sequence_parallel_activations(
 def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: float, device: str = "GPU") -> str:
     """The cheapest strategy that fits (least communication first), and the largest micro
     batch it can take with the resulting accumulation."""
+    if recipe.engine.pipeline_parallel > 1:
+        from accord.planner.stages import stage_advice
+
+        return stage_advice(rows, memory_gib, device)
     budget = memory_gib * GIB
     fitting = [r for r in rows if r.total <= budget]
     if not fitting:
