@@ -316,3 +316,16 @@ def test_pretraining_on_packed_text_under_pp2_matches_one_process(tmp_path):
     assert max_param_diff(final_params(one), final_params(pp2)) <= TOLERANCE
     one_losses, pp2_losses = step_losses(one), step_losses(pp2)
     assert all(abs(one_losses[s] - pp2_losses[s]) <= TOLERANCE for s in one_losses)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["engine.processes=2"], ["engine.strategy=fsdp", "engine.processes=4"]])
+def test_bf16_stages_send_and_receive_in_the_dtype_they_compute(pp_runs, tmp_path, layout):
+    """bf16 under ddp keeps an fp32 residual stream between stages, under fsdp over 2 pipelines
+    FSDP2 computes in bf16: the receive buffers (and the gradients sent back) match either way."""
+    out = tmp_path / "bf16"
+    args = ["engine.pipeline_parallel=2", "engine.precision=bf16", "train.max_steps=4", *layout]
+    assert_ok(run_accord("train", pp_runs.recipe, *args, f"output.dir={out}"))
+    fp32, bf16 = step_losses(pp_runs.one), step_losses(out)
+    assert all(abs(fp32[s] - bf16[s]) < 1e-2 for s in bf16), (fp32, bf16)

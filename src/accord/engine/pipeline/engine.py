@@ -66,7 +66,8 @@ class PipelineEngine(TorchUpdateEngine):
         apply_memory_levers(model, engine, recipe.data.max_length, device)
         keep_stages(model, self.stage_ids, self.num_stages)
         sharded = engine.strategy == "fsdp"
-        compute = DTYPES.get(engine.precision) if sharded and engine.precision != "no" else None
+        # FSDP2 computes in bf16/fp16 itself where it wraps the stages (over 2+ pipelines).
+        compute = DTYPES.get(engine.precision) if sharded and self.dp > 1 and engine.precision != "no" else None
         # What flows between stages: the residual stream's dtype (fp32 master weights, autocast or
         # not, unless FSDP2 computes in bf16/fp16).
         self.send_dtype = compute or torch.float32
@@ -162,7 +163,13 @@ class PipelineEngine(TorchUpdateEngine):
             else:
                 given = torch.empty(hidden, dtype=self.send_dtype, device="meta", requires_grad=True)
             last = s == self.num_stages - 1
-            out = torch.empty((rows, width, self.vocab_size) if last else hidden, device="meta", requires_grad=True)
+            # The gradient sent back has the dtype of what was sent forward.
+            out = torch.empty(
+                (rows, width, self.vocab_size) if last else hidden,
+                dtype=self.send_dtype,
+                device="meta",
+                requires_grad=True,
+            )
             stages.append(
                 PipelineStage(
                     module, s, self.num_stages, self.device, input_args=given, output_args=out, group=self.pp_group
