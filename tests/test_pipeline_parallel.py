@@ -123,6 +123,9 @@ def test_model_and_schedule_checks_say_what_to_change():
     [line] = check_pipeline(_recipe(pipeline_parallel=2), config, 1)
     assert "the 1f1b schedule needs at least 2 micro-batches per step" in line
     assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="gpipe"), config, 1) == []
+    [line] = check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv", processes=4), config, 2, 2)
+    assert "pipeline_schedule=zbv over 2 pipelines (data parallelism) is not supported yet" in line
+    assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv"), config, 2, 1) == []
 
 
 def test_the_preflight_reads_the_recipes_model_config_for_the_split():

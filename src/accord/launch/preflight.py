@@ -43,7 +43,7 @@ def preflight(
     if recipe.engine.tensor_parallel > 1 and not problems:
         problems += check_tensor_parallel(recipe, world_size)
     if recipe.engine.pipeline_parallel > 1 and not problems:
-        problems += check_pipeline_parallel(recipe, plan.grad_accum)
+        problems += check_pipeline_parallel(recipe, plan.grad_accum, plan.world_size)
     problems += check_environment(recipe)
     if writer and dist.is_main():
         # Only the writer checks: another rank or node may look after rank 0 already
@@ -200,14 +200,14 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     return check(recipe, _model_config(recipe.model), world_size)
 
 
-def check_pipeline_parallel(recipe: Recipe, micro_batches: int) -> list[str]:
+def check_pipeline_parallel(recipe: Recipe, micro_batches: int, pipelines: int | None = None) -> list[str]:
     """engine.pipeline_parallel: the schedule can run the plan's micro-batches, the decoder
     layers split evenly into the stages, no tied embeddings; the config is read, no weights."""
     from accord.engine.pipeline.stages import check_pipeline
 
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
-        return check_pipeline(recipe, None, micro_batches)  # its config exists only after conversion
-    return check_pipeline(recipe, _model_config(recipe.model), micro_batches)
+        return check_pipeline(recipe, None, micro_batches, pipelines)  # its config exists only after conversion
+    return check_pipeline(recipe, _model_config(recipe.model), micro_batches, pipelines)
 
 
 def _model_config(cfg: ModelConfig):

@@ -43,7 +43,7 @@ class PipelineEngine(TorchUpdateEngine):
         from torch.distributed.device_mesh import init_device_mesh
 
         engine = recipe.engine
-        problems = check_pipeline(recipe, model.config)
+        problems = check_pipeline(recipe, model.config, pipelines=info.world_size // engine.pipeline_parallel)
         if problems:
             raise UserInputError(problems[0])
         ensure_process_group(device)
