@@ -2,7 +2,7 @@
 each rank's peak RSS and tokens per CPU-second under engine.pipeline_parallel against 1 process.
 
     python benchmarks/pipeline.py [--hidden 256] [--layers 8] [--micro-batches 2 4 8] [--rounds 3]
-        [--schedules 1f1b gpipe interleaved-1f1b zero-bubble zbv] [--memory] [--write-docs]
+        [--schedules 1f1b gpipe interleaved-1f1b zero-bubble zbv] [--memory | --memory-only] [--write-docs]
 
 Bubble: 2 processes (one thread each, one core each when the machine has them) run accord's
 own stage split of a Llama (engine/pipeline: keep_stages, StageModule, the schedule's stage
@@ -17,8 +17,9 @@ one step, less so, but compare rows of one run.
 
 --memory also trains through `accord train` (benchmarks/tensor_parallel.py's measurement):
 1 process, pp=2 on 2 processes and fsdp x pp=2 on 4, each rank's peak RSS from the run's own
-`memory` records and tokens per CPU-second. --write-docs rewrites the pipeline section of
-docs/benchmarks.md (between its markers).
+`memory` records and tokens per CPU-second (--memory-only: that alone). --write-docs rewrites
+what was measured: the pipeline section of docs/benchmarks.md (the bubble) and the
+pipeline-memory section (between their markers).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 
-SECTION = "pipeline"
+SECTION, MEMORY_SECTION = "pipeline", "pipeline-memory"
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"]
 ROWS, WIDTH = 4, 32  # a micro-batch: rows x tokens
 MEMORY_LAYOUTS = {
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per measurement (median)")
     parser.add_argument("--memory", action="store_true", help="also each rank's peak RSS through accord train")
+    parser.add_argument("--memory-only", action="store_true", help="only each rank's peak RSS (no bubble)")
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {harness.DOCS}")
     parser.add_argument("--docs", default=str(harness.DOCS), help=argparse.SUPPRESS)  # another file (tests)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -212,12 +214,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     from accord.engine.pipeline.schedule import SINGLE, theoretical_bubble
 
+    args.memory = args.memory or args.memory_only
     if args.write_docs:
-        harness.check_markers(SECTION, Path(args.docs))
+        for section in ([] if args.memory_only else [SECTION]) + ([MEMORY_SECTION] if args.memory else []):
+            harness.check_markers(section, Path(args.docs))
     work = Path(tempfile.mkdtemp(prefix="accord-pp-"))
     load_before, started = os.getloadavg(), time.time()
     results = []
-    for schedule in args.schedules:
+    for schedule in [] if args.memory_only else args.schedules:
         v = 1 if schedule in SINGLE else 2
         for m in args.micro_batches:
             if schedule == "1f1b" and m < args.pp:
@@ -249,27 +253,31 @@ def main(argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()
     shutil.rmtree(work, ignore_errors=True)
     model = f"Llama hidden {args.hidden}, {args.layers} layers"
-    if args.write_docs:
-        command = harness.shown_command(Path(__file__), list(argv if argv is not None else sys.argv[1:]))
+    if not args.write_docs:
+        return
+    command = harness.shown_command(Path(__file__), list(argv if argv is not None else sys.argv[1:]))
+    when = (
+        f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
+        f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); {model}"
+    )
+    if results:
         body = [
-            f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
-            f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); {model}, "
-            f"p = {args.pp} processes, micro-batches of {ROWS} rows x {WIDTH} tokens, one thread per process:",
+            f"{when}, p = {args.pp} processes, micro-batches of {ROWS} rows x {WIDTH} tokens, one thread per process:",
             "",
             *lines,
             "",
             "Measured: 1 - (time in the stage's forward and backward) / (step wall time) on each rank, the median "
             f"of {args.rounds} steps.",
         ]
-        if memory_lines:
-            body += [
-                "",
-                "Each rank's peak RSS and tokens per CPU-second through `accord train` (steps 3..6 over the CPU time "
-                "they added; benchmarks/tensor_parallel.py's measurement):",
-                "",
-                *memory_lines,
-            ]
         harness.write_docs(SECTION, body, Path(args.docs))
+    if memory_lines:
+        body = [
+            f"{when}, intermediate {3 * args.hidden}; each rank's peak RSS and tokens per CPU-second through "
+            "`accord train` (steps 3..6 over the CPU time they added; benchmarks/tensor_parallel.py's measurement):",
+            "",
+            *memory_lines,
+        ]
+        harness.write_docs(MEMORY_SECTION, body, Path(args.docs))
 
 
 if __name__ == "__main__":
