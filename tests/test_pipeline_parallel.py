@@ -77,6 +77,16 @@ def test_batch_plan_counts_pipelines_as_data_parallel_groups():
     assert BatchPlan.for_recipe(_recipe(pipeline_parallel=2), 2).pipeline_parallel == 2
 
 
+def test_the_logged_padding_is_each_pipelines_rows_at_their_longest():
+    import numpy as np
+
+    from accord.run.pipeline_step import pipeline_padded
+
+    plan = BatchPlan.derive(4, 1, 4, pipeline_parallel=2)  # 2 pipelines of 2 rows each
+    lengths = np.array([5, 9, 3, 4])
+    assert pipeline_padded(plan, lengths, np.array([0, 1, 2, 3])) == 2 * 9 + 2 * 4
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -30,6 +30,15 @@ def pipeline_pass(run, task, step: int, global_batch: np.ndarray, targets: int, 
     return loss, {}
 
 
+def pipeline_padded(plan, lengths: np.ndarray, global_batch: np.ndarray) -> int:
+    """Tokens computed on over all pipelines: each pads its rows to their longest."""
+    total = 0
+    for group in range(plan.world_size):
+        block = lengths[global_batch[group * plan.per_rank : (group + 1) * plan.per_rank]]
+        total += int(block.max()) * len(block)
+    return total
+
+
 def causal_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """A micro-batch's summed next-token loss from the last stage's logits (CausalLMTask's)."""
     return token_loss_sum(logits, shifted_targets(labels))

@@ -27,7 +27,7 @@ from accord.output.export import export_final
 from accord.run.batch_pass import batch_pass
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
-from accord.run.pipeline_step import pipeline_pass
+from accord.run.pipeline_step import pipeline_padded, pipeline_pass
 from accord.run.rollout_step import rollout_step
 from accord.run.setup import RunSetup
 from accord.stopping import RunResult, StopRequest
@@ -88,6 +88,8 @@ class Trainer:
             tokens, means = int(self.rows.lengths[global_batch].sum()), {}
             # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
             padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
+            if self.engine.pipelined:  # a pipeline pads its rows to one width per step
+                padded = pipeline_padded(self.plan, self.rows.lengths, global_batch)
         return StepStats(
             self.step,
             loss_sum,
