@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"  {schedule} m={m}: {measured}", flush=True)
     lines = bubble_rows(results)
-    print("\n".join(lines))
+    if results:
+        print("\n".join(lines))
     memory_lines: list[str] = []
     if args.memory:
         import tensor_parallel
