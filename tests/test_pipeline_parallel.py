@@ -22,6 +22,7 @@ from conftest import (
     max_param_diff,
     recipe_for,
     run_accord,
+    run_accord_here,
     step_losses,
     write_recipe,
 )
@@ -104,6 +105,14 @@ def test_combinations_pipelining_cannot_carry_are_one_line_recipe_errors(change,
     with pytest.raises(RecipeError) as error:
         _recipe(pipeline_parallel=2, **change)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_command_refuses_a_task_the_schedule_cannot_run_in_one_line(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", _raw())
+    proc = run_accord_here("train", recipe, "engine.pipeline_parallel=2", "task=dpo", f"output.dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if "pipeline_parallel" in x]
+    assert "supports task sft and pretrain, not dpo" in line and not (tmp_path / "o").exists()
 
 
 def test_held_out_data_and_schedule_keys_without_pipelining_are_refused():
