@@ -292,7 +292,8 @@ class EngineConfig(Section):
                 f"engine.pipeline_stages_per_rank={v} with engine.pipeline_schedule=zbv, which places exactly 2 "
                 "stages per rank (a V); set it to 2 or leave it out"
             )
-        # The other model-parallel levers: each would need its own stage layout (not built yet).
+        # The other model-parallel levers: each would need its own stage layout (not built yet);
+        # getattr: engine.expert_parallel exists once mixture-of-experts support is in.
         others = [
             f"engine.{k}={getattr(self, k)}"
             for k in ("tensor_parallel", "sequence_parallel", "expert_parallel")
