@@ -26,11 +26,16 @@ Prints a table of:
   8. a mixture-of-experts model (Qwen3-MoE, 16 experts, top-2, built from a config) under ddp and
      fsdp in bf16 with the router's balancing loss over the global batch: tokens/s, peak memory,
      router imbalance. Expert parallelism is not built yet, so its part says it skips and why.
+  9. pipeline parallelism (engine.pipeline_parallel 2, which needs 2 GPUs: on one it says it
+     skips and why): the ~0.5B Llama under ddp alone and ddp x PP 2 (1f1b, 4 micro-batches per
+     step) on the same GPUs (an even number of them), tokens/s, each rank's peak memory (a stage
+     holds half of the layers) and the final loss next to the data-parallel run's.
 Phases 1-5, 7 and 8 run through `accord train` itself; figures come from each run's metrics.jsonl.
 `--out` writes every figure as JSON, `--markdown` the tables as markdown (for docs/benchmarks.md).
 `--dry-run` needs no GPU (a few minutes on a CPU): it writes the recipes, prints the plan's
 figures, runs phase 6's plumbing on the CPU with the tiny model (one step, two contenders
-each) and phase 7's on 2 gloo processes with a tiny Llama (fsdp, then fsdp x TP 2), writing
+each), phase 7's on 2 gloo processes with a tiny Llama (fsdp, then fsdp x TP 2) and phase 8's
+(ddp, then ddp x PP 2), writing
 the same JSON and markdown.
 """
 
@@ -274,6 +279,55 @@ def tensor_parallel(folder: Path, dry_run: bool, visible: int) -> list[dict]:
     return results
 
 
+def pp_gpus(visible: int) -> str:
+    """Why phase 8 cannot run on `visible` GPUs ("" when it can)."""
+    if visible < 2:
+        return f"engine.pipeline_parallel=2 needs 2 GPUs (one per stage); this machine has {visible}"
+    return ""
+
+
+def pipeline_parallel(folder: Path, dry_run: bool, visible: int) -> list[dict]:
+    """Phase 8: ddp alone, then ddp x PP 2 (1f1b), on the same processes; the dry run: 2 gloo processes, tiny."""
+    import os
+
+    why = "" if dry_run else pp_gpus(visible)
+    if why:
+        print(f"\npipeline parallel: skipped: {why}")
+        return [{"run": "ddp x pp2", "skipped": why}]
+    world = 2 if dry_run else visible - visible % 2
+    env = dict(os.environ)
+    if not dry_run:  # an even number of GPUs, so that PP 2 divides the world
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
+    print(f"\npipeline parallel on {where}:")
+    results = []
+    for label, pp in ((f"ddp ({world})", 1), (f"ddp x pp2 ({world})", 2)):
+        name = f"pp{pp}-ddp"
+        batch = 8 if dry_run else 16
+        path = recipe(folder, name, "ddp", 2 if dry_run else 8, False, batch)
+        data = yaml.safe_load(path.read_text())
+        data["engine"] |= {"pipeline_parallel": pp, "processes": world}
+        # 4 micro-batches per pipeline (1f1b needs at least one per stage); the same rows per step either way.
+        data["batch"]["micro_batch_size"] = batch * pp // world // 4
+        if dry_run:
+            data["model"]["config"] = TP_TINY
+            data["data"]["max_length"] = 64
+            data["engine"] |= {"device": "cpu", "precision": "no"}
+        path.write_text(yaml.safe_dump(data))
+        seconds, summary = train(path, 300, env=env)
+        summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
+            continue
+        peaks = " ".join(f"{p:.2f}" for p in summary.get("peak_gib_per_rank", []))
+        print(
+            f"{label:24} {seconds:>7.0f} s {summary['tokens_per_s']:>10,.0f} tokens/s, peak per rank "
+            f"{peaks} GiB, loss {summary['final_loss']:.3f}"
+        )
+    return results
+
+
 def peers(dry_run: bool) -> list[dict]:
     """Phase 6: throughput.py and grpo.py on the GPU (the dry run: their plumbing on the CPU, tiny)."""
     here = Path(__file__).resolve().parent
@@ -397,8 +451,10 @@ def check(args: argparse.Namespace, folder: Path) -> None:
             planned = planned_phases(path)
             print(f"{label:24} " + " ".join(f"{planned.get(p, float('nan')):>10.2f}" for p in PHASES))
         long_context(folder, dry_run=True)
-        tp = tensor_parallel(folder, dry_run=True, visible=0) + gpu_check_moe.mixture_of_experts(
-            folder, True, recipe, train
+        tp = (
+            tensor_parallel(folder, dry_run=True, visible=0)
+            + gpu_check_moe.mixture_of_experts(folder, True, recipe, train)
+            + pipeline_parallel(folder, dry_run=True, visible=0)
         )
         write_outputs(args, tp, peers(dry_run=True), "the CPU (dry run: plumbing only, tiny model)")
         return
@@ -447,6 +503,7 @@ def check(args: argparse.Namespace, folder: Path) -> None:
     results += long_context(folder, dry_run=False)
     results += tensor_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
     results += gpu_check_moe.mixture_of_experts(folder, False, recipe, train)
+    results += pipeline_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
     write_outputs(args, results, peers(dry_run=False), torch.cuda.get_device_name(0))
 
 

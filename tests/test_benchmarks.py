@@ -109,6 +109,29 @@ def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_sect
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_pipeline_benchmark_measures_the_bubble_and_writes_its_docs_section(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("before\n<!-- pipeline:start -->\nSTALE-TABLE\n<!-- pipeline:end -->\nafter\n")
+    tiny = ["--hidden", "64", "--layers", "4", "--micro-batches", "2", "--rounds", "1", "--schedules", "1f1b", "zbv"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), *tiny, "--write-docs", "--docs", str(docs)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows] == ["| schedule", "| 1f1b", "| zbv"]
+    assert [row[3] for row in rows[1:]] == ["0.33", "0.20"]  # (p - 1) / (v·m + p - 1), p = m = 2
+    assert all(0 <= float(b) <= 1 for row in rows[1:] for b in row[4].split())  # one bubble per rank
+    written = docs.read_text()
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
+    assert "| zbv |" in written and "--docs" not in written
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_startup_benchmark_times_every_contender_to_its_first_step_and_writes_its_docs_section(tmp_path):
     docs, measured = tmp_path / "benchmarks.md", tmp_path / "startup.json"
     docs.write_text("before\n<!-- startup:start -->\nSTALE-TABLE\n<!-- startup:end -->\nafter\n")
@@ -179,15 +202,23 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
         assert "error" not in peer, peer
         assert VERDICT.fullmatch(peer["verdict"]) and peer["verdict"] in table.read_text()
     runs = [r["run"] for r in data["runs"]]
-    assert runs == ["fsdp (2)", "fsdp x tp2 (2)", "moe ddp", "moe fsdp", "moe expert parallel"]
-    for run in data["runs"][:4]:
+    assert runs == [
+        "fsdp (2)",
+        "fsdp x tp2 (2)",
+        "moe ddp",
+        "moe fsdp",
+        "moe expert parallel",
+        "ddp (2)",
+        "ddp x pp2 (2)",
+    ]
+    for run in data["runs"][:4] + data["runs"][5:]:  # the expert-parallel entry says it skips
         assert "error" not in run and len(run["peak_gib_per_rank"]) == (2 if "(2)" in run["run"] else 1), run
         assert f"| {run['run']} | {run['tokens_per_s']:,.0f} |" in table.read_text()
     assert data["runs"][2]["router_imbalance"] >= 1.0
     assert "skipped: engine.expert_parallel is not built yet" in table.read_text()
 
 
-def test_gpu_check_skips_tensor_parallel_on_one_gpu_and_says_why():
+def test_gpu_check_skips_tensor_and_pipeline_parallel_on_one_gpu_and_says_why():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_check
 
@@ -196,3 +227,6 @@ def test_gpu_check_skips_tensor_parallel_on_one_gpu_and_says_why():
     skipped = gpu_check.tensor_parallel(REPO, dry_run=False, visible=1)
     assert skipped == [{"run": "fsdp x tp2", "skipped": gpu_check.tp_gpus(1)}]
     assert "skipped: engine.tensor_parallel=2 needs 2 GPUs" in gpu_check.markdown(skipped, [], "one GPU")
+    assert "needs 2 GPUs (one per stage)" in gpu_check.pp_gpus(1) and gpu_check.pp_gpus(2) == ""
+    skipped = gpu_check.pipeline_parallel(REPO, dry_run=False, visible=1)
+    assert skipped == [{"run": "ddp x pp2", "skipped": gpu_check.pp_gpus(1)}]

@@ -43,8 +43,9 @@ TASKS: dict[str, str] = {
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 # The model-parallel layouts a strategy or a task declares it combines with (`combines_with`),
-# each named by its engine key: engine.tensor_parallel splits every layer over a group of ranks.
-LAYOUTS = ("tensor_parallel",)
+# each named by its engine key: engine.tensor_parallel splits every layer over a group of ranks,
+# engine.pipeline_parallel splits the decoder layers into stages on different ranks.
+LAYOUTS = ("tensor_parallel", "pipeline_parallel")
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,18 @@ class TaskTraits:
     """What a task is, as far as the recipe's checks must know before its class is imported."""
 
     # The layouts that may split the model it trains (tensor_parallel: it trains one model,
-    # with no frozen reference or rollout copy beside it that the layout would not split).
+    # with no frozen reference or rollout copy beside it that the layout would not split;
+    # pipeline_parallel: also one forward and backward per row, a causal LM's token loss on the
+    # last stage).
     combines_with: tuple[str, ...] = ()
 
 
 # name -> traits; a task without an entry has none (a user's task, unless registered with some).
 TASK_TRAITS: dict[str, TaskTraits] = {
-    name: TaskTraits(combines_with=("tensor_parallel",)) for name in ("sft", "pretrain", "classify", "reward")
+    "sft": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel")),
+    "pretrain": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel")),
+    "classify": TaskTraits(combines_with=("tensor_parallel",)),
+    "reward": TaskTraits(combines_with=("tensor_parallel",)),
 }
 
 
@@ -81,8 +87,8 @@ class Strategy:
     offloads: tuple[str, ...] = ("none",)
     # "module:attribute" of its accord.engine.memory.MemoryModel (None: left out of `accord plan`).
     memory: str | None = None
-    # The layouts (LAYOUTS) it runs as the data parallelism over: tensor_parallel for torch's
-    # own data parallelism, which takes the TP groups' DTensors as they are.
+    # The layouts (LAYOUTS) it runs as the data parallelism over: torch's own data parallelism,
+    # which takes the TP groups' DTensors and the pipeline stages as they are.
     combines_with: tuple[str, ...] = ()
 
     @property
@@ -106,7 +112,10 @@ STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
         Strategy(
-            "ddp", "accord.engine.ddp:build", memory="accord.engine.memory:DDP", combines_with=("tensor_parallel",)
+            "ddp",
+            "accord.engine.ddp:build",
+            memory="accord.engine.memory:DDP",
+            combines_with=("tensor_parallel", "pipeline_parallel"),
         ),
         Strategy(
             "zero1",
@@ -143,7 +152,7 @@ STRATEGIES: dict[str, Strategy] = {
             shards_grads=True,
             shards_optimizer=True,
             memory="accord.engine.memory:FSDP",
-            combines_with=("tensor_parallel",),
+            combines_with=("tensor_parallel", "pipeline_parallel"),
         ),
     )
 }

@@ -20,13 +20,16 @@ class BatchPlan:
     """`world_size` counts the data-parallel groups: processes / (sequence_parallel ×
     tensor_parallel). The ranks of one sequence-parallel group train on the same rows, each a
     slice of their tokens; the ranks of one tensor-parallel group on the same rows and tokens,
-    each a slice of every layer (so only one of them counts a row's loss in sums over ranks)."""
+    each a slice of every layer (so only one of them counts a row's loss in sums over ranks).
+    Under engine.pipeline_parallel a group's ranks are one pipeline: each holds stages of the
+    model, and every micro-batch of the group's rows passes through all of them."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, processes: int) -> BatchPlan:
@@ -39,6 +42,7 @@ class BatchPlan:
             processes,
             recipe.engine.sequence_parallel,
             recipe.engine.tensor_parallel,
+            recipe.engine.pipeline_parallel,
         )
 
     @classmethod
@@ -49,30 +53,41 @@ class BatchPlan:
         world_size: int,
         sequence_parallel: int = 1,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> BatchPlan:
         """The plan for `world_size` processes, `sequence_parallel` × `tensor_parallel` of them
         to a row (engine.sequence_parallel, engine.tensor_parallel); `micro_batch_size=None`
         means no accumulation."""
         if world_size < 1:
             raise BatchPlanError(f"world size must be at least 1, got {world_size}")
-        for key, n in (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel)):
+        levers = (
+            ("sequence_parallel", sequence_parallel),
+            ("tensor_parallel", tensor_parallel),
+            ("pipeline_parallel", pipeline_parallel),
+        )
+        for key, n in levers:
             if world_size % n:
                 raise BatchPlanError(
                     f"engine.{key}={n} does not divide the {world_size} processes; "
                     f"use one of {', '.join(map(str, divisors(world_size)))} "
                     f"(or run on a multiple of {n} processes)"
                 )
-        per_row = sequence_parallel * tensor_parallel
+        per_row = sequence_parallel * tensor_parallel * pipeline_parallel
+        named = [f"engine.{k}={n}" for k, n in levers if n > 1]
         if world_size % per_row:
             raise BatchPlanError(
-                f"engine.sequence_parallel × engine.tensor_parallel = {per_row} does not divide the {world_size} "
-                f"processes; lower one of them"
+                f"{' × '.join(named)} = {per_row} does not divide the {world_size} processes; lower one of them"
             )
-        sizes = (("sequence_parallel", sequence_parallel), ("tensor_parallel", tensor_parallel))
-        levers = [f"engine.{k}={n}" for k, n in sizes if n > 1]
-        unit = "processes" if per_row == 1 else f"data-parallel groups (processes / {' × '.join(levers)})"
+        unit = "processes" if per_row == 1 else f"data-parallel groups (processes / {' × '.join(named)})"
         plan = cls._derive(global_batch_size, micro_batch_size, world_size // per_row, unit)
-        return cls(plan.global_batch_size, plan.micro_batch_size, plan.world_size, sequence_parallel, tensor_parallel)
+        return cls(
+            plan.global_batch_size,
+            plan.micro_batch_size,
+            plan.world_size,
+            sequence_parallel,
+            tensor_parallel,
+            pipeline_parallel,
+        )
 
     @classmethod
     def _derive(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, unit: str) -> BatchPlan:
@@ -101,7 +116,7 @@ class BatchPlan:
     @property
     def ranks_per_group(self) -> int:
         """The ranks that train on the same rows (one data-parallel group)."""
-        return self.sequence_parallel * self.tensor_parallel
+        return self.sequence_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @property
     def per_rank(self) -> int:
@@ -135,7 +150,13 @@ class BatchPlan:
 
     def describe(self) -> str:
         kinds = " and ".join(
-            kind for kind, n in (("sequence", self.sequence_parallel), ("tensor", self.tensor_parallel)) if n > 1
+            kind
+            for kind, n in (
+                ("sequence", self.sequence_parallel),
+                ("tensor", self.tensor_parallel),
+                ("pipeline", self.pipeline_parallel),
+            )
+            if n > 1
         )
         groups = (
             f"{self.world_size} data-parallel group{'s' if self.world_size != 1 else ''} of {self.ranks_per_group} "

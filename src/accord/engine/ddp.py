@@ -20,7 +20,11 @@ from accord.recipe.schema import Recipe
 
 def build(
     recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
-) -> DDPEngine:
+) -> TorchUpdateEngine:
+    if recipe.engine.pipeline_parallel > 1:  # replicated over the pipelines (engine/pipeline/)
+        from accord.engine.pipeline.engine import build as pipelined
+
+        return pipelined(recipe, model, info, device, total_steps)
     return DDPEngine(model, recipe, info, device, total_steps)
 
 

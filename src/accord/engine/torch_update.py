@@ -83,10 +83,16 @@ class TorchUpdateEngine(Engine):
         grad_norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, error_if_nonfinite=False)
         if not norms:
             grad_norm = torch.zeros((), device=self.device)
+        grad_norm = self._whole_norm(grad_norm)
         if self.max_grad_norm is not None:
             for params in groups:
                 torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, grad_norm)
         return grad_norm
+
+    def _whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The norm of the whole gradient from this rank's: the same here, where every rank
+        holds (a shard of) every parameter; pipeline stages combine theirs."""
+        return norm
 
     def step(self, skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
         if self.scaler is not None:

@@ -39,7 +39,7 @@ def preflight(
     problems: list[str] = []
     if plan is None:
         try:
-            BatchPlan.for_recipe(recipe, world_size)
+            plan = BatchPlan.for_recipe(recipe, world_size)
         except BatchPlanError as e:
             problems.append(str(e))
     problems += check_model_source(recipe.model)
@@ -47,6 +47,8 @@ def preflight(
         problems += check_sequence_parallel(recipe)
     if recipe.engine.tensor_parallel > 1 and not problems:
         problems += check_tensor_parallel(recipe, world_size)
+    if recipe.engine.pipeline_parallel > 1 and not problems:
+        problems += check_pipeline_parallel(recipe, plan.grad_accum, plan.world_size)
     if not problems:
         problems += check_moe(recipe)
     problems += check_environment(recipe)
@@ -224,9 +226,8 @@ def check_moe(recipe: Recipe) -> list[str]:
             ]
         return []
     engine = recipe.engine
-    # pipeline_parallel: the router layers would be split over stages (read where the key exists).
     for key in ("sequence_parallel", "tensor_parallel", "pipeline_parallel"):
-        value = getattr(engine, key, 1)
+        value = getattr(engine, key)
         if value > 1:
             return [f"engine.{key}={value} with a mixture-of-experts model is not supported yet; set engine.{key}=1"]
     task = task_class(recipe)
@@ -237,6 +238,16 @@ def check_moe(recipe: Recipe) -> list[str]:
             "set moe.balance_loss=per_forward or off"
         ]
     return []
+
+
+def check_pipeline_parallel(recipe: Recipe, micro_batches: int, pipelines: int | None = None) -> list[str]:
+    """engine.pipeline_parallel: the schedule can run the plan's micro-batches, the decoder
+    layers split evenly into the stages, no tied embeddings; the config is read, no weights."""
+    from accord.engine.pipeline.stages import check_pipeline
+
+    if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
+        return check_pipeline(recipe, None, micro_batches, pipelines)  # its config exists only after conversion
+    return check_pipeline(recipe, _model_config(recipe.model), micro_batches, pipelines)
 
 
 def _model_config(cfg: ModelConfig):

@@ -208,6 +208,8 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     """Each strategy's bytes per rank on nodes × gpus ranks (`cpu`: CPU processes, whose
     phases also count what the checkpoint and export hold in host memory)."""
     world = gpus * nodes
+    if recipe.engine.pipeline_parallel > 1:  # one row per pipeline rank, under the recipe's strategy
+        return _pipeline_rows(recipe, world, cpu), world
     batch = BatchPlan.for_recipe(recipe, world)
     model = meta_model(recipe)
     tp = recipe.engine.tensor_parallel
@@ -284,6 +286,38 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     return rows, world
 
 
+def _pipeline_rows(recipe: Recipe, world: int, cpu: bool) -> list[StrategyPlan]:
+    """engine.pipeline_parallel: one row per pipeline rank, named strategy:rank (planner/stages.py)."""
+    from accord.planner.stages import in_flight, rank_model
+
+    engine = recipe.engine
+    dp = world // engine.pipeline_parallel
+    batch = BatchPlan.for_recipe(recipe, world)
+    micro, length = batch.micro_batch_size, recipe.data.max_length
+    whole = meta_model(recipe)
+    logits = 2 * 4 * micro * length * getattr(whole.config.get_text_config(), "vocab_size", 0)
+    checkpointing = True if cpu and engine.activation_checkpointing == "offload" else engine.activation_checkpointing
+    decoder = activations(whole, micro, length, engine.precision, checkpointing) - logits
+    rows = []
+    for rank in range(engine.pipeline_parallel):
+        model, share, last = rank_model(meta_model(recipe), recipe, rank)
+        flying = in_flight(recipe, rank, batch.grad_accum)
+        act = flying * decoder * share + (flying * logits / engine.stages_per_rank if last else 0)
+        state = model_state(model, engine.strategy, dp, engine.precision, "none")
+        phases = phase_peaks(model, engine.strategy, dp, state, act, recipe, cpu)
+        rows.append(
+            StrategyPlan(
+                f"{engine.strategy}:{rank}",
+                **state,
+                activations=act,
+                micro_batch_size=micro,
+                grad_accum=batch.grad_accum,
+                phases=phases,
+            )
+        )
+    return rows
+
+
 def _sequence_parallel_activations(
     model, recipe: Recipe, world: int, loss_chunk: int, checkpointing: bool | str, tiles: int
 ) -> dict[int, float]:
@@ -318,6 +352,10 @@ def _sequence_parallel_activations(
 def recommend(rows: list[StrategyPlan], recipe: Recipe, world: int, memory_gib: float, device: str = "GPU") -> str:
     """The cheapest strategy that fits (least communication first), and the largest micro
     batch it can take with the resulting accumulation."""
+    if recipe.engine.pipeline_parallel > 1:
+        from accord.planner.stages import stage_advice
+
+        return stage_advice(rows, memory_gib, device)
     budget = memory_gib * GIB
     fitting = [r for r in rows if r.total <= budget]
     if not fitting:

@@ -11,6 +11,8 @@ from accord import registry
 from accord.recipe.section import Section
 
 PROCESS_GROUP_TIMEOUT_S = 600
+# engine.pipeline_schedule values that run one stage per rank (the others interleave several).
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 
 
 class RayConfig(Section):
@@ -158,6 +160,31 @@ class EngineConfig(Section):
         "divide the processes, the attention and key/value heads and the intermediate size (sft, pretrain, classify, "
         "reward; no LoRA).",
     )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="Pipeline parallelism (torch.distributed.pipelining): the decoder layers are split into stages "
+        "over groups of this many consecutive ranks (embeddings on the first stage, final norm and head on the last), "
+        "and each global batch's micro-batches flow through them as engine.pipeline_schedule orders; the world is "
+        "data-parallel x this, with ddp or fsdp over the data-parallel groups. The decoder layers must divide into "
+        "the stages (sft and pretrain; no LoRA, tied embeddings, tensor or sequence parallelism yet; "
+        "docs/pipeline.md).",
+    )
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv"] = Field(
+        "1f1b",
+        description="engine.pipeline_parallel: the order of micro-batches through the stages, torch's schedules: "
+        "1f1b (Schedule1F1B), gpipe (all forwards, then all backwards), interleaved-1f1b "
+        "(ScheduleInterleaved1F1B, engine.pipeline_stages_per_rank stages on each rank), zero-bubble "
+        "(ScheduleInterleavedZeroBubble: backward split into input and weight gradients) or zbv "
+        "(ScheduleZBVZeroBubble: two stages per rank in a V).",
+    )
+    pipeline_stages_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="engine.pipeline_parallel: stages (virtual stages) each rank holds; the model has "
+        "pipeline_parallel x this stages. Default: 1 for 1f1b and gpipe, 2 for interleaved-1f1b, zero-bubble and zbv "
+        "(zbv needs exactly 2, 1f1b and gpipe exactly 1).",
+    )
     zero1_implementation: Literal["auto", "deepspeed", "torch"] = Field(
         "auto",
         description="zero1: deepspeed (DeepSpeed ZeRO-1) or torch (torch's ZeroRedundancyOptimizer over DDP); "
@@ -228,6 +255,49 @@ class EngineConfig(Section):
                 "engine.ray.gpus_per_worker=0 with engine.device=cuda: each worker needs a GPU; "
                 "set engine.device=cpu, or gpus_per_worker to 1"
             )
+        return self
+
+    @property
+    def stages_per_rank(self) -> int:
+        """engine.pipeline_stages_per_rank as the schedule runs it (its default filled in)."""
+        if self.pipeline_stages_per_rank is not None:
+            return self.pipeline_stages_per_rank
+        return 1 if self.pipeline_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @model_validator(mode="after")
+    def _pipeline_options(self) -> EngineConfig:
+        n, schedule = self.pipeline_parallel, self.pipeline_schedule
+        key = f"engine.pipeline_parallel={n}"
+        if n == 1:
+            # Values, not the keys given: a resolved recipe (the workers' JSON) names every key.
+            changed = [
+                k
+                for k in ("pipeline_schedule", "pipeline_stages_per_rank")
+                if getattr(self, k) != EngineConfig.model_fields[k].default
+            ]
+            if changed:
+                raise ValueError(
+                    f"engine.{changed[0]} applies to pipeline parallelism: set engine.pipeline_parallel "
+                    "to 2 or more, or leave it out"
+                )
+            return self
+        v = self.pipeline_stages_per_rank
+        if v is not None and schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+            raise ValueError(
+                f"engine.pipeline_stages_per_rank={v} with engine.pipeline_schedule={schedule}, which runs one stage "
+                "per rank; use pipeline_schedule=interleaved-1f1b (or zero-bubble), or stages_per_rank 1"
+            )
+        if v is not None and schedule == "zbv" and v != 2:
+            raise ValueError(
+                f"engine.pipeline_stages_per_rank={v} with engine.pipeline_schedule=zbv, which places exactly 2 "
+                "stages per rank (a V); set it to 2 or leave it out"
+            )
+        # The other model-parallel levers: each would need its own stage layout (not built yet).
+        others = [
+            f"engine.{k}={getattr(self, k)}" for k in ("tensor_parallel", "sequence_parallel") if getattr(self, k) > 1
+        ]
+        if others:
+            raise ValueError(f"{key} with {others[0]} is not supported yet; use one of them")
         return self
 
     @model_validator(mode="after")

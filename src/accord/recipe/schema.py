@@ -326,6 +326,48 @@ class Recipe(Section):
             raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
         return self
 
+    @model_validator(mode="after")
+    def _pipeline_parallel(self) -> Recipe:
+        n = self.engine.pipeline_parallel
+        if n == 1:
+            return self
+        key = f"engine.pipeline_parallel={n}"
+        # What combines with it is declared with the strategies and tasks (accord.registry).
+        strategies, tasks = registry.combining("pipeline_parallel")
+        if self.engine.strategy not in strategies:
+            raise ValueError(
+                f"{key} composes with engine.strategy={_or(strategies)} (torch's own data parallelism over the "
+                f"pipelines), not {self.engine.strategy}; use engine.strategy=fsdp to shard the stages too, or "
+                "pipeline_parallel=1"
+            )
+        if not isinstance(self.task, str) or self.task not in tasks:
+            name = self.task if isinstance(self.task, str) else self.task.class_
+            raise ValueError(
+                f"{key} supports task {' and '.join(tasks)}, not {name}: its loss needs more than "
+                "one forward of the trained model per row (a reference, pairs or rollouts), which the pipeline "
+                "schedule cannot run yet; set engine.pipeline_parallel=1"
+            )
+        if self.lora is not None:
+            raise ValueError(f"{key} with lora is not supported yet (peft's wrapper is not split); remove one of them")
+        held_out = (
+            "data.eval"
+            if self.data.eval is not None
+            else "data.eval_fraction"
+            if self.data.eval_fraction
+            else "data.generate.eval_examples"
+            if self.data.generate is not None and self.data.generate.eval_examples
+            else None
+        )
+        if held_out:
+            fix = "set it to 0" if held_out != "data.eval" else "remove it"
+            raise ValueError(
+                f"{key} with {held_out} is not supported yet (evaluation does not run through the stages); "
+                f"{fix}, or set engine.pipeline_parallel=1"
+            )
+        if self.engine.compile:
+            raise ValueError(f"{key} with engine.compile is not supported yet; remove one of them")
+        return self
+
 
 def _or(names: list[str]) -> str:
     """Names as a sentence lists them: a, b or c."""

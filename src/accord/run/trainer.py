@@ -27,6 +27,7 @@ from accord.output.export import export_final
 from accord.run.batch_pass import batch_pass
 from accord.run.evaluate import EvaluationStopped, Evaluator
 from accord.run.nonfinite import NonFiniteGuard
+from accord.run.pipeline_step import pipeline_padded, pipeline_pass
 from accord.run.rollout_step import rollout_step
 from accord.run.setup import RunSetup
 from accord.stopping import RunResult, StopRequest
@@ -69,6 +70,43 @@ class Trainer:
         training_started = time.perf_counter()
         # The normaliser: targets in the whole global batch, known to every rank from the plan.
         targets = online.targets if online else int(self.rows.targets[global_batch].sum())
+        if self.engine.pipelined:
+            loss_sum, metrics = pipeline_pass(self.run, self.task, self.step + 1, global_batch, targets, self._rows)
+        else:
+            loss_sum, metrics = self._micro_steps(global_batch, targets, online)
+        lr = self.engine.lr
+        heartbeat.phase("optimizer step", self.step + 1)
+        grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
+        self.step += 1
+        if online:
+            tokens, padded = online.tokens, online.tokens
+            means = online.means | {
+                "training_s": time.perf_counter() - training_started,
+                "step_s": time.perf_counter() - started,
+            }
+        else:
+            tokens, means = int(self.rows.lengths[global_batch].sum()), {}
+            # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
+            padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
+            if self.engine.pipelined:  # a pipeline pads its rows to one width per step
+                padded = pipeline_padded(self.plan, self.rows.lengths, global_batch)
+        means = means | self.task.step_means()  # a mixture-of-experts router's balance, say
+        return StepStats(
+            self.step,
+            loss_sum,
+            grad_norm.detach(),
+            targets,
+            tokens,
+            padded,
+            lr,
+            metrics,
+            skipped=not applied,
+            means=means,
+        )
+
+    def _micro_steps(self, global_batch: np.ndarray, targets: int, online) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of this rank's micro-batches, one after another; the logged loss
+        and metric sums."""
         loss_sum = torch.zeros((), device=self.engine.device)
         metrics: dict[str, torch.Tensor] = {}
         for micro_step in range(self.plan.grad_accum):
@@ -92,33 +130,7 @@ class Trainer:
             loss_sum += micro_loss.detach() * share
             for name, value in micro_metrics.items():
                 metrics[name] = metrics.get(name, 0) + value.detach().float() * share
-        lr = self.engine.lr
-        heartbeat.phase("optimizer step", self.step + 1)
-        grad_norm, applied = self.engine.step(skip_nonfinite=self.guard.skip)
-        self.step += 1
-        if online:
-            tokens, padded = online.tokens, online.tokens
-            means = online.means | {
-                "training_s": time.perf_counter() - training_started,
-                "step_s": time.perf_counter() - started,
-            }
-        else:
-            tokens, means = int(self.rows.lengths[global_batch].sum()), {}
-            # Flattened micro-batches (CausalLMTask.flatten) compute no padding.
-            padded = tokens if getattr(self.run.task, "flatten", False) else self._padded(global_batch)
-        means = means | self.task.step_means()  # a mixture-of-experts router's balance, say
-        return StepStats(
-            self.step,
-            loss_sum,
-            grad_norm.detach(),
-            targets,
-            tokens,
-            padded,
-            lr,
-            metrics,
-            skipped=not applied,
-            means=means,
-        )
+        return loss_sum, metrics
 
     def _rows(self, row_ids) -> list[list[dict]]:
         """The examples of each row (one, or several when packed), fetched in one read."""

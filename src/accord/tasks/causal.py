@@ -38,9 +38,10 @@ class CausalLMTask(Task):
         # On the CPU, attention per document beats SDPA under a block-diagonal mask and the
         # padding goes (accord.models.documents); GPUs keep their fused kernels (flash-attention's
         # varlen path where the model selects it). Sequence parallelism slices rows, tensor
-        # parallelism shards the attention (not measured flattened), and a compiled forward would
-        # meet a new length every step and a Python loop over documents: not flattened.
-        whole = engine.sequence_parallel == 1 and engine.tensor_parallel == 1
+        # parallelism shards the attention (not measured flattened), pipeline stages take rows
+        # in equal micro-batches, and a compiled forward would meet a new length every step and
+        # a Python loop over documents: not flattened.
+        whole = engine.sequence_parallel == 1 and engine.tensor_parallel == 1 and engine.pipeline_parallel == 1
         if self.packing and on_cpu and whole and not engine.compile:
             self.flatten = install_document_attention(model)
         self.plain_loss_reason = chunking_blocker(model, self.recipe)
