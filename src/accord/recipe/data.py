@@ -13,7 +13,12 @@ from accord.recipe.section import Section
 class GeneratedData(Section):
     """A learnable task that accord generates itself, deterministically from the seed."""
 
-    kind: Literal["addition"] = Field("addition", description="addition: `123+45=` -> `168`.")
+    kind: Literal["addition", "addition_pairs"] = Field(
+        "addition",
+        description="addition: `123+45=` -> `168` (prompt, completion: sft, grpo, rloo); addition_pairs: the same "
+        "sums as preference pairs, chosen the sum and rejected the sum with one digit changed (`123+45=` -> `168` "
+        "over `158`; prompt, chosen, rejected: dpo, orpo, cpo, kto).",
+    )
     train_examples: int = Field(4000, gt=0, description="Number of training examples.")
     eval_examples: int = Field(200, ge=0, description="Number of held-out examples (never seen in training).")
     max_digits: int = Field(3, ge=1, le=9, description="Largest number of digits of an operand.")
