@@ -117,6 +117,9 @@ class Benchmark:
     columns: list[Column] = field(default_factory=list)
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     notes: Callable[[argparse.Namespace], str] = lambda args: ""  # a paragraph under the docs table
+    # (bench, summaries, primary) -> (table lines, last line), for a table of another shape
+    # (methods.py: a row per method, accord beside its peer); default: table() and verdict().
+    report: Callable[[Benchmark, dict[str, dict], str], tuple[list[str], str]] | None = None
 
 
 # ---------------------------------------------------------------- inside a contender's process
@@ -468,8 +471,10 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> None:
     primary = "wall" if args.device == "cuda" else "cpu"
     summaries = {c.name: summarise(runs[c.name], bench.unit, primary) for c in contenders}
     load_after = os.getloadavg()
-    lines = table(bench, summaries, primary)
-    last = verdict(bench, summaries)
+    if bench.report is not None:
+        lines, last = bench.report(bench, summaries, primary)
+    else:
+        lines, last = table(bench, summaries, primary), verdict(bench, summaries)
     command = shown_command(script, given)
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "verdict": last}, indent=1, default=str))

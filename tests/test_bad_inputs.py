@@ -590,3 +590,59 @@ def test_a_tracker_that_cannot_start_refuses_on_every_rank_before_the_model_is_b
     assert_one_line(proc, "observe.report_to: mlflow cannot start with MLFLOW_TRACKING_URI=bogus://nowhere: ")
     assert "accord: loading model" not in proc.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+# ------------------------------------------------------------------ the post-training methods' rows and losses
+
+_PAIR = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+_UNPAIRED = {"prompt": "1+1=", "completion": "2", "label": True}
+
+
+@pytest.mark.parametrize(
+    "task, rows, override, needle",
+    [
+        ("kto", [_UNPAIRED, {"prompt": "1+2=", "completion": "4"}], None, "row 2: kto label None is not a boolean"),
+        ("kto", [{"prompt": "1+2=", "completion": "4"}] * 2, None, "kto data: missing field 'label'"),
+        ("kto", [_UNPAIRED, {**_UNPAIRED, "label": "no"}], None, "row 2: kto label 'no' is not a boolean"),
+        ("kto", [_PAIR, {"prompt": "1+2=", "chosen": "3"}], None, "row 2: field 'rejected' is missing or null"),
+        ("dpo", [_PAIR, {"prompt": "1+2=", "chosen": "3"}], None, "row 2: field 'rejected' is missing or null"),
+        ("orpo", [{"prompt": "1+2=", "chosen": "3"}] * 2, None, "missing field 'rejected'"),
+        ("cpo", [_PAIR, {**_PAIR, "rejected": None}], None, "row 2: field 'rejected' is missing or null"),
+        ("cpo", None, "cpo.loss_type=simpoo", "cpo.loss_type: input should be 'sigmoid', 'hinge', 'ipo' or 'simpo'"),
+        ("kto", None, "kto.loss_type=kto_pair", "kto.loss_type: input should be 'kto' or 'apo_zero_unpaired'"),
+        ("orpo", None, "data.generate.kind=addition", "use data.generate.kind: addition_pairs"),
+    ],
+    ids=[
+        "kto-a-row-without-label",
+        "kto-no-label-field",
+        "kto-label-not-boolean",
+        "kto-pair-without-rejected",
+        "dpo-pair-without-rejected",
+        "orpo-no-rejected-field",
+        "cpo-null-rejected",
+        "cpo-unknown-loss-type",
+        "kto-unknown-loss-type",
+        "orpo-generated-sums-not-pairs",
+    ],
+)
+def test_a_methods_bad_rows_or_loss_type_is_one_line_before_any_worker(tmp_path, task, rows, override, needle):
+    """Each post-training method's rows and settings: a KTO row without a boolean label, a
+    preference row without its rejected answer, a loss_type that does not exist (the valid
+    ones listed), generated sums where the task reads pairs."""
+    recipe = {
+        **TINY_RECIPE,
+        "task": task,
+        "data": {"generate": {"kind": "addition_pairs", "train_examples": 64, "eval_examples": 0}, "max_length": 32},
+        "batch": {"global_batch_size": 2},
+    }
+    if rows is not None:
+        recipe["data"] = {"train": str(write_jsonl(tmp_path / "rows.jsonl", rows)), "max_length": 32}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps(recipe))
+    out = tmp_path / "out"
+    extra = [override] if override else []
+    proc = run_accord_here("train", path, *extra, f"output.dir={out}", HERE)
+    assert_one_line(proc, needle)
+    if rows is not None:
+        assert str(tmp_path / "rows.jsonl") in proc.stderr or task == "kto" and "label'" in needle
+    assert not out.exists()

@@ -86,6 +86,47 @@ def test_grpo_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_methods_benchmark_runs_each_method_against_its_trl_trainer_and_writes_its_docs_section(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import methods
+
+    tiny = ("--steps", "1", "--batch", "4", "--group", "2")
+    lines, written = run_benchmark(tmp_path, "methods.py", "methods", *tiny)
+    assert VERDICT.fullmatch(lines[-1]), lines[-1]
+    rows = [line for line in lines if line.startswith("| **")]
+    assert [row.split(" | ")[0] for row in rows] == [f"| **{m.label}**" for m in methods.METHODS]
+    for row in rows:
+        assert "failed" not in row and "n/a" not in row, row
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
+    assert lines[-1] in written and "--docs" not in written
+
+
+def test_methods_verdict_is_the_geometric_mean_of_accords_ratio_to_each_trl_trainer():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import harness
+    import methods
+
+    def ran(rate):
+        return {"rate": rate, "rate_range": (rate, rate), "peak_rss_mib": 600.0, "steps": 4}
+
+    chosen = methods._contenders([methods.BY_KEY["dpo"], methods.BY_KEY["kto"], methods.BY_KEY["orpo"]])
+    bench = harness.Benchmark("methods", "steps", chosen, prepare=None, child=None)
+    summaries = {
+        "dpo: accord": ran(2.0),
+        "dpo: TRL": ran(1.0),
+        "kto: accord": ran(1.0),
+        "kto: TRL": ran(2.0),
+        "orpo: accord": ran(3.0),
+        "orpo: TRL": {"error": "exit 1: boom"},
+    }
+    lines, last = methods.report(bench, summaries, "cpu")
+    assert VERDICT.fullmatch(last) and last.startswith("accord / best peer: 1.00x (") and "dpo 2.00x, kto 0.50x" in last
+    assert [line.split(" | ")[3] for line in lines[2:]] == ["2.00x", "0.50x", "n/a"]
+    assert "failed: exit 1: boom" in lines[-1] and "orpo" not in last
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_section(tmp_path):
     docs = tmp_path / "benchmarks.md"
     docs.write_text("before\n<!-- tensor-parallel:start -->\nSTALE-TABLE\n<!-- tensor-parallel:end -->\nafter\n")

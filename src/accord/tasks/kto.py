@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from accord.data.rows import DataError, row_origin
+from accord.data.sources import check_columns
 from accord.tasks.base import IGNORE, LossOutput, Task, pad_rows, text_prefix, token_ids
 from accord.tasks.chunked_loss import plain_loss_note
 from accord.tasks.reference_model import ReferenceModel, frozen_reference
@@ -221,6 +222,8 @@ def _unpaired_with_labels(ds):
     map batch every chosen row, then every rejected one, as TRL), labels checked."""
     columns = ds.column_names
     if all(c in columns for c in PAIRED) and "completion" not in columns:
+        # A pair without its rejected (or chosen) text is named by row, not met by the tokenizer.
+        ds = check_columns(ds, PAIRED, "kto data")
         ds = ds.map(_unpair, batched=True, remove_columns=list(PAIRED))
     missing = [c for c in ("completion", "label") if c not in ds.column_names]
     if missing:
@@ -230,6 +233,7 @@ def _unpaired_with_labels(ds):
             f"kto reads prompt, completion and a boolean label (or prompt, chosen, rejected); rename with fields: "
             f"{{{missing[0]}: <column>}}"
         )
+    ds = check_columns(ds, ("completion",), "kto data")
     for i, value in enumerate(ds["label"]):
         if not isinstance(value, bool):
             raise DataError(
