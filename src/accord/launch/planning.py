@@ -98,9 +98,12 @@ def _trainer_checkpoint(recipe: Recipe) -> tuple[Recipe, Path | None]:
     """resume: a transformers.Trainer checkpoint-N folder, brought in as an accord checkpoint on
     this node before any check or worker reads it; the workers resume from that. The copy is
     removed when the run ends (the run's own checkpoints continue it from then on)."""
-    from accord.checkpoint.trainer_folder import bring_in, is_trainer_checkpoint  # torch: only for such a resume
+    if recipe.resume in ("never", "auto"):
+        return recipe, None
+    # The checkpoint format's imports (torch.distributed.checkpoint): only for a resume from a folder.
+    from accord.checkpoint.trainer_folder import bring_in, is_trainer_checkpoint
 
-    if recipe.resume in ("never", "auto") or not is_trainer_checkpoint(recipe.resume):
+    if not is_trainer_checkpoint(recipe.resume):
         return recipe, None
     folder = bring_in(Path(recipe.resume), recipe)
     return recipe.model_copy(update={"resume": str(folder)}), folder
