@@ -66,6 +66,8 @@ def test_vlm_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path
     check(lines, written, [c.name for c in vlm.CONTENDERS])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_moe_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import moe
