@@ -190,6 +190,34 @@ def test_image_rows_encode_with_the_answer_as_the_only_targets_and_the_pixels_ba
     assert np.allclose(collated["pixel_values"][5].numpy(), first["pixel_values"][0])
 
 
+def test_replacing_an_image_under_its_name_prepares_the_data_again_with_its_pixels(tmp_path):
+    """The cache key holds each row's image files (size and mtime, as for the data files): a
+    picture replaced under the same name is not read from the stale cache."""
+    import numpy as np
+    from PIL import Image
+
+    from accord.data.prepare import cache_folder, prepare_data
+    from accord.tasks.vision_sft import IMAGE_INPUTS, _unpack_arrays
+
+    data = write_image_rows(tmp_path, 3)
+    recipe = vlm_recipe(tmp_path, data, data={"cache_dir": str(tmp_path / "cache")})
+    picture = tmp_path / json.loads(data.read_text().splitlines()[0])["images"][0]
+
+    task, tokenizer, valid = _task(recipe)
+
+    def pixels():
+        prepared = prepare_data(valid, tokenizer, task, preparer=True)
+        return cache_folder(valid, tokenizer, task), _unpack_arrays(prepared.train[0][IMAGE_INPUTS])["pixel_values"]
+
+    first_folder, first = pixels()
+    assert pixels()[0] == first_folder  # nothing changed: the cache is reused
+    Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255)).save(picture)  # all white now
+    folder, replaced = pixels()
+    assert folder != first_folder
+    expected = task.processor.image_processor(images=[Image.open(picture)], return_tensors="np")["pixel_values"]
+    assert not np.allclose(first, replaced) and np.allclose(replaced, expected)
+
+
 def test_generated_shape_rows_hold_png_bytes_that_encode_to_their_caption(tmp_path):
     """data.generate kind shapes: pictures as {bytes, path} (as datasets stores an Image in
     parquet / arrow), read from the bytes; eval pictures are other draws."""
