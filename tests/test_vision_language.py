@@ -317,6 +317,24 @@ def test_bad_image_rows_are_one_line_naming_file_and_row(tmp_path):
     assert "text_row.jsonl: row 2: a row without images, which engine.strategy=fsdp cannot mix" in line
 
 
+def test_a_wrong_freeze_name_is_one_line_before_the_data_is_prepared(tmp_path):
+    """accord train checks model.freeze on the model built from its config on the meta device:
+    exit 2, one line listing the parts, no prepared data and no output folder."""
+    data = write_image_rows(tmp_path, 2)
+    cache = tmp_path / "cache"
+    recipe = vlm_recipe(tmp_path, data, model={"freeze": ["vision_tower", "vision"]}, data={"cache_dir": str(cache)})
+    line = _refusal(tmp_path, recipe)
+    assert "model.freeze: LlavaForConditionalGeneration has no part 'vision' (parts: vision_tower, projector" in line
+    assert not cache.exists() and not (tmp_path / "out").exists()
+    # A text model's module name, misspelt.
+    text = copy.deepcopy(TINY_RECIPE) | {"output": {"dir": str(tmp_path / "text-out")}}
+    text["model"] = text["model"] | {"freeze": ["model.embed_token"]}
+    text["engine"] = text["engine"] | {"processes": 1}  # the launcher's own checks (cli.main, this process)
+    line = _refusal(tmp_path, text)
+    assert "model.freeze: LlamaForCausalLM has no part 'model.embed_token'" in line
+    assert not (tmp_path / "text-out").exists()
+
+
 # ---------------------------------------------------------------- one shared pair of runs
 
 
