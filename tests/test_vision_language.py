@@ -190,6 +190,34 @@ def test_image_rows_encode_with_the_answer_as_the_only_targets_and_the_pixels_ba
     assert np.allclose(collated["pixel_values"][5].numpy(), first["pixel_values"][0])
 
 
+def test_replacing_an_image_under_its_name_prepares_the_data_again_with_its_pixels(tmp_path):
+    """The cache key holds each row's image files (size and mtime, as for the data files): a
+    picture replaced under the same name is not read from the stale cache."""
+    import numpy as np
+    from PIL import Image
+
+    from accord.data.prepare import cache_folder, prepare_data
+    from accord.tasks.vision_sft import IMAGE_INPUTS, _unpack_arrays
+
+    data = write_image_rows(tmp_path, 3)
+    recipe = vlm_recipe(tmp_path, data, data={"cache_dir": str(tmp_path / "cache")})
+    picture = tmp_path / json.loads(data.read_text().splitlines()[0])["images"][0]
+
+    task, tokenizer, valid = _task(recipe)
+
+    def pixels():
+        prepared = prepare_data(valid, tokenizer, task, preparer=True)
+        return cache_folder(valid, tokenizer, task), _unpack_arrays(prepared.train[0][IMAGE_INPUTS])["pixel_values"]
+
+    first_folder, first = pixels()
+    assert pixels()[0] == first_folder  # nothing changed: the cache is reused
+    Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255)).save(picture)  # all white now
+    folder, replaced = pixels()
+    assert folder != first_folder
+    expected = task.processor.image_processor(images=[Image.open(picture)], return_tensors="np")["pixel_values"]
+    assert not np.allclose(first, replaced) and np.allclose(replaced, expected)
+
+
 def test_generated_shape_rows_hold_png_bytes_that_encode_to_their_caption(tmp_path):
     """data.generate kind shapes: pictures as {bytes, path} (as datasets stores an Image in
     parquet / arrow), read from the bytes; eval pictures are other draws."""
@@ -287,6 +315,24 @@ def test_bad_image_rows_are_one_line_naming_file_and_row(tmp_path):
     sharded = vlm_recipe(tmp_path, write_jsonl(tmp_path / "text_row.jsonl", text_row), engine={"strategy": "fsdp"})
     line = _refusal(tmp_path, sharded)
     assert "text_row.jsonl: row 2: a row without images, which engine.strategy=fsdp cannot mix" in line
+
+
+def test_a_wrong_freeze_name_is_one_line_before_the_data_is_prepared(tmp_path):
+    """accord train checks model.freeze on the model built from its config on the meta device:
+    exit 2, one line listing the parts, no prepared data and no output folder."""
+    data = write_image_rows(tmp_path, 2)
+    cache = tmp_path / "cache"
+    recipe = vlm_recipe(tmp_path, data, model={"freeze": ["vision_tower", "vision"]}, data={"cache_dir": str(cache)})
+    line = _refusal(tmp_path, recipe)
+    assert "model.freeze: LlavaForConditionalGeneration has no part 'vision' (parts: vision_tower, projector" in line
+    assert not cache.exists() and not (tmp_path / "out").exists()
+    # A text model's module name, misspelt.
+    text = copy.deepcopy(TINY_RECIPE) | {"output": {"dir": str(tmp_path / "text-out")}}
+    text["model"] = text["model"] | {"freeze": ["model.embed_token"]}
+    text["engine"] = text["engine"] | {"processes": 1}  # the launcher's own checks (cli.main, this process)
+    line = _refusal(tmp_path, text)
+    assert "model.freeze: LlamaForCausalLM has no part 'model.embed_token'" in line
+    assert not (tmp_path / "text-out").exists()
 
 
 # ---------------------------------------------------------------- one shared pair of runs

@@ -13,7 +13,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from accord.data.rows import DataError
+from accord.data.rows import SOURCE, DataError
 
 IMAGE_COLUMNS = ("images", "image")
 
@@ -86,6 +86,28 @@ def check_image_row(messages: Any, images: list, base: Path | None, where: str) 
         path = _path_of(image, base, where)
         if path is not None and not path.is_file():
             raise DataError(f"{where}: image file {path} does not exist; fix the path (relative to the data file)")
+
+
+def image_files(ds) -> list[Path]:
+    """The image files the rows of `ds` name, resolved as open_image reads them, without
+    decoding any (an Image column is read as its stored {bytes, path})."""
+    column = image_column(ds.column_names)
+    if column is None:
+        return []
+    table = ds.with_format("arrow")
+    values = table[column].to_pylist()
+    sources = table[SOURCE].to_pylist() if SOURCE in ds.column_names else [None] * len(values)
+    files = set()
+    for value, source in zip(values, sources):
+        base = source_folder(str(source)) if source else None
+        for image in row_images(value):
+            try:
+                path = _path_of(image, base, "")
+            except DataError:
+                continue  # an entry without a file: the task's row checks word it
+            if path is not None:
+                files.add(path)
+    return sorted(files)
 
 
 def open_image(image: Any, base: Path | None, where: str):

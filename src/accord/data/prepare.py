@@ -45,6 +45,7 @@ from accord.recipe.schema import Recipe
 # 7: classify, dpo and reward as multi-column token shards, sft's packed rows stored with its shards).
 FORMAT_VERSION = 7
 _DONE = "done.json"
+_FILES = "row-files"  # per data fingerprint: the files its rows name (_row_files)
 _ANNOUNCED: set[Path] = set()  # caches this process said it reuses (the checks, then the run)
 
 
@@ -72,7 +73,43 @@ def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool, share: NodeSha
 
 def cache_folder(recipe: Recipe, tokenizer, task) -> Path:
     root = Path(os.path.expanduser(recipe.data.cache_dir))
-    return root / f"{task.name}-{fingerprint(recipe, tokenizer, task)}"
+    key = fingerprint(recipe, tokenizer, task)
+    files = _row_files(root / _FILES / f"{task.name}-{key}.json", recipe, task)
+    if files:
+        key = hashlib.sha256(f"{key}:{_stamps(files)}".encode()).hexdigest()[:16]
+    return root / f"{task.name}-{key}"
+
+
+def _row_files(record: Path, recipe: Recipe, task) -> list[str]:
+    """The files the rows name (task.row_files: a vision-language row's images). They are a
+    function of the data files, which the fingerprint `record` is named by already covers, so
+    they are read from the rows once and recorded: later runs only stat them."""
+    if task.row_files is None:
+        return []
+    if record.is_file():
+        return json.loads(record.read_text())
+    check_task(recipe.data, task)
+    train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
+    files = sorted({str(Path(f).absolute()) for ds in (train, eval_ds) if ds is not None for f in task.row_files(ds)})
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(f".{record.name}.{socket.gethostname()}-{os.getpid()}")  # several may write it
+    tmp.write_text(json.dumps(files))
+    os.replace(tmp, record)
+    return files
+
+
+def _stamps(files: list[str]) -> str:
+    """Each file's size and mtime (stat only, as for the data files); a missing one as such
+    (the task's row checks refuse it before anything is prepared)."""
+    out = []
+    for file in files:
+        try:
+            stat = os.stat(file)
+        except OSError:
+            out.append(f"{file}:missing")
+            continue
+        out.append(f"{file}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "\n".join(out)
 
 
 def fingerprint(recipe: Recipe, tokenizer, task) -> str:
@@ -176,7 +213,7 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
             if task.row_capacity:  # packed once here, mapped by every rank (packing.py)
                 write_rows(TokenShards(tmp / "train"), task.row_capacity, rows_folder(tmp / "train", task.row_capacity))
         else:
-            train, train_report = _encode(train, task, recipe, "train")
+            train, train_report = _encode(train, task, recipe, "train", folder.name)
             train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None and task.eval_shards:  # no raw columns needed: shards too
             eval_report = write_shards(
@@ -194,7 +231,7 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
         elif eval_ds is not None:
             if is_stream(eval_ds):  # sft's generation metrics read raw eval rows
                 eval_ds = read_into_arrow(eval_ds, work / "eval-rows")
-            eval_ds, _ = _encode(eval_ds, task, recipe, "eval", keep_raw=True)
+            eval_ds, _ = _encode(eval_ds, task, recipe, "eval", folder.name, keep_raw=True)
             eval_ds.save_to_disk(str(tmp / "eval"))
             eval_count = len(eval_ds)
         report = train_report | {"eval_examples": eval_count if eval_ds is not None else 0, "task_state": task.state()}
@@ -227,8 +264,10 @@ def _tokenise_share(folder: Path, work: Path, train, eval_ds, task, workers: int
     return not sealed() and claim_seal(work)
 
 
-def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
-    """Encode, then apply the truncation policy; returns (dataset, counts)."""
+def _encode(ds, task, recipe: Recipe, split: str, key: str | None = None, keep_raw: bool = False):
+    """Encode, then apply the truncation policy; returns (dataset, counts). `key`: the cache
+    folder's name (default: found here), which changes whenever the encoding could."""
+    key = key or cache_folder(recipe, task.tokenizer, task).name
     raw_columns = ds.column_names
     # A bar over the examples (shown once tokenizing takes over ~3 s); datasets' own bars are off.
     with item_bar(len(ds), f"tokenize {split}") as bar:
@@ -239,9 +278,7 @@ def _encode(ds, task, recipe: Recipe, split: str, keep_raw: bool = False):
             return out
 
         # The fingerprint is given: datasets would otherwise try to hash the bar with the function.
-        token = hashlib.sha256(
-            f"{dataset_fingerprint(ds)}:{split}:{fingerprint(recipe, task.tokenizer, task)}".encode()
-        ).hexdigest()[:16]
+        token = hashlib.sha256(f"{dataset_fingerprint(ds)}:{split}:{key}".encode()).hexdigest()[:16]
         encoded = ds.map(encode, batched=True, desc=f"tokenize {split}", new_fingerprint=token)
     policy = recipe.data.truncation
     over = [i for i, flag in enumerate(encoded["over_length"]) if flag] if "over_length" in encoded.column_names else []

@@ -43,6 +43,8 @@ def preflight(
         except BatchPlanError as e:
             problems.append(str(e))
     problems += check_model_source(recipe.model)
+    if recipe.model.freeze and not problems:
+        problems += check_freeze(recipe)
     if recipe.engine.sequence_parallel > 1 and not problems:
         problems += check_sequence_parallel(recipe)
     if recipe.engine.tensor_parallel > 1 and not problems:
@@ -176,6 +178,31 @@ def check_rope_scaling(cfg: ModelConfig) -> list[str]:
         return [str(e)]
     except (KeyError, ValueError, TypeError) as e:  # transformers' own checks of the values
         return [f"model.rope_scaling: {' '.join(str(e).split())[:300]}"]
+    return []
+
+
+def check_freeze(recipe: Recipe) -> list[str]:
+    """model.freeze names parts the model has: the model is built from its config on the meta
+    device (its module names, no weights) and the worker's own freeze() is run on it."""
+    from accord.models.build import auto_class
+    from accord.models.vision import freeze
+    from accord.tasks import task_class
+
+    cfg = recipe.model
+    if cfg.path is not None and local_path(cfg.path, cfg.revision).suffix == ".gguf":
+        return []  # its config exists only after conversion; the worker applies the same check
+    try:
+        config = _model_config(cfg)
+        with torch.device("meta"):
+            model = auto_class(task_class(recipe).model_kind).from_config(
+                config, trust_remote_code=cfg.trust_remote_code
+            )
+    except (KeyError, ValueError, TypeError, OSError, ImportError):
+        return []  # a config transformers cannot build: the model's own build says why, in one line
+    try:
+        freeze(model, cfg.freeze)
+    except UserInputError as e:
+        return [str(e)]
     return []
 
 

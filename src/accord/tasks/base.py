@@ -9,7 +9,9 @@ micro-steps. Tasks know nothing of ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,6 +93,10 @@ class Task:
     eval_shards = False
     # Sources streamed (never materialised) are taken: fit() needs no whole table.
     takes_streams = False
+    # row_files(ds) -> the files a dataset's rows name and encoding reads (a vision-language
+    # row's images): their size and mtime enter the prepared data's cache key, as the data
+    # files' do. None: rows name no files (and the cache key never reads them).
+    row_files: Callable[[Any], list[Path]] | None = None
     # Online methods (grpo) make their training batches each step from their rows (the
     # prompts): the trainer calls rollout() and rollout_batch() instead of collate().
     online = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,15 @@ from torch import nn
 
 from accord import registry
 from accord.compat.transformers import attn_implementation
-from accord.data.images import check_image_row, image_column, open_image, row_images, source_folder, with_image_parts
+from accord.data.images import (
+    check_image_row,
+    image_column,
+    image_files,
+    open_image,
+    row_images,
+    source_folder,
+    with_image_parts,
+)
 from accord.data.rows import ROW, SOURCE, DataError, row_origin
 from accord.errors import UserInputError
 from accord.models.build import build_config
@@ -58,6 +67,10 @@ class VisionSFTTask(SFTTask):
         # The image processor's settings change the cached pixels.
         processor = hashlib.sha256(self.processor.to_json_string().encode()).hexdigest()[:16]
         return super().settings() | {"processor": processor, "image_token_id": self.image_token_id}
+
+    def row_files(self, ds) -> list[Path]:
+        # The cached pixels are the image files': replacing one under its name re-prepares.
+        return image_files(ds)
 
     def fit(self, train, eval_ds):
         sharded = registry.strategy(self.recipe.engine.strategy).shards_params
