@@ -141,6 +141,109 @@ def test_the_docs_mapping_table_is_generated_from_the_importers_table():
     assert table == markdown_table()
 
 
+def _recipe_key(dotted: str) -> bool:
+    """`dotted` names a field of the Recipe schema (`*`: every source of a list of sources)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from accord.recipe.schema import Recipe
+
+    def sections(annotation):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield annotation
+        for arg in typing.get_args(annotation):
+            yield from sections(arg)
+
+    models = [Recipe]
+    for part in dotted.replace(".*", "").split("."):
+        found = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not found:
+            return False
+        models = [s for f in found for s in sections(f.annotation)]
+    return True
+
+
+def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
+    """A target the schema lacks writes a recipe that fails validation on import; the conversions'
+    literal keys (convert.py) are checked too, the DeepSpeed JSON's own keys aside."""
+    from accord.interop import convert
+    from accord.interop.mapping import ACCELERATE_RULES
+
+    assert _recipe_key("data.train.*.split") and not _recipe_key("data.test_split_size")
+    bad = [f"{k} -> {r.target}" for k, r in [*RULES.items(), *ACCELERATE_RULES.items()] if r.target]
+    bad = [b for b in bad if not _recipe_key(b.split(" -> ")[1])]
+    assert not bad, f"mapping targets that are not recipe keys: {bad}"
+    tree = ast.parse(Path(convert.__file__).read_text())
+    deepspeed = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and "_DS_TARGETS" in ast.unparse(n))
+    written = {
+        node.value
+        for d in ast.walk(tree)
+        if isinstance(d, ast.Dict)
+        for node in (d.values if d is deepspeed else d.keys)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.fullmatch(r"[a-z_]+(\.[a-z_*]+)+", node.value)
+    }
+    assert "data.eval_fraction" in written and "engine.strategy" in written
+    assert not [k for k in written if not _recipe_key(k)], "convert.py writes keys the recipe schema lacks"
+
+
+def _mixture_job(tmp_path, test_split_size, handbook: bool):
+    """A TRL `datasets:` mixture (or the alignment-handbook's dataset_mixture) of two local files."""
+    import yaml
+
+    files = []
+    for name, n in (("a", 30), ("b", 10)):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps({"prompt": f"{name}{i}", "completion": "x"}) + "\n" for i in range(n)))
+    if handbook:
+        job = {"dataset_mixture": {"datasets": [{"id": str(f)} for f in files], "test_split_size": test_split_size}}
+    else:
+        job = {"datasets": [{"path": str(f)} for f in files], "test_split_size": test_split_size}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model_name_or_path": "m", "max_steps": 10, **job}))
+    return tmp_path / "job.yaml"
+
+
+@pytest.mark.parametrize("handbook", [False, True], ids=["trl-datasets", "handbook-dataset_mixture"])
+def test_a_mixtures_test_split_size_holds_out_that_share_of_the_mixed_rows(tmp_path, handbook):
+    """TRL and the handbook call datasets' train_test_split(test_size=...) on the mixed rows: a
+    float is the held-out share, accord's data.eval_fraction."""
+    from accord.data.split import load_split
+    from accord.interop.job import build_job, import_recipe, write_recipe
+    from accord.recipe.schema import load_recipe
+    from accord.tasks import task_class
+
+    recipe, rows = import_recipe(build_job([str(_mixture_job(tmp_path, 0.25, handbook))], [], devices=1))
+    assert recipe["data"]["eval_fraction"] == 0.25 and "test_split_size" not in recipe["data"]
+    key = "dataset_mixture" if handbook else "test_split_size"
+    assert any(r.key == key and "data.eval_fraction=0.25" in r.new for r in rows)
+    write_recipe(recipe, tmp_path / "recipe.yaml")
+    loaded = load_recipe(tmp_path / "recipe.yaml")
+    train, held = load_split(loaded.data, loaded.seed, task_class(loaded.task).text_fields)
+    assert (len(train), len(held)) == (30, 10)
+    assert sorted(list(train["prompt"]) + list(held["prompt"])) == sorted(
+        [f"a{i}" for i in range(30)] + [f"b{i}" for i in range(10)]
+    )
+
+
+@pytest.mark.parametrize("handbook", [False, True], ids=["trl-datasets", "handbook-dataset_mixture"])
+def test_a_test_split_size_row_count_is_refused_with_the_fraction_it_is_of_the_mixture(tmp_path, handbook):
+    """An int test_size is a count of rows: accord holds out a fraction, so the count is refused,
+    naming the fraction it is of the local files' rows; a float outside (0, 1) is refused too."""
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    with pytest.raises(
+        RefusedKeys,
+        match=r"test_split_size 5 is a count of rows.*nearest: test_split_size: 0\.125 "
+        r"\(5 of the mixture's 40 rows\)",
+    ):
+        import_recipe(build_job([str(_mixture_job(tmp_path, 5, handbook))], [], devices=1))
+    with pytest.raises(RefusedKeys, match=r"test_split_size 1\.5 is neither a fraction in \(0, 1\) nor a row count"):
+        import_recipe(build_job([str(_mixture_job(tmp_path, 1.5, handbook))], [], devices=1))
+
+
 # ---------------------------------------------------------------- --verify: side by side with TRL's trainers
 
 

@@ -88,7 +88,11 @@ RULES: dict[str, Rule] = {
     "dataset_streaming": mapped("data.train.streaming", how="source_key"),
     "streaming": mapped("data.train.streaming", how="source_key"),
     "datasets": mapped("data.train", how="mixture"),
-    "test_split_size": mapped("data.test_split_size"),
+    "test_split_size": mapped(
+        "data.eval_fraction",
+        how="test_split",
+        note="train_test_split's test_size: a fraction of the mixed rows held out (seeded); a row count is refused",
+    ),
     "ignore_bias_buffers": dropped("a DDP workaround for models with boolean buffers; accord's DDP does not need it"),
     "dataset_text_field": mapped("data.train.fields", how="text_field"),
     "dataset_kwargs": refused("extra load_dataset arguments have no recipe key", "data.train source keys"),
@@ -281,7 +285,9 @@ RULES: dict[str, Rule] = {
     # ---------------------------------------------------------------- older names (alignment-handbook, TRL < 1)
     "max_seq_length": mapped("data.max_length", how="max_length", note="older name of max_length"),
     "dataset_mixer": mapped("data.train", how="mixer", note="alignment-handbook: {dataset: fraction}"),
-    "dataset_mixture": mapped("data.train", how="mixture", note="alignment-handbook: {datasets: [...]}"),
+    "dataset_mixture": mapped(
+        "data.train", how="mixture", note="alignment-handbook: {datasets: [...], test_split_size} (see test_split_size)"
+    ),
     "dataset_splits": mapped("data.train.split", how="splits", note="alignment-handbook: [train split, test split]"),
     "dataset_configs": mapped("data.train.config", how="configs", note="alignment-handbook: one per dataset"),
     "preprocessing_num_workers": mapped("data.prepare_workers"),
