@@ -227,6 +227,23 @@ def test_a_mixtures_test_split_size_holds_out_that_share_of_the_mixed_rows(tmp_p
     )
 
 
+def test_a_mixture_wins_over_dataset_name_and_its_test_split_is_the_evaluation(tmp_path):
+    """TRL's scripts load `datasets` when dataset_name is given too, and evaluate on the mixture's
+    test split: data.train is the mixture, and no data.eval beside data.eval_fraction."""
+    import yaml
+
+    from accord.interop.job import build_job, import_recipe
+
+    job = _mixture_job(tmp_path, 0.25, handbook=False)
+    extra = {"dataset_name": str(tmp_path / "other.jsonl"), "eval_strategy": "steps", "eval_steps": 5}
+    job.write_text(yaml.safe_dump(yaml.safe_load(job.read_text()) | extra))
+    recipe, rows = import_recipe(build_job([str(job)], [], devices=1))
+    assert [s["path"] for s in recipe["data"]["train"]] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert recipe["data"]["eval_fraction"] == 0.25 and recipe["data"].get("eval") is None
+    assert recipe["train"]["eval_every"] == 5
+    assert any(r.key == "dataset_name" and "ignored" in r.note for r in rows)
+
+
 @pytest.mark.parametrize("handbook", [False, True], ids=["trl-datasets", "handbook-dataset_mixture"])
 def test_a_test_split_size_row_count_is_refused_with_the_fraction_it_is_of_the_mixture(tmp_path, handbook):
     """An int test_size is a count of rows: accord holds out a fraction, so the count is refused,

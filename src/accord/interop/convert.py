@@ -190,6 +190,8 @@ def _eval_strategy(value, job):
 
 def _eval_sources(job):
     name = job.value("dataset_name")
+    if job.value("datasets"):  # TRL's scripts evaluate on the mixture's test split (test_split_size)
+        return None
     return [{"path": name, "split": job.value("dataset_test_split")}] if name else None
 
 
@@ -298,6 +300,8 @@ def _lora_key(target):
 
 
 def _dataset(value, job):
+    if value and job.value("datasets"):
+        return {"_note": "ignored: TRL's scripts load the `datasets` mixture when both are given"}
     return {"data.train": [{"path": value}]} if value else {}
 
 
