@@ -166,27 +166,29 @@ def _recipe_key(dotted: str) -> bool:
 
 def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
     """A target the schema lacks writes a recipe that fails validation on import; the conversions'
-    literal keys (convert.py) are checked too, the DeepSpeed JSON's own keys aside."""
-    from accord.interop import convert
+    literal keys (convert.py, mixture.py) are checked too, the DeepSpeed JSON's own keys aside."""
+    from accord.interop import convert, mixture
     from accord.interop.mapping import ACCELERATE_RULES
 
     assert _recipe_key("data.train.*.split") and not _recipe_key("data.test_split_size")
     bad = [f"{k} -> {r.target}" for k, r in [*RULES.items(), *ACCELERATE_RULES.items()] if r.target]
     bad = [b for b in bad if not _recipe_key(b.split(" -> ")[1])]
     assert not bad, f"mapping targets that are not recipe keys: {bad}"
-    tree = ast.parse(Path(convert.__file__).read_text())
-    deepspeed = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and "_DS_TARGETS" in ast.unparse(n))
-    written = {
-        node.value
-        for d in ast.walk(tree)
-        if isinstance(d, ast.Dict)
-        for node in (d.values if d is deepspeed else d.keys)
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and re.fullmatch(r"[a-z_]+(\.[a-z_*]+)+", node.value)
-    }
-    assert "data.eval_fraction" in written and "engine.strategy" in written
-    assert not [k for k in written if not _recipe_key(k)], "convert.py writes keys the recipe schema lacks"
+    written = set()
+    for module in (convert, mixture):
+        tree = ast.parse(Path(module.__file__).read_text())
+        deepspeed = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and "_DS_TARGETS" in ast.unparse(n)]
+        written |= {
+            node.value
+            for d in ast.walk(tree)
+            if isinstance(d, ast.Dict)
+            for node in (d.values if d in deepspeed else d.keys)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"[a-z_]+(\.[a-z_*]+)+", node.value)
+        }
+    assert {"data.eval_fraction", "engine.strategy", "batch.micro_batch_size"} <= written
+    assert not [k for k in written if not _recipe_key(k)], "convert.py / mixture.py write keys the schema lacks"
 
 
 def _mixture_job(tmp_path, test_split_size, handbook: bool):
@@ -225,6 +227,48 @@ def test_a_mixtures_test_split_size_holds_out_that_share_of_the_mixed_rows(tmp_p
     assert sorted(list(train["prompt"]) + list(held["prompt"])) == sorted(
         [f"a{i}" for i in range(30)] + [f"b{i}" for i in range(10)]
     )
+
+
+def test_a_mixtures_per_dataset_shares_keep_the_rows_trl_and_the_handbook_keep(tmp_path, monkeypatch):
+    """TRL's fraction is a share of the mixture (sized so no dataset repeats), counted against
+    trl.get_dataset itself; the handbook's weight is the share of a dataset's rows kept."""
+    import datasets
+    import yaml
+    from trl import DatasetMixtureConfig, get_dataset
+    from trl.scripts.utils import DatasetConfig
+
+    from accord.data.split import load_split
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+    from accord.recipe.schema import validate_recipe
+
+    job = _mixture_job(tmp_path, None, handbook=False)
+    raw = yaml.safe_load(job.read_text())
+    a, b = (tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    raw["datasets"] = [{"path": str(a), "fraction": 0.7}, {"path": str(b), "fraction": 0.3}]
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # TRL's load_dataset caches
+    trl_rows = get_dataset(
+        DatasetMixtureConfig(
+            datasets=[DatasetConfig(path="json", data_files=str(f), fraction=x) for f, x in ((a, 0.7), (b, 0.3))]
+        )
+    )["train"]["prompt"]
+    train, _ = load_split(validate_recipe(recipe).data, 0, ("prompt", "completion"))
+    ours = list(train["prompt"])
+    assert [sum(r.startswith(n) for r in ours) for n in "ab"] == [sum(r.startswith(n) for r in trl_rows) for n in "ab"]
+    assert len(ours) == len(set(ours)) == 33  # 23 of a, all 10 of b: no row repeated
+
+    raw = {"model_name_or_path": "m", "max_steps": 10}
+    raw["dataset_mixture"] = {"datasets": [{"id": str(a), "weight": 0.5}, {"id": str(b), "weight": 1.0}]}
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    assert recipe["data"]["train"] == [{"path": str(a), "fraction": 0.5}, {"path": str(b)}]
+
+    raw = {"model_name_or_path": "m", "max_steps": 10, "datasets": [{"path": "org/hub", "fraction": 0.5}]}
+    job.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RefusedKeys, match="accord counts them only for local JSONL files; nearest: count on each"):
+        import_recipe(build_job([str(job)], [], devices=1))
 
 
 def test_a_mixture_wins_over_dataset_name_and_its_test_split_is_the_evaluation(tmp_path):

@@ -15,19 +15,12 @@ from typing import Any
 
 from accord.errors import UserInputError
 from accord.interop.known import Field, all_keys, task_fields
-from accord.interop.mapping import ACCELERATE_RULES, ALIASES, RULES, Rule
+from accord.interop.mapping import ACCELERATE_RULES, ALIASES, RULES, Refused, Rule
+from accord.interop.mixture import handbook_mixture, test_split, trl_mixture
 
 
 class ImportError_(UserInputError):
     """A job accord import cannot read or convert; the message is one line."""
-
-
-class Refused(Exception):
-    """A value accord cannot run: why, and what to use instead."""
-
-    def __init__(self, reason: str, nearest: str):
-        super().__init__(reason)
-        self.reason, self.nearest = reason, nearest
 
 
 @dataclass
@@ -314,61 +307,6 @@ def _source_key(target):
     return convert
 
 
-def _mixture(value, job):
-    """TRL's `datasets: [{path, name, split, columns, fraction}]` and the handbook's dataset_mixture."""
-    items = value.get("datasets", []) if isinstance(value, dict) else value
-    sources = []
-    for item in items or []:
-        source = {"path": item.get("path") or item.get("id")}
-        for key, new in (("name", "config"), ("config", "config"), ("split", "split"), ("revision", "revision")):
-            if item.get(key) not in (None, "train"):
-                source[new] = item[key]
-        for key in ("weight", "fraction"):
-            if item.get(key) is not None:
-                source["fraction" if key == "fraction" else "weight"] = item[key]
-        sources.append(source)
-    out = {"data.train": sources} if sources else {}
-    if isinstance(value, dict):  # the handbook keeps test_split_size inside its mixture
-        out |= _held_out(value.get("test_split_size"), items or [])
-    return out
-
-
-def _test_split(value, job):
-    return _held_out(value, job.value("datasets") or [])
-
-
-def _held_out(value, items) -> dict[str, Any]:
-    """test_split_size is datasets' train_test_split(test_size=...) on the mixed rows: a float in
-    (0, 1) is the held-out share, as data.eval_fraction; a whole number is a count of rows, which
-    becomes a fraction only with the mixture's row count (the nearest value given when the rows
-    are local JSONL lines)."""
-    if value is None or value == 0:
-        return {}
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
-        return {"data.eval_fraction": float(value)}
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1 and float(value).is_integer():
-        rows = _jsonl_rows(items)
-        nearest = "test_split_size as a fraction of the mixed rows, e.g. 0.05"
-        if rows and value < rows:
-            nearest = f"test_split_size: {int(value) / rows:.4g} ({int(value)} of the mixture's {rows} rows)"
-        raise Refused(
-            f"test_split_size {value!r} is a count of rows; accord holds out a fraction of them (data.eval_fraction)",
-            nearest,
-        )
-    raise Refused(f"test_split_size {value!r} is neither a fraction in (0, 1) nor a row count", "e.g. 0.05")
-
-
-def _jsonl_rows(items) -> int | None:
-    """The rows of a mixture whose sources are all whole local JSONL files (None otherwise)."""
-    paths = [Path(str(item.get("path") or item.get("id"))) for item in items if isinstance(item, dict)]
-    whole = all(item.get("fraction") is None and item.get("weight") is None for item in items)
-    if not paths or len(paths) != len(items) or not whole:
-        return None
-    if not all(p.is_file() and p.suffix == ".jsonl" for p in paths):
-        return None
-    return sum(1 for p in paths for line in p.read_text(encoding="utf-8").splitlines() if line.strip())
-
-
 def _mixer(value, job):
     return {"data.train": [{"path": name, "fraction": fraction} for name, fraction in dict(value).items()]}
 
@@ -560,8 +498,9 @@ CONVERSIONS = {
     "lora_targets": _lora_targets,
     "dataset": _dataset,
     "source_key": None,
-    "mixture": _mixture,
-    "test_split": _test_split,
+    "mixture": trl_mixture,
+    "handbook_mixture": handbook_mixture,
+    "test_split": test_split,
     "mixer": _mixer,
     "splits": _splits,
     "configs": _configs,
@@ -612,7 +551,7 @@ def _default_of(field_: Field | None) -> Any:
 
 
 # The order the table's conversions run: the sources exist before keys are set on each of them.
-_FIRST = ("dataset", "mixture", "mixer")
+_FIRST = ("dataset", "mixture", "handbook_mixture", "mixer")
 
 
 def convert(job: Job) -> tuple[dict[str, Any], list[Row]]:
