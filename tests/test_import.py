@@ -271,6 +271,38 @@ def test_a_mixtures_per_dataset_shares_keep_the_rows_trl_and_the_handbook_keep(t
         import_recipe(build_job([str(job)], [], devices=1))
 
 
+def test_a_mixtures_builder_with_data_files_becomes_the_file_and_other_data_files_are_refused(tmp_path):
+    """datasets' `path: json, data_files: a.jsonl` is the file; `text` reads a row per line."""
+    import yaml
+
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    job = _mixture_job(tmp_path, None, handbook=False)
+    (tmp_path / "c.txt").write_text("one\ntwo\n")
+    raw = yaml.safe_load(job.read_text())
+    raw["datasets"] = [
+        {"path": "json", "data_files": str(tmp_path / "a.jsonl"), "fraction": 0.5},
+        {"path": "text", "data_files": str(tmp_path / "c.txt"), "fraction": 0.5},
+    ]
+    job.write_text(yaml.safe_dump(raw))
+    # c.txt is not JSONL, so the shares cannot be counted: refused; without fractions, both files as they are
+    with pytest.raises(RefusedKeys, match="accord counts them only for local JSONL files"):
+        import_recipe(build_job([str(job)], [], devices=1))
+    for item in raw["datasets"]:
+        del item["fraction"]
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    assert recipe["data"]["train"] == [
+        {"path": str(tmp_path / "a.jsonl")},
+        {"path": str(tmp_path / "c.txt"), "format": "text", "document": "line"},
+    ]
+    raw["datasets"] = [{"path": "org/name", "data_files": ["x.jsonl", "y.jsonl"]}]
+    job.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RefusedKeys, match="with data_files=.*nearest: path: the file itself"):
+        import_recipe(build_job([str(job)], [], devices=1))
+
+
 def test_a_mixture_wins_over_dataset_name_and_its_test_split_is_the_evaluation(tmp_path):
     """TRL's scripts load `datasets` when dataset_name is given too, and evaluate on the mixture's
     test split: data.train is the mixture, and no data.eval beside data.eval_fraction."""

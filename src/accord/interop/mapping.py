@@ -99,7 +99,8 @@ RULES: dict[str, Rule] = {
         "data.train",
         "mixture",
         "TRL's fraction is each dataset's share of the mixture, the mixture as large as it can be without repeating "
-        "rows: it becomes the rows kept (count) of local JSONL files; other sources with fraction are refused",
+        "rows: it becomes the rows kept (count) of local JSONL files; other sources with fraction are refused. "
+        "A builder path (json, csv, parquet, text) with one data_files file becomes that file",
     ),
     "test_split_size": mapped(
         "data.eval_fraction",

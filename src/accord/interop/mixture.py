@@ -79,8 +79,21 @@ def held_out(value, items: list) -> dict[str, Any]:
     raise Refused(f"test_split_size {value!r} is neither a fraction in (0, 1) nor a row count", "e.g. 0.05")
 
 
+# datasets' packaged builders, named as a dataset's path with the file(s) in data_files.
+_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+
+
 def _source(item: dict) -> dict[str, Any]:
     source = {"path": item.get("path") or item.get("id")}
+    files = item.get("data_files")
+    if files is not None or item.get("data_dir") is not None:
+        if not (isinstance(files, str) and source["path"] in _BUILDERS and item.get("data_dir") is None):
+            raise Refused(
+                f"dataset {source['path']!r} with data_files={files!r}, data_dir={item.get('data_dir')!r}",
+                "path: the file itself (one file or folder per dataset)",
+            )
+        # load_dataset("text", ...) makes each line a row; the other builders' files are read by their suffix.
+        source = {"path": files} | ({"format": "text", "document": "line"} if source["path"] == "text" else {})
     for key, new in (("name", "config"), ("config", "config"), ("split", "split"), ("revision", "revision")):
         if item.get(key) not in (None, "train"):
             source[new] = item[key]
@@ -106,7 +119,7 @@ def _trl_counts(items: list) -> list[int]:
 
 def _rows(item: dict) -> int | None:
     """The rows of a whole local JSONL file (None for anything else)."""
-    path = Path(str(item.get("path") or item.get("id")))
+    path = Path(str(_source(item)["path"]))
     if path.suffix != ".jsonl" or not path.is_file() or item.get("split") not in (None, "train"):
         return None
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
