@@ -141,6 +141,202 @@ def test_the_docs_mapping_table_is_generated_from_the_importers_table():
     assert table == markdown_table()
 
 
+def _recipe_key(dotted: str) -> bool:
+    """`dotted` names a field of the Recipe schema (`*`: every source of a list of sources)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from accord.recipe.schema import Recipe
+
+    def sections(annotation):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield annotation
+        for arg in typing.get_args(annotation):
+            yield from sections(arg)
+
+    models = [Recipe]
+    for part in dotted.replace(".*", "").split("."):
+        found = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not found:
+            return False
+        models = [s for f in found for s in sections(f.annotation)]
+    return True
+
+
+def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
+    """A target the schema lacks writes a recipe that fails validation on import; the conversions'
+    literal keys (convert.py, mixture.py) are checked too, the DeepSpeed JSON's own keys aside."""
+    from accord.interop import convert, mixture
+    from accord.interop.mapping import ACCELERATE_RULES
+
+    assert _recipe_key("data.train.*.split") and not _recipe_key("data.test_split_size")
+    bad = [f"{k} -> {r.target}" for k, r in [*RULES.items(), *ACCELERATE_RULES.items()] if r.target]
+    bad = [b for b in bad if not _recipe_key(b.split(" -> ")[1])]
+    assert not bad, f"mapping targets that are not recipe keys: {bad}"
+    written = set()
+    for module in (convert, mixture):
+        tree = ast.parse(Path(module.__file__).read_text())
+        deepspeed = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and "_DS_TARGETS" in ast.unparse(n)]
+        written |= {
+            node.value
+            for d in ast.walk(tree)
+            if isinstance(d, ast.Dict)
+            for node in (d.values if d in deepspeed else d.keys)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"[a-z_]+(\.[a-z_*]+)+", node.value)
+        }
+    assert {"data.eval_fraction", "engine.strategy", "batch.micro_batch_size"} <= written
+    assert not [k for k in written if not _recipe_key(k)], "convert.py / mixture.py write keys the schema lacks"
+
+
+def _mixture_job(tmp_path, test_split_size, handbook: bool):
+    """A TRL `datasets:` mixture (or the alignment-handbook's dataset_mixture) of two local files."""
+    import yaml
+
+    files = []
+    for name, n in (("a", 30), ("b", 10)):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps({"prompt": f"{name}{i}", "completion": "x"}) + "\n" for i in range(n)))
+    if handbook:
+        job = {"dataset_mixture": {"datasets": [{"id": str(f)} for f in files], "test_split_size": test_split_size}}
+    else:
+        job = {"datasets": [{"path": str(f)} for f in files], "test_split_size": test_split_size}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model_name_or_path": "m", "max_steps": 10, **job}))
+    return tmp_path / "job.yaml"
+
+
+@pytest.mark.parametrize("handbook", [False, True], ids=["trl-datasets", "handbook-dataset_mixture"])
+def test_a_mixtures_test_split_size_holds_out_that_share_of_the_mixed_rows(tmp_path, handbook):
+    """TRL and the handbook call datasets' train_test_split(test_size=...) on the mixed rows: a
+    float is the held-out share, accord's data.eval_fraction."""
+    from accord.data.split import load_split
+    from accord.interop.job import build_job, import_recipe, write_recipe
+    from accord.recipe.schema import load_recipe
+    from accord.tasks import task_class
+
+    recipe, rows = import_recipe(build_job([str(_mixture_job(tmp_path, 0.25, handbook))], [], devices=1))
+    assert recipe["data"]["eval_fraction"] == 0.25 and "test_split_size" not in recipe["data"]
+    key = "dataset_mixture" if handbook else "test_split_size"
+    assert any(r.key == key and "data.eval_fraction=0.25" in r.new for r in rows)
+    write_recipe(recipe, tmp_path / "recipe.yaml")
+    loaded = load_recipe(tmp_path / "recipe.yaml")
+    train, held = load_split(loaded.data, loaded.seed, task_class(loaded.task).text_fields)
+    assert (len(train), len(held)) == (30, 10)
+    assert sorted(list(train["prompt"]) + list(held["prompt"])) == sorted(
+        [f"a{i}" for i in range(30)] + [f"b{i}" for i in range(10)]
+    )
+
+
+def test_a_mixtures_per_dataset_shares_keep_the_rows_trl_and_the_handbook_keep(tmp_path, monkeypatch):
+    """TRL's fraction is a share of the mixture (sized so no dataset repeats), counted against
+    trl.get_dataset itself; the handbook's weight is the share of a dataset's rows kept."""
+    import datasets
+    import yaml
+    from trl import DatasetMixtureConfig, get_dataset
+    from trl.scripts.utils import DatasetConfig
+
+    from accord.data.split import load_split
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+    from accord.recipe.schema import validate_recipe
+
+    job = _mixture_job(tmp_path, None, handbook=False)
+    raw = yaml.safe_load(job.read_text())
+    a, b = (tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    raw["datasets"] = [{"path": str(a), "fraction": 0.7}, {"path": str(b), "fraction": 0.3}]
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # TRL's load_dataset caches
+    trl_rows = get_dataset(
+        DatasetMixtureConfig(
+            datasets=[DatasetConfig(path="json", data_files=str(f), fraction=x) for f, x in ((a, 0.7), (b, 0.3))]
+        )
+    )["train"]["prompt"]
+    train, _ = load_split(validate_recipe(recipe).data, 0, ("prompt", "completion"))
+    ours = list(train["prompt"])
+    assert [sum(r.startswith(n) for r in ours) for n in "ab"] == [sum(r.startswith(n) for r in trl_rows) for n in "ab"]
+    assert len(ours) == len(set(ours)) == 33  # 23 of a, all 10 of b: no row repeated
+
+    raw = {"model_name_or_path": "m", "max_steps": 10}
+    raw["dataset_mixture"] = {"datasets": [{"id": str(a), "weight": 0.5}, {"id": str(b), "weight": 1.0}]}
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    assert recipe["data"]["train"] == [{"path": str(a), "fraction": 0.5}, {"path": str(b)}]
+
+    raw = {"model_name_or_path": "m", "max_steps": 10, "datasets": [{"path": "org/hub", "fraction": 0.5}]}
+    job.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RefusedKeys, match="accord counts them only for local JSONL files; nearest: count on each"):
+        import_recipe(build_job([str(job)], [], devices=1))
+
+
+def test_a_mixtures_builder_with_data_files_becomes_the_file_and_other_data_files_are_refused(tmp_path):
+    """datasets' `path: json, data_files: a.jsonl` is the file; `text` reads a row per line."""
+    import yaml
+
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    job = _mixture_job(tmp_path, None, handbook=False)
+    (tmp_path / "c.txt").write_text("one\ntwo\n")
+    raw = yaml.safe_load(job.read_text())
+    raw["datasets"] = [
+        {"path": "json", "data_files": str(tmp_path / "a.jsonl"), "fraction": 0.5},
+        {"path": "text", "data_files": str(tmp_path / "c.txt"), "fraction": 0.5},
+    ]
+    job.write_text(yaml.safe_dump(raw))
+    # c.txt is not JSONL, so the shares cannot be counted: refused; without fractions, both files as they are
+    with pytest.raises(RefusedKeys, match="accord counts them only for local JSONL files"):
+        import_recipe(build_job([str(job)], [], devices=1))
+    for item in raw["datasets"]:
+        del item["fraction"]
+    job.write_text(yaml.safe_dump(raw))
+    recipe, _ = import_recipe(build_job([str(job)], [], devices=1))
+    assert recipe["data"]["train"] == [
+        {"path": str(tmp_path / "a.jsonl")},
+        {"path": str(tmp_path / "c.txt"), "format": "text", "document": "line"},
+    ]
+    raw["datasets"] = [{"path": "org/name", "data_files": ["x.jsonl", "y.jsonl"]}]
+    job.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RefusedKeys, match="with data_files=.*nearest: path: the file itself"):
+        import_recipe(build_job([str(job)], [], devices=1))
+
+
+def test_a_mixture_wins_over_dataset_name_and_its_test_split_is_the_evaluation(tmp_path):
+    """TRL's scripts load `datasets` when dataset_name is given too, and evaluate on the mixture's
+    test split: data.train is the mixture, and no data.eval beside data.eval_fraction."""
+    import yaml
+
+    from accord.interop.job import build_job, import_recipe
+
+    job = _mixture_job(tmp_path, 0.25, handbook=False)
+    extra = {"dataset_name": str(tmp_path / "other.jsonl"), "eval_strategy": "steps", "eval_steps": 5}
+    job.write_text(yaml.safe_dump(yaml.safe_load(job.read_text()) | extra))
+    recipe, rows = import_recipe(build_job([str(job)], [], devices=1))
+    assert [s["path"] for s in recipe["data"]["train"]] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert recipe["data"]["eval_fraction"] == 0.25 and recipe["data"].get("eval") is None
+    assert recipe["train"]["eval_every"] == 5
+    assert any(r.key == "dataset_name" and "ignored" in r.note for r in rows)
+
+
+@pytest.mark.parametrize("handbook", [False, True], ids=["trl-datasets", "handbook-dataset_mixture"])
+def test_a_test_split_size_row_count_is_refused_with_the_fraction_it_is_of_the_mixture(tmp_path, handbook):
+    """An int test_size is a count of rows: accord holds out a fraction, so the count is refused,
+    naming the fraction it is of the local files' rows; a float outside (0, 1) is refused too."""
+    from accord.interop.convert import RefusedKeys
+    from accord.interop.job import build_job, import_recipe
+
+    with pytest.raises(
+        RefusedKeys,
+        match=r"test_split_size 5 is a count of rows.*nearest: test_split_size: 0\.125 "
+        r"\(5 of the mixture's 40 rows\)",
+    ):
+        import_recipe(build_job([str(_mixture_job(tmp_path, 5, handbook))], [], devices=1))
+    with pytest.raises(RefusedKeys, match=r"test_split_size 1\.5 is neither a fraction in \(0, 1\) nor a row count"):
+        import_recipe(build_job([str(_mixture_job(tmp_path, 1.5, handbook))], [], devices=1))
+
+
 # ---------------------------------------------------------------- --verify: side by side with TRL's trainers
 
 

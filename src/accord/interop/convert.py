@@ -15,19 +15,12 @@ from typing import Any
 
 from accord.errors import UserInputError
 from accord.interop.known import Field, all_keys, task_fields
-from accord.interop.mapping import ACCELERATE_RULES, ALIASES, RULES, Rule
+from accord.interop.mapping import ACCELERATE_RULES, ALIASES, RULES, Refused, Rule
+from accord.interop.mixture import handbook_mixture, test_split, trl_mixture
 
 
 class ImportError_(UserInputError):
     """A job accord import cannot read or convert; the message is one line."""
-
-
-class Refused(Exception):
-    """A value accord cannot run: why, and what to use instead."""
-
-    def __init__(self, reason: str, nearest: str):
-        super().__init__(reason)
-        self.reason, self.nearest = reason, nearest
 
 
 @dataclass
@@ -190,6 +183,8 @@ def _eval_strategy(value, job):
 
 def _eval_sources(job):
     name = job.value("dataset_name")
+    if job.value("datasets"):  # TRL's scripts evaluate on the mixture's test split (test_split_size)
+        return None
     return [{"path": name, "split": job.value("dataset_test_split")}] if name else None
 
 
@@ -298,6 +293,8 @@ def _lora_key(target):
 
 
 def _dataset(value, job):
+    if value and job.value("datasets"):
+        return {"_note": "ignored: TRL's scripts load the `datasets` mixture when both are given"}
     return {"data.train": [{"path": value}]} if value else {}
 
 
@@ -308,25 +305,6 @@ def _source_key(target):
         return {f"data.train.*.{sub}": value}
 
     return convert
-
-
-def _mixture(value, job):
-    """TRL's `datasets: [{path, name, split, columns, fraction}]` and the handbook's dataset_mixture."""
-    items = value.get("datasets", []) if isinstance(value, dict) else value
-    sources = []
-    for item in items or []:
-        source = {"path": item.get("path") or item.get("id")}
-        for key, new in (("name", "config"), ("config", "config"), ("split", "split"), ("revision", "revision")):
-            if item.get(key) not in (None, "train"):
-                source[new] = item[key]
-        for key in ("weight", "fraction"):
-            if item.get(key) is not None:
-                source["fraction" if key == "fraction" else "weight"] = item[key]
-        sources.append(source)
-    out = {"data.train": sources} if sources else {}
-    if isinstance(value, dict) and value.get("test_split_size"):
-        out["data.test_split_size"] = value["test_split_size"]
-    return out
 
 
 def _mixer(value, job):
@@ -520,7 +498,9 @@ CONVERSIONS = {
     "lora_targets": _lora_targets,
     "dataset": _dataset,
     "source_key": None,
-    "mixture": _mixture,
+    "mixture": trl_mixture,
+    "handbook_mixture": handbook_mixture,
+    "test_split": test_split,
     "mixer": _mixer,
     "splits": _splits,
     "configs": _configs,
@@ -571,7 +551,7 @@ def _default_of(field_: Field | None) -> Any:
 
 
 # The order the table's conversions run: the sources exist before keys are set on each of them.
-_FIRST = ("dataset", "mixture", "mixer")
+_FIRST = ("dataset", "mixture", "handbook_mixture", "mixer")
 
 
 def convert(job: Job) -> tuple[dict[str, Any], list[Row]]:

@@ -13,6 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class Refused(Exception):
+    """A value accord cannot run: why, and what to use instead (raised by a conversion)."""
+
+    def __init__(self, reason: str, nearest: str):
+        super().__init__(reason)
+        self.reason, self.nearest = reason, nearest
+
+
 @dataclass(frozen=True)
 class Rule:
     decision: str  # mapped | changed | dropped | refused
@@ -87,8 +95,18 @@ RULES: dict[str, Rule] = {
     "dataset_test_split": mapped("data.eval.split", how="eval_split"),
     "dataset_streaming": mapped("data.train.streaming", how="source_key"),
     "streaming": mapped("data.train.streaming", how="source_key"),
-    "datasets": mapped("data.train", how="mixture"),
-    "test_split_size": mapped("data.test_split_size"),
+    "datasets": changed(
+        "data.train",
+        "mixture",
+        "TRL's fraction is each dataset's share of the mixture, the mixture as large as it can be without repeating "
+        "rows: it becomes the rows kept (count) of local JSONL files; other sources with fraction are refused. "
+        "A builder path (json, csv, parquet, text) with one data_files file becomes that file",
+    ),
+    "test_split_size": mapped(
+        "data.eval_fraction",
+        how="test_split",
+        note="train_test_split's test_size: a fraction of the mixed rows held out (seeded); a row count is refused",
+    ),
     "ignore_bias_buffers": dropped("a DDP workaround for models with boolean buffers; accord's DDP does not need it"),
     "dataset_text_field": mapped("data.train.fields", how="text_field"),
     "dataset_kwargs": refused("extra load_dataset arguments have no recipe key", "data.train source keys"),
@@ -281,7 +299,12 @@ RULES: dict[str, Rule] = {
     # ---------------------------------------------------------------- older names (alignment-handbook, TRL < 1)
     "max_seq_length": mapped("data.max_length", how="max_length", note="older name of max_length"),
     "dataset_mixer": mapped("data.train", how="mixer", note="alignment-handbook: {dataset: fraction}"),
-    "dataset_mixture": mapped("data.train", how="mixture", note="alignment-handbook: {datasets: [...]}"),
+    "dataset_mixture": changed(
+        "data.train",
+        "handbook_mixture",
+        "alignment-handbook: {datasets: [{id, weight}], test_split_size}; weight (the share of a dataset's rows "
+        "kept, a seeded draw) becomes the source's fraction, test_split_size data.eval_fraction",
+    ),
     "dataset_splits": mapped("data.train.split", how="splits", note="alignment-handbook: [train split, test split]"),
     "dataset_configs": mapped("data.train.config", how="configs", note="alignment-handbook: one per dataset"),
     "preprocessing_num_workers": mapped("data.prepare_workers"),
