@@ -115,11 +115,15 @@ class SFTTask(CausalLMTask):
         return prompt + completion, prompt_labels + completion
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-        """Render with the chat template; label the characters of each assistant turn
-        (its content and the template's end-of-turn text), found as the difference between
-        the conversation rendered up to that turn and up to the turn before it."""
+        """Render with the tokenizer's chat template and label the assistant turns."""
         render = self.tokenizer.apply_chat_template
-        text = render(messages, tokenize=False)
+        return self._label_turns(render(messages, tokenize=False), messages, render, "tokenizer")
+
+    def _label_turns(self, text: str, messages: list[dict], render, whose: str) -> tuple[list[int], list[int]]:
+        """`text` (the conversation as `render`, a chat template, renders it) as tokens, labelled
+        on the characters of each assistant turn (its content and the template's end-of-turn
+        text), found as the difference between the conversation rendered up to that turn and up
+        to the turn before it. `whose`: the template's owner, for the error."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -128,7 +132,7 @@ class SFTTask(CausalLMTask):
             through = render(messages[: i + 1], tokenize=False)
             if not (text.startswith(through) and through.startswith(before)):
                 raise DataError(
-                    "the tokenizer's chat template renders a conversation differently from its beginning, so "
+                    f"the {whose}'s chat template renders a conversation differently from its beginning, so "
                     "assistant turns cannot be located; set data.completion_only_loss=false"
                 )
             spans.append((len(before), len(through)))

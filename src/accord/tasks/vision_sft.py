@@ -147,7 +147,7 @@ class VisionSFTTask(SFTTask):
         image placeholders, the labels carried over to it."""
         render = self.processor.apply_chat_template
         text = render(messages, tokenize=False)
-        ids, labels = self._labelled(text, messages)
+        ids, labels = self._label_turns(text, messages, self.processor.apply_chat_template, "processor")
         processed = self.processor(
             text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="np"
         )
@@ -159,37 +159,6 @@ class VisionSFTTask(SFTTask):
             expanded = expanded[1:]
         arrays = {k: np.asarray(v) for k, v in processed.items() if k not in _TEXT_KEYS}
         return expanded, expand_labels(ids, labels, expanded, self.image_token_id, where), arrays
-
-    def _labelled(self, text: str, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """The template's text as tokens, labelled on the assistant turns (sft's rule: the
-        difference between the conversation rendered through a turn and up to it)."""
-        render = self.processor.apply_chat_template
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-            through = render(messages[: i + 1], tokenize=False)
-            if not (text.startswith(through) and through.startswith(before)):
-                raise DataError(
-                    "the processor's chat template renders a conversation differently from its beginning, so "
-                    "assistant turns cannot be located; set data.completion_only_loss=false"
-                )
-            spans.append((len(before), len(through)))
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
-        bos = self.tokenizer.bos_token_id
-        if self.add_bos == "always" and bos is not None and ids[:1] != [bos]:
-            ids, offsets = [bos] + ids, [(-1, -1)] + offsets
-        elif self.add_bos == "never" and bos is not None and ids[:1] == [bos]:
-            ids, offsets = ids[1:], offsets[1:]
-        if not self.completion_only:
-            return ids, [IGNORE] + ids[1:]
-        labels = [
-            token if any(start <= begin < end for start, end in spans) else IGNORE
-            for token, (begin, _) in zip(ids, offsets)
-        ]
-        return ids, labels
 
     def collate(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         examples = [example for row in rows for example in row]
