@@ -13,7 +13,7 @@ import torch
 from accord.models.build import build_byte_tokenizer, build_model
 from accord.recipe.schema import validate_recipe
 from accord.tasks import build_task
-from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens
+from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens, shifted_targets
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
@@ -156,6 +156,48 @@ def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
         "loss: over whole logits "
         "(not chunked: the model rescales its logits after the output layer (logits_scaling=2.0))"
     ]
+
+
+class _Doubled(torch.nn.Module):
+    """A model that scales what its output layer returned before handing it back as logits."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **inputs):
+        out = self.inner(**inputs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_a_model_that_changes_what_its_output_layer_returns_is_refused_naming_the_chunked_computation():
+    """One check for every user of the output layer's second mode (the chunked loss, distill's
+    divergence): its text names the one that asked."""
+    from accord.errors import UserInputError
+    from accord.tasks.chunked_loss import HeadCall, row_target_logprobs
+
+    recipe, tokenizer = _recipe("sft", CHUNK), build_byte_tokenizer()
+    model, task = build_model(recipe.model, tokenizer, recipe.seed), build_task(recipe, tokenizer)
+    task.configure_model(model)
+    batch = _batch(task, {"prompt": PROMPTS[:2], "completion": COMPLETIONS[:2]})
+    inputs = {k: v for k, v in batch.items() if k != "labels"}  # as the task's loss passes them
+    targets = shifted_targets(batch["labels"])
+    with pytest.raises(UserInputError, match="so the chunked loss cannot be used with it; set train.loss_chunk_size=0"):
+        task.logprobs.row_logprobs(_Doubled(model), inputs, targets)
+
+    def project(hidden, weight, bias):
+        return row_target_logprobs(hidden, targets, weight, bias, CHUNK)
+
+    call = HeadCall.install(model)
+    assert call is task.logprobs.call  # one mode per output layer, whoever installs it
+    with pytest.raises(UserInputError, match="so the chunked divergence cannot be used with it"):
+        call.run(_Doubled(model), inputs, project, what="divergence")
+    # The model itself hands back what its layer computed; after a refusal nothing is left pending.
+    hidden = model.model(**inputs).last_hidden_state
+    served = call.run(model, inputs, project, what="loss")
+    torch.testing.assert_close(served, project(hidden, model.lm_head.weight, model.lm_head.bias), rtol=0, atol=0)
+    assert call.checked and call.pending is None and model(**inputs).logits.shape[-1] == model.lm_head.out_features
 
 
 @pytest.mark.distributed

@@ -251,7 +251,7 @@ def test_the_chunked_divergence_equals_the_whole_logits_one(tmp_path):
     """train.loss_chunk_size: the teacher's logits at the target positions only, the student's
     a few positions at a time (recomputed in backward): the same loss, entropy and gradient as
     whole logits, a row without targets included."""
-    from accord.tasks.chunked_divergence import HeadCall
+    from accord.tasks.chunked_loss import HeadCall
 
     grads, outs = [], []
     for chunk in (0, 3):
@@ -268,6 +268,20 @@ def test_the_chunked_divergence_equals_the_whole_logits_one(tmp_path):
     torch.testing.assert_close(outs[1].loss_sum, outs[0].loss_sum, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(outs[1].metrics["entropy"], outs[0].metrics["entropy"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_each_output_layer_has_one_replaced_forward_however_many_chunked_users_it_has(tmp_path):
+    """The teacher's ReferenceModel installs the chunked loss on both models' output layers and
+    distill its divergence: one HeadCall a layer, wrapping the layer's own forward."""
+    from torch import nn
+
+    task, _ = _task(tmp_path, chunk=3, lmbda=0.0)
+    model = _ready(task, tmp_path)
+    layers = (model.get_output_embeddings(), task.teacher.module.get_output_embeddings())
+    users = (task.teacher.logprobs, task.teacher.reference_logprobs)
+    for call, user, layer in zip(task.heads, users, layers):
+        assert user.call is call and call.head is layer and layer.forward.__self__ is call
+        assert call._plain.__func__ is nn.Linear.forward and call._plain.__self__ is layer
 
 
 def test_a_hub_teacher_is_pinned_to_a_commit_and_read_from_the_cache(offline_hub, tmp_path):  # noqa: F811

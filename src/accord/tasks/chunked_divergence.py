@@ -4,7 +4,7 @@ Both models' logits are rows × length × vocabulary, and the plain loss holds t
 the student's and their log-softmaxes at every position until backward. Here the output layer
 of each model gets a second mode for one forward, served inside that model's own forward (where
 every strategy has the layer's weight in place: see accord.tasks.chunked_loss, whose reasons
-hold here too):
+hold here too, and whose HeadCall serves both):
 
 - the teacher's returns its logits at the target positions only (no gradient: held once,
   targets × vocabulary, prompts and padding never projected);
@@ -23,57 +23,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from accord.compat.torch import replace_forward
-from accord.errors import UserInputError
 from accord.tasks.distill_loss import generalized_jsd
-
-
-class HeadCall:
-    """The output layer's second mode: for the next forward, `fn(hidden, weight, bias)` is what
-    the layer returns in place of the logits (the model hands it back as its `logits`)."""
-
-    def __init__(self, head: nn.Linear):
-        self.head = head
-        self.pending: Callable | None = None
-        self.served: torch.Tensor | None = None
-        self.checked = False
-        self._plain = head.forward
-        replace_forward(head, self._forward)  # module hooks still run around it
-        head._accord_head_call = self
-
-    @classmethod
-    def install(cls, model: nn.Module) -> HeadCall:
-        head = model.get_output_embeddings()
-        existing = head.__dict__.get("_accord_head_call")
-        return existing if existing is not None else cls(head)
-
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        fn, self.pending = self.pending, None
-        if fn is None:
-            return self._plain(hidden)
-        self.served = fn(hidden, self.head.weight, self.head.bias)
-        return self.served
-
-    def run(self, model: nn.Module, inputs: dict[str, torch.Tensor], fn: Callable) -> torch.Tensor:
-        """`model(**inputs)` (the wrapped student, or the frozen teacher) with `fn` served by this layer."""
-        self.pending = fn
-        try:
-            out = model(**inputs).logits
-        finally:
-            self.pending = None
-        served, self.served = self.served, None
-        if not self.checked:
-            # Once: the model handed back what the output layer computed, untouched.
-            if served is None or out.shape != served.shape or not torch.equal(out.detach(), served.detach()):
-                raise UserInputError(
-                    "train.loss_chunk_size: this model changes what its output layer returns before handing it back, "
-                    "so the chunked divergence cannot be used with it; set train.loss_chunk_size=0"
-                )
-            self.checked = True
-        return out
 
 
 def logits_at(positions: torch.Tensor) -> Callable:

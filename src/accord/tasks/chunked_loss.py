@@ -23,6 +23,8 @@ transformers' loss functions take materialised logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,47 +83,40 @@ def plain_loss_note(blocker: str | None) -> list[str]:
     return [f"loss: over whole logits (not chunked: {blocker})"]
 
 
-class TargetLogprobs:
-    """The output layer's second mode, installed once on a causal LM (see the module's text)."""
+class HeadCall:
+    """The output layer's second mode, installed once per layer: for the next forward,
+    `fn(hidden, weight, bias)` is what the layer returns in place of the logits (the model hands
+    it back as its `logits`). The chunked loss (TargetLogprobs) and distillation's chunked
+    divergence are its users; a layer serving both keeps one replaced forward."""
 
-    def __init__(self, head: nn.Linear, setting: int | str):
+    def __init__(self, head: nn.Linear):
         self.head = head
-        self.setting = setting  # train.loss_chunk_size
-        self.chunk = 0  # of the forward about to run
-        self.pending: torch.Tensor | None = None  # targets of the forward about to run
+        self.pending: Callable | None = None  # of the forward about to run
         self.served: torch.Tensor | None = None
         self.checked = False
         self._plain = head.forward
         replace_forward(head, self._forward)  # module hooks still run around it
-        head._accord_target_logprobs = self
+        head._accord_head_call = self
 
     @classmethod
-    def install(cls, model: nn.Module, setting: int | str) -> TargetLogprobs:
+    def install(cls, model: nn.Module) -> HeadCall:
         """The mode on `model`'s output layer (the one already there on a deep copy of an
         installed model, bound to the copy's layer)."""
         head = model.get_output_embeddings()
-        existing = head.__dict__.get("_accord_target_logprobs")
-        if existing is not None:
-            return existing
-        return cls(head, setting)
-
-    def serves(self, labels: torch.Tensor) -> bool:
-        """Whether a micro batch with these labels takes the chunked loss (else the plain one)."""
-        return chunk_tokens(self.setting, labels.numel(), self.head.out_features) > 0
+        existing = head.__dict__.get("_accord_head_call")
+        return existing if existing is not None else cls(head)
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, self.pending = self.pending, None
-        if targets is None:
+        fn, self.pending = self.pending, None
+        if fn is None:
             return self._plain(hidden)
-        self.served = row_target_logprobs(hidden, targets, self.head.weight, self.head.bias, self.chunk)
+        self.served = fn(hidden, self.head.weight, self.head.bias)
         return self.served
 
-    def row_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-        """Per row, the summed log-probability of each position's target (shifted_targets of
-        the labels; fp32), from a forward of `model` (the wrapped training model, or a frozen
-        one) whose output layer is this one."""
-        self.chunk = chunk_tokens(self.setting, targets.numel(), self.head.out_features) or targets.numel()
-        self.pending = targets
+    def run(self, model: nn.Module, inputs: dict[str, torch.Tensor], fn: Callable, *, what: str) -> torch.Tensor:
+        """`model(**inputs)` (the wrapped training model, or a frozen one) with `fn` served by
+        this layer; `what` names the chunked computation asking ("loss", "divergence")."""
+        self.pending = fn
         try:
             out = model(**inputs).logits
         finally:
@@ -132,10 +127,39 @@ class TargetLogprobs:
             if served is None or out.shape != served.shape or not torch.equal(out.detach(), served.detach()):
                 raise UserInputError(
                     "train.loss_chunk_size: this model changes what its output layer returns before handing it back, "
-                    "so the chunked loss cannot be used with it; set train.loss_chunk_size=0"
+                    f"so the chunked {what} cannot be used with it; set train.loss_chunk_size=0"
                 )
             self.checked = True
         return out
+
+
+class TargetLogprobs:
+    """The chunked loss on a causal LM's output layer (see the module's text): each row's
+    summed target log-probabilities, served by the layer's HeadCall."""
+
+    def __init__(self, call: HeadCall, setting: int | str):
+        self.call = call
+        self.head = call.head
+        self.setting = setting  # train.loss_chunk_size
+
+    @classmethod
+    def install(cls, model: nn.Module, setting: int | str) -> TargetLogprobs:
+        return cls(HeadCall.install(model), setting)
+
+    def serves(self, labels: torch.Tensor) -> bool:
+        """Whether a micro batch with these labels takes the chunked loss (else the plain one)."""
+        return chunk_tokens(self.setting, labels.numel(), self.head.out_features) > 0
+
+    def row_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        """Per row, the summed log-probability of each position's target (shifted_targets of
+        the labels; fp32), from a forward of `model` (the wrapped training model, or a frozen
+        one) whose output layer is this one."""
+        chunk = chunk_tokens(self.setting, targets.numel(), self.head.out_features) or targets.numel()
+
+        def project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return row_target_logprobs(hidden, targets, weight, bias, chunk)
+
+        return self.call.run(model, inputs, project, what="loss")
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

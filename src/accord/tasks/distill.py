@@ -26,8 +26,8 @@ from torch import nn
 
 from accord.errors import UserInputError
 from accord.tasks.base import IGNORE, FrozenModel, LossOutput, Task
-from accord.tasks.chunked_divergence import HeadCall, divergence_at, entropy, logits_at
-from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker, plain_loss_note, shifted_targets
+from accord.tasks.chunked_divergence import divergence_at, entropy, logits_at
+from accord.tasks.chunked_loss import HeadCall, chunk_tokens, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.distill_loss import generalized_jsd
 from accord.tasks.grpo import RolloutSummary
 from accord.tasks.reference_model import ReferenceModel
@@ -150,9 +150,12 @@ class DistillTask(SFTTask):
             positions = mask.reshape(-1).nonzero().squeeze(1)
             student_head, teacher_head = self.heads
             with torch.no_grad():
-                teacher_logits = teacher_head.run(teacher, inputs, logits_at(positions))
+                teacher_logits = teacher_head.run(teacher, inputs, logits_at(positions), what="divergence")
             served = student_head.run(
-                model, inputs, divergence_at(positions, teacher_logits, cfg.beta, cfg.temperature, chunk)
+                model,
+                inputs,
+                divergence_at(positions, teacher_logits, cfg.beta, cfg.temperature, chunk),
+                what="divergence",
             )
             return LossOutput(served[:, 0].sum(), mask.sum(), {"entropy": served[:, 1].sum()})
         with torch.no_grad():
