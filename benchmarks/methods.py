@@ -153,7 +153,11 @@ METHODS = [
         "distill (gkd, off-policy)",
         "chats.jsonl",
         _distill,
-        lambda a: ("trl.experimental.gkd:GKDTrainer", "trl.experimental.gkd:GKDConfig", {"lmbda": 0.0, "beta": 0.5}),
+        lambda a: (
+            "trl.experimental.gkd:GKDTrainer",
+            "trl.experimental.gkd:GKDConfig",
+            {"lmbda": 0.0, "beta": 0.5, "seq_kd": False},
+        ),
         "trl.experimental GKDTrainer: lmbda 0 (off-policy), beta 0.5, seq_kd off, its ChatML collator, "
         "teacher a second model of the same vocabulary",
         teacher=True,

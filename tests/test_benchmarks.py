@@ -127,6 +127,29 @@ def test_methods_verdict_is_the_geometric_mean_of_accords_ratio_to_each_trl_trai
     assert "failed: exit 1: boom" in lines[-1] and "orpo" not in last
 
 
+def test_methods_distill_runs_gkd_off_policy_with_accords_divergence_settings(tmp_path):
+    """distill's two sides do the same work: GKDTrainer off-policy (lmbda 0, no sequence-level
+    KD, so it never samples) with accord's beta, accord off-policy at temperature 1 (GKD's
+    divergence compares at 1), accord's section valid as written, and both against the teacher.
+    (That GKDConfig takes these settings is the slow end-to-end run's.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import argparse
+
+    import methods
+
+    from accord.recipe.distill import DistillConfig
+
+    method = methods.BY_KEY["distill"]
+    args = argparse.Namespace(batch=4, group=2, max_new_tokens=8, steps=1)
+    ours = method.accord(args)
+    assert ours["task"] == "distill" and method.teacher and method.rows == "chats.jsonl"
+    section = DistillConfig(**ours["distill"] | {"teacher": str(tmp_path)})
+    trainer, config, gkd = method.trl(args)
+    assert (trainer, config) == ("trl.experimental.gkd:GKDTrainer", "trl.experimental.gkd:GKDConfig")
+    assert gkd["lmbda"] == section.lmbda == 0.0 and gkd["seq_kd"] is section.seq_kd is False
+    assert gkd["beta"] == section.beta and section.temperature == 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_section(tmp_path):
