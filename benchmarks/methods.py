@@ -4,22 +4,23 @@
 
 One row per method (METHODS below; a method is a name, accord's recipe section and TRL's
 trainer and config): dpo (sigmoid), kto, orpo, cpo with SimPO's loss and no NLL term (pure
-SimPO), rloo. accord's task of the method against the TRL trainer of the same method
-(DPOTrainer, KTOTrainer, trl.experimental's ORPOTrainer and CPOTrainer, RLOOTrainer), each on
-the same saved model (a 4-layer Llama from a config, byte-level; the reference model, where
-the method has one, a copy of it), the same rows in the same order (one pass, no shuffling,
-exactly steps x batch rows), the same global batch in one micro-batch, the method's
-settings (beta and the like) equal, AdamW at the same constant learning rate with clipping
-at 1.0, fp32 (TRL's bf16 off), one process. TRL at its best for speed on a CPU: gradient
-checkpointing off as accord's (TRL's default turns it on, which trades speed for memory),
-the reference computed on the fly as accord does (precompute_ref_log_probs, which TRL
-documents as a memory saving, would run the same forward passes earlier), no padding-free
-batches (they need flash attention, which a CPU lacks), its own tokenisation and collation.
-The harness (benchmarks/harness.py) runs each in its own pinned single-thread process, in
-interleaved rounds, and reads its peak RSS; the last line is the geometric mean of accord's
-ratio over the methods.
+SimPO), rloo, distill (off-policy GKD). accord's task of the method against the TRL trainer of
+the same method (DPOTrainer, KTOTrainer, trl.experimental's ORPOTrainer, CPOTrainer and
+GKDTrainer, RLOOTrainer), each on the same saved model (a 4-layer Llama from a config, byte-
+level; the reference model, where the method has one, a copy of it; distill's teacher a second
+model of the same config and vocabulary, other weights, saved beside it), the same rows in the
+same order (one pass, no shuffling, exactly steps x batch rows), the same global batch in one
+micro-batch, the method's settings (beta and the like) equal, AdamW at the same constant
+learning rate with clipping at 1.0, fp32 (TRL's bf16 off), one process. TRL at its best for
+speed on a CPU: gradient checkpointing off as accord's (TRL's default turns it on, which trades
+speed for memory), the reference computed on the fly as accord does (precompute_ref_log_probs,
+which TRL documents as a memory saving, would run the same forward passes earlier), no padding-
+free batches (they need flash attention, which a CPU lacks), its own tokenisation and
+collation. The harness (benchmarks/harness.py) runs each in its own pinned single-thread
+process, in interleaved rounds, and reads its peak RSS; the last line is the geometric mean of
+accord's ratio over the methods.
 
-A new method (distill, ...) is one more Method: its accord recipe section and its TRL trainer.
+A new method is one more Method: its accord recipe section and its TRL trainer.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Method:
     accord: Callable[[Any], dict]  # args -> the recipe keys that make accord run this method
     trl: Callable[[Any], tuple[str, str, dict]]  # args -> (trainer "module:Class", config "module:Class", settings)
     trl_shown: str  # what the TRL contender was set to, for the table
+    teacher: bool = False  # trains against the saved teacher (prepare writes it): distill
 
 
 def _dpo(args) -> dict:
@@ -80,6 +82,13 @@ def _rloo(args) -> dict:
             "rewards": [{"kind": "regex", "pattern": PATTERN}],
         },
     }
+
+
+def _distill(args) -> dict:
+    # GKDTrainer's defaults for the divergence: beta 0.5, and temperature 1 (GKD's temperature only
+    # samples, which lmbda 0 never does; its divergence compares at 1). Off-policy: the data's
+    # completions, no sampling, so both do the same work.
+    return {"task": "distill", "distill": {"beta": 0.5, "temperature": 1.0, "lmbda": 0.0, "seq_kd": False}}
 
 
 METHODS = [
@@ -139,6 +148,20 @@ METHODS = [
         ),
         "RLOOTrainer: transformers generation (no vLLM), beta 0.05, one step per generation batch",
     ),
+    Method(
+        "distill",
+        "distill (gkd, off-policy)",
+        "chats.jsonl",
+        _distill,
+        lambda a: (
+            "trl.experimental.gkd:GKDTrainer",
+            "trl.experimental.gkd:GKDConfig",
+            {"lmbda": 0.0, "beta": 0.5, "seq_kd": False},
+        ),
+        "trl.experimental GKDTrainer: lmbda 0 (off-policy), beta 0.5, seq_kd off, its ChatML collator, "
+        "teacher a second model of the same vocabulary",
+        teacher=True,
+    ),
 ]
 BY_KEY = {m.key: m for m in METHODS}
 
@@ -167,9 +190,11 @@ def add_arguments(parser) -> None:
 
 
 def prepare(folder: Path, args) -> None:
-    """The model (saved once, loaded by every contender) and each method's rows: accord's
-    generated sums as pairs (a near miss rejected), unpaired for kto (a pair's chosen row then
-    its rejected one, so every batch holds both classes), and as prompts for rloo."""
+    """The model and distill's teacher (saved once, loaded by every contender) and each method's
+    rows: accord's generated sums as pairs (a near miss rejected), unpaired for kto (a pair's
+    chosen row then its rejected one, so every batch holds both classes), as prompts for rloo,
+    and as two-turn chats (the sum asked, the answer given) for distill, the form GKDTrainer's
+    own collator reads."""
     from accord.data.generated import generate
     from accord.models.build import build_byte_tokenizer, build_model
     from accord.recipe.schema import GeneratedData, ModelConfig
@@ -178,6 +203,12 @@ def prepare(folder: Path, args) -> None:
     model = build_model(ModelConfig(config=harness.MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=SEED)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
+    # The teacher: the same config and vocabulary, other weights (another seed).
+    teacher = build_model(
+        ModelConfig(config=harness.MODELS[args.model_size], tokenizer="byte"), tokenizer, seed=SEED + 1
+    )
+    teacher.save_pretrained(folder / "teacher")
+    tokenizer.save_pretrained(folder / "teacher")
     need = args.steps * args.batch
     cfg = GeneratedData(kind="addition_pairs", train_examples=max(need, 16), eval_examples=0, max_digits=3)
     pairs = generate(cfg, SEED)[0][:need]
@@ -187,7 +218,12 @@ def prepare(folder: Path, args) -> None:
         for side in ("chosen", "rejected")
     ][:need]
     prompts = [{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs]
-    for name, rows in (("pairs.jsonl", pairs), ("unpaired.jsonl", unpaired), ("prompts.jsonl", prompts)):
+    chats = [
+        {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}]}
+        for p in pairs
+    ]
+    files = {"pairs.jsonl": pairs, "unpaired.jsonl": unpaired, "prompts.jsonl": prompts, "chats.jsonl": chats}
+    for name, rows in files.items():
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -208,6 +244,8 @@ def run_accord(method: Method, folder: Path, args, recorder) -> dict:
         "optim": {"lr": LR, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0},
         "train": {"max_steps": args.steps, "log_every": 1000},
     } | method.accord(args)
+    if method.teacher:
+        recipe[method.accord(args)["task"]]["teacher"] = str(folder / "teacher")
     if method.key == "rloo":
         del recipe["batch"]["micro_batch_size"]  # rloo's micro batch counts completions: its own default
     _, steps = harness.train_accord(recipe, folder / f"accord-{method.key}-{os.getpid()}", args.device, recorder)
@@ -263,6 +301,8 @@ def run_trl(method: Method, folder: Path, args, recorder) -> dict:
             return [float(re.fullmatch(PATTERN, c) is not None) for c in completions]
 
         kwargs["reward_funcs"] = has_digit
+    if method.teacher:
+        kwargs["teacher_model"] = AutoModelForCausalLM.from_pretrained(folder / "teacher")
     trainer = Trainer(
         model=AutoModelForCausalLM.from_pretrained(folder / "model"),
         args=config,
@@ -345,11 +385,11 @@ def notes(args) -> str:
     return (
         f"{args.batch} rows per step ({args.batch} pairs for dpo, orpo and simpo; {args.batch} unpaired rows, half "
         f"desirable, for kto; {args.batch} prompts x {args.group} completions of <= {args.max_new_tokens} tokens for "
-        "rloo), one micro-batch per step, sequences up to "
+        f"rloo; {args.batch} two-turn chats for distill), one micro-batch per step, sequences up to "
         f"{MAX_LENGTH} tokens (the generated sums, a few tokens each). Both sides of a row run the same method with "
         "the same settings; steps are counted from the first forward pass to the last optimizer step, so loading "
         "the model and the data is not timed. The peak RSS is the whole process's (Python, torch, the library, "
-        "the model and its reference copy where the method has one)."
+        "the model and its reference copy or teacher where the method has one)."
     )
 
 

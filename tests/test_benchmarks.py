@@ -127,6 +127,68 @@ def test_methods_verdict_is_the_geometric_mean_of_accords_ratio_to_each_trl_trai
     assert "failed: exit 1: boom" in lines[-1] and "orpo" not in last
 
 
+def test_methods_distill_runs_gkd_off_policy_with_accords_divergence_settings(tmp_path):
+    """distill's two sides do the same work: GKDTrainer off-policy (lmbda 0, no sequence-level
+    KD, so it never samples) with accord's beta, accord off-policy at temperature 1 (GKD's
+    divergence compares at 1), accord's section valid as written, and both against the teacher.
+    (That GKDConfig takes these settings is the slow end-to-end run's.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import argparse
+
+    import methods
+
+    from accord.recipe.distill import DistillConfig
+
+    method = methods.BY_KEY["distill"]
+    args = argparse.Namespace(batch=4, group=2, max_new_tokens=8, steps=1)
+    ours = method.accord(args)
+    assert ours["task"] == "distill" and method.teacher and method.rows == "chats.jsonl"
+    section = DistillConfig(**ours["distill"] | {"teacher": str(tmp_path)})
+    trainer, config, gkd = method.trl(args)
+    assert (trainer, config) == ("trl.experimental.gkd:GKDTrainer", "trl.experimental.gkd:GKDConfig")
+    assert gkd["lmbda"] == section.lmbda == 0.0 and gkd["seq_kd"] is section.seq_kd is False
+    assert gkd["beta"] == section.beta and section.temperature == 1.0
+
+
+@pytest.mark.slow
+def test_methods_distill_trains_both_sides_on_the_same_tokens_and_targets(tmp_path):
+    """The chats prepare() writes, as accord's distill encodes them and as GKDTrainer's own
+    ChatML collator does: the same token ids and the same target positions, row for row."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import argparse
+
+    import datasets
+    import methods
+    from transformers import AutoTokenizer
+    from trl.experimental.utils import DataCollatorForChatML
+
+    from accord.recipe.schema import validate_recipe
+    from accord.tasks import build_task
+
+    methods.prepare(tmp_path, argparse.Namespace(model_size="tiny", steps=2, batch=4))
+    rows = [json.loads(line) for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
+    recipe = {
+        "model": {"path": str(tmp_path / "model")},
+        "data": {"train": str(tmp_path / "chats.jsonl"), "max_length": methods.MAX_LENGTH, "shuffle": False},
+        "batch": {"global_batch_size": 4, "micro_batch_size": 4},
+        "train": {"max_steps": 2},
+        "output": {"dir": str(tmp_path / "out")},
+    } | methods._distill(None)
+    recipe["distill"]["teacher"] = str(tmp_path / "teacher")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    task = build_task(validate_recipe(recipe), tokenizer)
+    train, _ = task.fit(datasets.Dataset.from_list(rows), None)
+    ours = task.encode_batch(train.to_dict())
+    theirs = DataCollatorForChatML(tokenizer=tokenizer, max_length=methods.MAX_LENGTH)(rows)
+    assert len(rows) == 8
+    for i in range(len(rows)):
+        kept = theirs["attention_mask"][i].bool()
+        assert theirs["input_ids"][i][kept].tolist() == list(ours["input_ids"][i])
+        assert theirs["labels"][i][kept].tolist() == list(ours["labels"][i])
+    assert sum(label != -100 for row in ours["labels"] for label in row) > len(rows)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_section(tmp_path):
