@@ -171,16 +171,38 @@ def test_orpo_on_two_processes_with_accumulation_makes_the_one_process_updates(o
 
 
 @pytest.fixture(scope="module")
-def cpo_ddp(tmp_path_factory):
-    """CPO (simpo loss with the chosen NLL) on 2 processes × 2 rows × 2 accumulation steps under ddp."""
+def cpo_layouts(tmp_path_factory):
+    """CPO (simpo loss with the chosen NLL) on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2) under ddp."""
     from conftest import assert_ok, run_accord, write_recipe
 
     root = tmp_path_factory.mktemp("cpo")
-    batch = {"global_batch_size": 8, "micro_batch_size": 2}
+    batch = {"global_batch_size": 8, "micro_batch_size": 4}
     recipe = write_recipe(root / "cpo.yaml", _run_recipe("cpo-simpo", root, 4, batch=batch))
-    out = root / "ddp"
-    assert_ok(run_accord("train", recipe, "engine.processes=2", f"output.dir={out}"))
-    return out
+    outs = {}
+    for processes, micro in ((1, 4), (2, 2)):
+        outs[processes] = root / f"p{processes}"
+        args = (f"engine.processes={processes}", f"batch.micro_batch_size={micro}", f"output.dir={outs[processes]}")
+        assert_ok(run_accord("train", recipe, *args))
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpo_on_two_processes_with_accumulation_makes_the_one_process_updates(cpo_layouts):
+    """SimPO's length-normalised margin per pair and the NLL per chosen token are normalised over
+    the global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
+    from accord.observe.metrics import read_metrics
+    from conftest import final_params, max_param_diff, step_losses
+
+    one, two = (step_losses(cpo_layouts[p]) for p in (1, 2))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert max_param_diff(final_params(cpo_layouts[1]), final_params(cpo_layouts[2])) < 1e-5
+    records = {p: [r for r in read_metrics(cpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
+    for name in ("nll_loss", "rewards/accuracies", "rewards/margins"):
+        for a, b in zip(records[1], records[2]):
+            assert abs(a[name] - b[name]) < 1e-5, name
 
 
 @pytest.mark.slow
@@ -194,7 +216,7 @@ def test_reference_free_under_a_sharded_strategy_makes_the_ddp_updates(task, str
 
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
-    ddp = request.getfixturevalue("orpo_layouts")[2] if task == "orpo" else request.getfixturevalue("cpo_ddp")
+    ddp = request.getfixturevalue(f"{task}_layouts")[2]
     out = tmp_path / strategy
     args = ("engine.processes=2", "batch.micro_batch_size=2", f"engine.strategy={strategy}", f"output.dir={out}")
     assert_ok(run_accord("train", ddp.parent / f"{task}.yaml", *args))
