@@ -130,13 +130,13 @@ def _run_recipe(variant: str, folder, steps: int, **sections) -> dict:
 
 @pytest.fixture(scope="module")
 def orpo_layouts(tmp_path_factory):
-    """ORPO on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2), the same recipe."""
+    """ORPO on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2), the same recipe, with a
+    checkpoint at step 2 (the slow tier resumes from it)."""
     from conftest import assert_ok, run_accord, write_recipe
 
     root = tmp_path_factory.mktemp("orpo")
-    recipe = write_recipe(
-        root / "orpo.yaml", _run_recipe("orpo", root, 4, batch={"global_batch_size": 8, "micro_batch_size": 4})
-    )
+    batch = {"global_batch_size": 8, "micro_batch_size": 4}
+    recipe = write_recipe(root / "orpo.yaml", _run_recipe("orpo", root, 4, batch=batch, checkpoint={"every_steps": 2}))
     outs = {}
     for processes, micro in ((1, 4), (2, 2)):
         outs[processes] = root / f"p{processes}"
@@ -168,3 +168,76 @@ def test_orpo_on_two_processes_with_accumulation_makes_the_one_process_updates(o
         for a, b in zip(records[1], records[2]):
             assert abs(a[name] - b[name]) < 1e-5, name
     assert 0.0 <= records[1][0]["rewards/accuracies"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def cpo_layouts(tmp_path_factory):
+    """CPO (simpo loss with the chosen NLL) on 1 process (1 × 4 × 2) and 2 processes (2 × 2 × 2) under ddp."""
+    from conftest import assert_ok, run_accord, write_recipe
+
+    root = tmp_path_factory.mktemp("cpo")
+    batch = {"global_batch_size": 8, "micro_batch_size": 4}
+    recipe = write_recipe(root / "cpo.yaml", _run_recipe("cpo-simpo", root, 4, batch=batch))
+    outs = {}
+    for processes, micro in ((1, 4), (2, 2)):
+        outs[processes] = root / f"p{processes}"
+        args = (f"engine.processes={processes}", f"batch.micro_batch_size={micro}", f"output.dir={outs[processes]}")
+        assert_ok(run_accord("train", recipe, *args))
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpo_on_two_processes_with_accumulation_makes_the_one_process_updates(cpo_layouts):
+    """SimPO's length-normalised margin per pair and the NLL per chosen token are normalised over
+    the global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
+    from accord.observe.metrics import read_metrics
+    from conftest import final_params, max_param_diff, step_losses
+
+    one, two = (step_losses(cpo_layouts[p]) for p in (1, 2))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert max_param_diff(final_params(cpo_layouts[1]), final_params(cpo_layouts[2])) < 1e-5
+    records = {p: [r for r in read_metrics(cpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
+    for name in ("nll_loss", "rewards/accuracies", "rewards/margins"):
+        for a, b in zip(records[1], records[2]):
+            assert abs(a[name] - b[name]) < 1e-5, name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+@pytest.mark.parametrize("task", ["orpo", "cpo"])
+def test_reference_free_under_a_sharded_strategy_makes_the_ddp_updates(task, strategy, request, tmp_path):
+    """The chosen and rejected forwards run on every rank in step under the sharded strategies
+    (their all-gathers are collective) and give the ddp run's losses and weights."""
+    from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses
+
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
+    ddp = request.getfixturevalue(f"{task}_layouts")[2]
+    out = tmp_path / strategy
+    args = ("engine.processes=2", "batch.micro_batch_size=2", f"engine.strategy={strategy}", f"output.dir={out}")
+    assert_ok(run_accord("train", ddp.parent / f"{task}.yaml", *args))
+    ours, theirs = step_losses(ddp), step_losses(out)
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    for step in ours:
+        assert abs(ours[step] - theirs[step]) < 1e-5, (step, ours[step], theirs[step])
+    assert max_param_diff(final_params(ddp), final_params(out)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_orpo_resumed_on_one_process_ends_as_the_uninterrupted_two_process_run(orpo_layouts, tmp_path):
+    from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses
+
+    out = tmp_path / "resumed"
+    checkpoint = orpo_layouts[2] / "checkpoints" / "step-000002"
+    args = ("engine.processes=1", "batch.micro_batch_size=4", f"resume={checkpoint}", f"output.dir={out}")
+    assert_ok(run_accord("train", orpo_layouts[2].parent / "orpo.yaml", *args))
+    whole, resumed = step_losses(orpo_layouts[2]), step_losses(out)
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert abs(whole[step] - resumed[step]) < 1e-5, (step, whole[step], resumed[step])
+    assert max_param_diff(final_params(orpo_layouts[2]), final_params(out)) < 1e-5
