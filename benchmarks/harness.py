@@ -68,18 +68,19 @@ MODELS = {
 }
 
 
-def train_accord(recipe: dict, out: Path, device: str, recorder) -> tuple[Any, list[dict]]:
+def train_accord(recipe: dict, out: Path, device: str, recorder, engine: dict | None = None) -> tuple[Any, list[dict]]:
     """accord's contender: `recipe` (its task, model, data, batch, optim, train) trained through
     `accord.train` in this process as one worker, in `out`, with the precision every contender
-    shares on `device`; the recorder stopped at the end. Returns the run's result and its
-    training records (metrics.jsonl)."""
+    shares on `device` (`engine`: further engine keys, e.g. the strategy); the recorder stopped
+    at the end. Returns the run's result and its training records (metrics.jsonl)."""
     import yaml
 
     import accord
     from accord.observe.metrics import read_metrics
 
     recipe = recipe | {
-        "engine": {"processes": 1, "device": device, "precision": "bf16" if device == "cuda" else "no"},
+        "engine": {"processes": 1, "device": device, "precision": "bf16" if device == "cuda" else "no"}
+        | (engine or {}),
         "checkpoint": {"every_steps": None, "keep_last": 1},
         "output": {"dir": str(out), "overwrite": True},
     }

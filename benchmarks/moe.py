@@ -68,34 +68,13 @@ def run_accord(folder: Path, key: str, args, recorder) -> dict:
         "train": {"epochs": 1, "log_every": 1000},
         "moe": {"balance_loss": balance},
     }
-    result, steps = train_accord(recipe, {"strategy": strategy}, out, args.device, recorder)
+    result, steps = harness.train_accord(recipe, out, args.device, recorder, engine={"strategy": strategy})
     recorder.count(sum(r["targets"] for r in steps))
     model = AutoModelForCausalLM.from_pretrained(result.final).to(args.device)
     return {
         "held_out_loss": throughput.held_out_loss(folder, model),
         "imbalance": f"{steps[-1]['router_imbalance']:.2f}",
     }
-
-
-def train_accord(recipe: dict, engine: dict, out: Path, device: str, recorder):
-    """harness.train_accord with the strategy set (the harness fixes the rest of the engine)."""
-    import yaml
-
-    import accord
-    from accord.observe.metrics import read_metrics
-
-    recipe = recipe | {
-        "engine": {"processes": 1, "device": device, "precision": "bf16" if device == "cuda" else "no"} | engine,
-        "checkpoint": {"every_steps": None, "keep_last": 1},
-        "output": {"dir": str(out), "overwrite": True},
-    }
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(recipe))
-    result = accord.train(path)
-    recorder.stop()
-    if result.status != "completed":
-        raise SystemExit(f"accord: {result.status} {result.message}")
-    return result, [r for r in read_metrics(out) if r["kind"] == "train"]
 
 
 def run_trainer(folder: Path, args, recorder) -> dict:
