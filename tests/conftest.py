@@ -428,6 +428,33 @@ def step_losses(out: Path) -> dict[int, float]:
 # ---------------------------------------------------------------- small data for every task
 
 
+def save_tiny_byte_llama(folder: Path, max_positions: int) -> Path:
+    """A seeded 2-layer Llama with accord's byte tokenizer, built by transformers and saved as a
+    model folder (what a Trainer or TRL job would name by hub id); returns the folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accord.models.build import build_byte_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     import json
 

@@ -15,7 +15,7 @@ import pytest
 
 from accord.interop.known import CONFIG_CLASSES, SCRIPT_CLASSES
 from accord.interop.mapping import RULES
-from conftest import assert_ok, run_accord, run_accord_here
+from conftest import assert_ok, run_accord, run_accord_here, save_tiny_byte_llama
 
 pytest.importorskip("trl")
 
@@ -343,28 +343,7 @@ def test_a_test_split_size_row_count_is_refused_with_the_fraction_it_is_of_the_m
 def _stand_ins(folder: Path) -> dict[str, Path]:
     """A tiny Llama folder with accord's byte tokenizer saved beside it (what a hub name would
     resolve to), and prompt/completion and preference rows written here."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from accord.models.build import build_byte_tokenizer
-
-    torch.manual_seed(0)
-    tokenizer = build_byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = folder / "model"
-    LlamaForCausalLM(config).save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = save_tiny_byte_llama(folder / "model", max_positions=128)
     rng = random.Random(0)
     sft, dpo = [], []
     for _ in range(48):

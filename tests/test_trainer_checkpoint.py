@@ -10,35 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_ok, final_params, max_param_diff, run_accord, run_accord_here, step_losses, write_recipe
+from conftest import (
+    assert_ok,
+    final_params,
+    max_param_diff,
+    run_accord,
+    run_accord_here,
+    save_tiny_byte_llama,
+    step_losses,
+    write_recipe,
+)
 
 STEPS, SAVED = 5, 3
 
 
 def _stand_in(folder: Path) -> tuple[Path, Path]:
     """A tiny Llama folder (with accord's byte tokenizer saved in it) and prompt/completion rows."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from accord.models.build import build_byte_tokenizer
-
-    torch.manual_seed(0)
-    tokenizer = build_byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = folder / "model"
-    LlamaForCausalLM(config).save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = save_tiny_byte_llama(folder / "model", max_positions=64)
     rng = random.Random(0)
     rows = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(48)]
     data = folder / "sft.jsonl"
