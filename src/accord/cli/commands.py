@@ -46,7 +46,7 @@ def job_recipe(args: argparse.Namespace):
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.for_recipe(recipe, args.nodes * per_node)
+    BatchPlan.of(recipe.batch, recipe.engine, args.nodes * per_node)
     return recipe, per_node
 
 

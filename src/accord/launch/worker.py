@@ -69,7 +69,7 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopReques
     it is not this process's signals (a Ray worker, which runs in a thread of Ray's actor)."""
     info = dist.env_info()
     if plan is None:
-        plan = BatchPlan.for_recipe(recipe, info.world_size)
+        plan = BatchPlan.of(recipe.batch, recipe.engine, info.world_size)
     _quiet_libraries(info)
     if recipe.engine.release_host_memory and not release_freed_memory():
         dist.print0(
