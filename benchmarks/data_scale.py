@@ -224,7 +224,7 @@ from accord.data.order import GlobalOrder
 from accord.data.fetch import fetch
 r = load_recipe({str(recipe_path)!r}); tok = build_tokenizer(r.model); task = build_task(r, tok)
 t = time.perf_counter()
-d = prepare_data(r, tok, task, preparer=False); rows = training_rows(d.train, task.row_capacity)
+d = prepare_data(r.data, r.seed, tok, task, preparer=False); rows = training_rows(d.train, task.row_capacity)
 order = GlobalOrder(len(rows), r.batch.global_batch_size, r.seed)
 batch = order.batch(int(0.9 * order.steps_per_epoch))
 fetch(d.train, [i for row in batch for i in rows.members[row]])

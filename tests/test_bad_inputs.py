@@ -544,7 +544,7 @@ def test_empty_completions_give_a_warning_with_their_count(tmp_path):
     tokenizer = build_byte_tokenizer()
     for _ in range(2):  # prepared here, then read from the cache: the warning is said at every start
         task = build_task(recipe, tokenizer)
-        prepared = prepare_data(recipe, tokenizer, task, preparer=True)
+        prepared = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
         assert prepared.report["train_examples"] == 40  # a warning, not an error: the rows still train
         assert task.describe() == [
             f"warning: 3 training example(s) have an empty completion, so only the EOS token is a target "

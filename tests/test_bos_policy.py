@@ -64,7 +64,8 @@ def test_policy_changes_the_data_fingerprint(tmp_path):
         task, tok = _sft_task({"add_bos": policy})
         prints.add(
             fingerprint(
-                validate_recipe(copy.deepcopy(TINY_RECIPE) | {"data": {**TINY_RECIPE["data"], "add_bos": policy}}),
+                validate_recipe(copy.deepcopy(TINY_RECIPE) | {"data": {**TINY_RECIPE["data"], "add_bos": policy}}).data,
+                TINY_RECIPE["seed"],
                 tok,
                 task,
             )

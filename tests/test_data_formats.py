@@ -33,7 +33,7 @@ def recipe(tmp_path, task="sft", **data):
 def prepared(r):
     tokenizer = build_byte_tokenizer()
     task = build_task(r, tokenizer)
-    return prepare_data(r, tokenizer, task, preparer=True), task
+    return prepare_data(r.data, r.seed, tokenizer, task, preparer=True), task
 
 
 def test_sharegpt_and_content_parts_give_the_same_tokens_as_messages(tmp_path):

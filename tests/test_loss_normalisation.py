@@ -31,7 +31,7 @@ def simulate(world: int, micro: int, normalisation: str, cache_dir) -> dict[str,
     recipe = validate_recipe(TINY_RECIPE | {"data": TINY_RECIPE["data"] | {"cache_dir": str(cache_dir)}})
     tokenizer = build_tokenizer(recipe.model)
     task = build_task(recipe, tokenizer)
-    data = prepare_data(recipe, tokenizer, task, preparer=True)
+    data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
     task.packing = True
     rows = Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), recipe.data.max_length)
     plan = BatchPlan.derive(recipe.batch.global_batch_size, micro, world)

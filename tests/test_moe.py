@@ -174,7 +174,7 @@ def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_b
     task = build_task(recipe, tokenizer)
     model = build_model(recipe.model, tokenizer, recipe.seed)
     task.configure_model(model)
-    balanced = balance_router(task, model, recipe, BatchPlan.for_recipe(recipe, 1))
+    balanced = balance_router(task, model, recipe, BatchPlan.of(recipe.batch, recipe.engine, 1))
     pairs = [("12+7=", "19"), ("3+4=", "7"), ("100+1=", "101"), ("5+5=", "10"), ("9+9=", "18"), ("0+0=", "0")]
     encoded = task.encode_batch({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
     rows = [[{name: column[i] for name, column in encoded.items()}] for i in range(len(pairs))]

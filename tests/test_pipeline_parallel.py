@@ -75,7 +75,8 @@ def test_batch_plan_counts_pipelines_as_data_parallel_groups():
     assert (plan.world_size, plan.processes, plan.grad_accum) == (2, 4, 2)
     assert [plan.data_rank(r) for r in range(4)] == [0, 0, 1, 1]  # a pipeline's ranks take the same rows
     assert "2 data-parallel groups of 2 processes (pipeline parallel)" in plan.describe()
-    assert BatchPlan.for_recipe(_recipe(pipeline_parallel=2), 2).pipeline_parallel == 2
+    recipe = _recipe(pipeline_parallel=2)
+    assert BatchPlan.of(recipe.batch, recipe.engine, 2).pipeline_parallel == 2
 
 
 def test_the_logged_padding_is_each_pipelines_rows_at_their_longest():

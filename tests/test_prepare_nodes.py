@@ -39,12 +39,12 @@ def recipe(tmp_path, cache: str, **data):
 
 def prepare(r, share: NodeShare):
     tokenizer = build_byte_tokenizer()
-    return prepare_data(r, tokenizer, build_task(r, tokenizer), preparer=True, share=share)
+    return prepare_data(r.data, r.seed, tokenizer, build_task(r, tokenizer), preparer=True, share=share)
 
 
 def folder_bytes(r) -> dict[str, bytes]:
     tokenizer = build_byte_tokenizer()
-    folder = cache_folder(r, tokenizer, build_task(r, tokenizer))
+    folder = cache_folder(r.data, r.seed, tokenizer, build_task(r, tokenizer))
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
@@ -85,7 +85,7 @@ def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one
     tokenizer = build_byte_tokenizer()
     task = build_task(shared, tokenizer)
     train, _ = load_split(shared.data, shared.seed, task.text_fields)
-    folder = cache_folder(shared, tokenizer, task)
+    folder = cache_folder(shared.data, shared.seed, tokenizer, task)
     work = folder.with_name(folder.name + ".partial") / "train"
     tokenise_share(train, task, "train", work, 1, NodeShare(1, 2), lambda: False, rest=False)
     written = sorted(int(p.stem[-7:]) for p in work.glob("chunk-*.npz"))
@@ -120,7 +120,7 @@ def test_pairs_tokenised_by_two_nodes_give_the_one_node_cache(tmp_path, monkeypa
     tokenizer = build_byte_tokenizer()
     task = build_task(shared, tokenizer)
     train, _ = task.fit(*load_split(shared.data, shared.seed, task.text_fields))
-    folder = cache_folder(shared, tokenizer, task)
+    folder = cache_folder(shared.data, shared.seed, tokenizer, task)
     work = folder.with_name(folder.name + ".partial") / "train"
     tokenise_share(train, task, "train", work, 1, NodeShare(1, 2), lambda: False, rest=False)
     assert sorted(int(p.stem[-7:]) for p in work.glob("chunk-*.npz")) == [1, 3, 5]  # node 1's share of 7 units

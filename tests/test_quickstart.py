@@ -86,7 +86,9 @@ def test_saved_model_reloads_in_plain_transformers(quickstart_run):
     # The held-out rows the run evaluated on (accord's cache of the run's own data).
     recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
     accord_tokenizer = build_tokenizer(recipe.model)
-    rows = prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval
+    rows = prepare_data(
+        recipe.data, recipe.seed, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True
+    ).eval
     loss_sum, targets = 0.0, 0
     with torch.no_grad():
         for row in rows:
@@ -124,9 +126,9 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
     accord_tokenizer = build_tokenizer(recipe.model)
     rows = list(
-        prepare_data(recipe, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True).eval.select(
-            range(16)
-        )
+        prepare_data(
+            recipe.data, recipe.seed, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True
+        ).eval.select(range(16))
     )
 
     script = f"""

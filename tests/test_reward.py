@@ -136,7 +136,7 @@ def test_data_without_a_rejected_answer_is_one_line_naming_the_file(tmp_path):
     bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "2+2=", "chosen": "4", "worse": "5"}] * 8)
     task.recipe.data.train[0].path = str(bad)
     with pytest.raises(DataError) as caught:
-        prepare_data(task.recipe, tokenizer, task, preparer=True)
+        prepare_data(task.recipe.data, task.recipe.seed, tokenizer, task, preparer=True)
     message = str(caught.value)
     assert "\n" not in message
     assert message == (
@@ -164,7 +164,7 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
         },
     ]
     task.recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
-    prepared = prepare_data(task.recipe, tokenizer, task, preparer=True)
+    prepared = prepare_data(task.recipe.data, task.recipe.seed, tokenizer, task, preparer=True)
 
     def render(messages):
         text = tokenizer.apply_chat_template(messages, tokenize=False)

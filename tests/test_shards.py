@@ -46,7 +46,9 @@ def _recipe(tmp_path, task: str, train, **data):
 def _prepare(recipe):
     tokenizer = build_byte_tokenizer()
     task = build_task(recipe, tokenizer)
-    return prepare_data(recipe, tokenizer, task, preparer=True), cache_folder(recipe, tokenizer, task)
+    return prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True), cache_folder(
+        recipe.data, recipe.seed, tokenizer, task
+    )
 
 
 def test_shards_store_ids_compactly_and_give_back_ids_and_labels(tmp_path):

@@ -311,7 +311,7 @@ def test_an_mlflow_store_that_cannot_open_is_one_line_naming_the_uri(tmp_path, m
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
     recipe = validate_recipe(TINY_RECIPE | {"observe": {"report_to": ["tensorboard", "mlflow"]}})
     with pytest.raises(TrackerStartError) as refused:
-        start_trackers(recipe, tmp_path / "run")
+        start_trackers(recipe.observe, tmp_path / "run", recipe.model_dump(mode="json"))
     message = str(refused.value)
     assert message.startswith("observe.report_to: mlflow cannot start with MLFLOW_TRACKING_URI=bogus://nowhere: ")
     assert "\n" not in message and "'bogus://nowhere'" in message

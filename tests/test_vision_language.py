@@ -206,8 +206,10 @@ def test_replacing_an_image_under_its_name_prepares_the_data_again_with_its_pixe
     task, tokenizer, valid = _task(recipe)
 
     def pixels():
-        prepared = prepare_data(valid, tokenizer, task, preparer=True)
-        return cache_folder(valid, tokenizer, task), _unpack_arrays(prepared.train[0][IMAGE_INPUTS])["pixel_values"]
+        prepared = prepare_data(valid.data, valid.seed, tokenizer, task, preparer=True)
+        return cache_folder(valid.data, valid.seed, tokenizer, task), _unpack_arrays(prepared.train[0][IMAGE_INPUTS])[
+            "pixel_values"
+        ]
 
     first_folder, first = pixels()
     assert pixels()[0] == first_folder  # nothing changed: the cache is reused

@@ -27,17 +27,17 @@ from accord.stopping import StartRefused
 from accord.tasks import groups_by_length
 
 
-def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
-    """The checkpoints this run may continue from, in order of preference (none: a fresh
-    start): with resume=auto every complete one, newest first; with resume=PATH that one.
+def resume_candidates(out_dir: Path, resume: str, restarted: bool = False) -> list[Path]:
+    """The checkpoints a run in `out_dir` (output.dir) may continue from, in order of
+    preference (none: a fresh start): with `resume` auto every complete one, newest first;
+    with resume=PATH that one.
 
     `restarted` is true in workers that the elastic agent restarted after a failure:
     they always continue from the latest checkpoint that verifies.
     """
-    setting = "auto" if restarted else recipe.resume
+    setting = "auto" if restarted else resume
     if setting == "never":
         return []
-    out_dir = Path(recipe.output.dir)
     if setting == "auto":
         return complete_checkpoints(out_dir / CHECKPOINTS)[::-1]
     folder = Path(setting)
@@ -54,15 +54,15 @@ def resume_candidates(recipe: Recipe, restarted: bool = False) -> list[Path]:
     return [folder]
 
 
-def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool = False) -> Path | None:
+def verified_resume_source(out_dir: Path, resume: str, info: dist.DistInfo, restarted: bool = False) -> Path | None:
     """Collective: the newest candidate checkpoint whose files match their manifest, each rank
     checking its share of the files (checksums included) and all agreeing; the skipped ones
     are named, and left as they are. StartRefused when none verifies."""
-    (candidates,) = dist.all_gather_objects(resume_candidates(recipe, restarted))[:1]  # rank 0's list for all
+    (candidates,) = dist.all_gather_objects(resume_candidates(out_dir, resume, restarted))[:1]  # rank 0's list for all
     skipped: list[tuple[Path, list[str]]] = []
     for folder in candidates:
         # resume=auto: each rank checks the copy in its own output.dir (a node may have its own folder).
-        mine = Path(recipe.output.dir) / CHECKPOINTS / folder.name if restarted or recipe.resume == "auto" else folder
+        mine = out_dir / CHECKPOINTS / folder.name if restarted or resume == "auto" else folder
         problems = _unique(
             p
             for rank_problems in dist.all_gather_objects(verify(mine, info.rank, info.world_size))
@@ -76,7 +76,7 @@ def verified_resume_source(recipe: Recipe, info: dist.DistInfo, restarted: bool 
             return mine
         skipped.append((folder, problems))
     if skipped:
-        raise StartRefused(_refusal(skipped, explicit=not restarted and recipe.resume != "auto"))
+        raise StartRefused(_refusal(skipped, explicit=not restarted and resume != "auto"))
     return None
 
 
@@ -166,11 +166,11 @@ def resume_hint(out_dir: Path) -> str:
 def check_resume(recipe: Recipe) -> list[str]:
     """Problems with resuming this recipe, found before any worker starts: sizes only (the
     checksums are the workers' to check, in parallel)."""
+    out_dir = Path(recipe.output.dir)
     try:
-        candidates = resume_candidates(recipe)
+        candidates = resume_candidates(out_dir, recipe.resume)
     except CheckpointError as e:
         return [str(e)]
-    out_dir = Path(recipe.output.dir)
     if not candidates:
         if recipe.resume == "auto":
             if earlier_run(out_dir) and not (out_dir / CHECKPOINTS).is_dir():

@@ -46,7 +46,7 @@ def job_recipe(args: argparse.Namespace):
 
     recipe = load_recipe(args.recipe, args.overrides)
     per_node = args.gpus_per_node or recipe.engine.processes
-    BatchPlan.for_recipe(recipe, args.nodes * per_node)
+    BatchPlan.of(recipe.batch, recipe.engine, args.nodes * per_node)
     return recipe, per_node
 
 
@@ -170,10 +170,11 @@ def prepare(args: argparse.Namespace) -> int:
     inputs = build_inputs(recipe, preparer=True, share=share)
     tokenizer, task, report = inputs.tokenizer, inputs.task, inputs.data.report
     tokens = f", {report['train_tokens']} tokens" if "train_tokens" in report else ""
-    size = sum(f.stat().st_size for f in cache_folder(recipe, tokenizer, task).rglob("*") if f.is_file())
+    folder = cache_folder(recipe.data, recipe.seed, tokenizer, task)
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     print(
         f"accord: {report['train_examples']} training examples{tokens}, {report['eval_examples']} held out; "
-        f"{size / 1e6:.1f} MB in {cache_folder(recipe, tokenizer, task)} ({time.perf_counter() - start:.1f} s)"
+        f"{size / 1e6:.1f} MB in {folder} ({time.perf_counter() - start:.1f} s)"
     )
     return 0
 

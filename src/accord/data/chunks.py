@@ -35,6 +35,7 @@ from accord.data.shards import ShardWriter, id_dtype
 from accord.data.streams import is_stream, row_at
 from accord.data.token_ids import token_ids
 from accord.observe.progress import byte_bar
+from accord.recipe.schema import DataConfig
 
 UNIT_CHARS = 1 << 19  # text per pre-training unit: a worker's transient memory follows it
 UNIT_ROWS = 1000  # rows per unit for the other tasks
@@ -53,9 +54,10 @@ def default_workers() -> int:
 
 
 def write_shards(
-    ds, task, recipe, split: str, out: Path, work: Path, tokenizer_id: str, workers: int, quiet: bool = False
+    ds, task, data: DataConfig, split: str, out: Path, work: Path, tokenizer_id: str, workers: int, quiet: bool = False
 ) -> dict[str, int]:
-    """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then); returns counts."""
+    """Tokenise `ds` into token shards in `out` (chunks kept in `work` until then), applying
+    the data section's truncation policy; returns counts."""
     work.mkdir(parents=True, exist_ok=True)
     streams = getattr(task, "streams_text", False)
     units = released_as_read(_text_units(ds) if streams else _row_units(ds), ds)
@@ -65,12 +67,11 @@ def write_shards(
     )
     writer = _writer(task, out, streams)
     counts = (
-        _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, recipe, ds, split)
+        _join_documents(work, writer, task, split) if streams else _join_examples(work, writer, task, data, ds, split)
     )
     if writer.examples == 0:
         raise DataError(
-            f"no {split} examples left after data.truncation={recipe.data.truncation} "
-            f"(data.max_length={recipe.data.max_length})"
+            f"no {split} examples left after data.truncation={data.truncation} (data.max_length={data.max_length})"
         )
     writer.close(tokenizer_id, {"split": split})
     return {f"{split}_examples": writer.examples, f"{split}_tokens": writer.tokens} | counts
@@ -344,11 +345,13 @@ def _join_documents(work: Path, writer: ShardWriter, task, split: str) -> dict[s
     return {f"{split}_over_length": over, f"{split}_dropped": 0} if over else {}
 
 
-def _join_examples(work: Path, writer: ShardWriter | ColumnWriter, task, recipe, ds, split: str) -> dict[str, int]:
+def _join_examples(
+    work: Path, writer: ShardWriter | ColumnWriter, task, data: DataConfig, ds, split: str
+) -> dict[str, int]:
     """Examples in row order, with data.truncation applied: over-long ones dropped under
     `drop`, refused under `error`; an example with no target left is dropped when truncation
     took them, refused otherwise."""
-    policy = recipe.data.truncation
+    policy = data.truncation
     over_count, dropped, first_over = 0, 0, None
     row = 0
     for chunk in _chunks(work):
@@ -372,7 +375,7 @@ def _join_examples(work: Path, writer: ShardWriter | ColumnWriter, task, recipe,
     if over_count and policy == "error":
         raise DataError(
             f"{row_origin(_row(ds, first_over))}: {over_count} {split} example(s) are longer than data.max_length="
-            f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
+            f"{data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
         )
     return {f"{split}_over_length": over_count, f"{split}_dropped": dropped}
 

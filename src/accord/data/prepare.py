@@ -36,7 +36,7 @@ from accord.data.streams import check_task, is_stream, read_into_arrow
 from accord.observe.progress import item_bar
 from accord.recipe.hub import is_hub_name
 from accord.recipe.paths import PathError, resolve_path
-from accord.recipe.schema import Recipe
+from accord.recipe.schema import DataConfig
 
 # Bump when the cached columns change meaning (2: DPO keeps BOS on cut prompts; 3: BOS follows
 # data.add_bos; 4: integer class labels are their own ids, eval_fraction over documents by text;
@@ -56,31 +56,34 @@ class PreparedData:
     report: dict[str, Any]  # counts (examples, truncated, dropped) and the task's learned state
 
 
-def prepare_data(recipe: Recipe, tokenizer, task, preparer: bool, share: NodeShare | None = None) -> PreparedData:
-    """The encoded data for `recipe`, preparing it here when `preparer` and not cached.
-    `share`: this node's place among the nodes preparing it (default: from the environment)."""
-    folder = cache_folder(recipe, tokenizer, task)
+def prepare_data(
+    data: DataConfig, seed: int, tokenizer, task, preparer: bool, share: NodeShare | None = None
+) -> PreparedData:
+    """The encoded data of the recipe's data section (`seed`: the recipe's, which splits and
+    mixes it), preparing it here when `preparer` and not cached. `share`: this node's place
+    among the nodes preparing it (default: from the environment)."""
+    folder = cache_folder(data, seed, tokenizer, task)
     if not (folder / _DONE).exists():
         if preparer:
-            _prepare_into(folder, recipe, tokenizer, task, share or node_share())
+            _prepare_into(folder, data, seed, tokenizer, task, share or node_share())
         else:
-            _wait_for(folder, recipe.data.prepare_timeout_s)
+            _wait_for(folder, data.prepare_timeout_s)
     elif preparer and folder not in _ANNOUNCED:
         print(f"accord: reusing the prepared data in {folder}", file=sys.stderr, flush=True)
         _ANNOUNCED.add(folder)
     return _load(folder, task, tokenizer)
 
 
-def cache_folder(recipe: Recipe, tokenizer, task) -> Path:
-    root = Path(os.path.expanduser(recipe.data.cache_dir))
-    key = fingerprint(recipe, tokenizer, task)
-    files = _row_files(root / _FILES / f"{task.name}-{key}.json", recipe, task)
+def cache_folder(data: DataConfig, seed: int, tokenizer, task) -> Path:
+    root = Path(os.path.expanduser(data.cache_dir))
+    key = fingerprint(data, seed, tokenizer, task)
+    files = _row_files(root / _FILES / f"{task.name}-{key}.json", data, seed, task)
     if files:
         key = hashlib.sha256(f"{key}:{_stamps(files)}".encode()).hexdigest()[:16]
     return root / f"{task.name}-{key}"
 
 
-def _row_files(record: Path, recipe: Recipe, task) -> list[str]:
+def _row_files(record: Path, data: DataConfig, seed: int, task) -> list[str]:
     """The files the rows name (task.row_files: a vision-language row's images). They are a
     function of the data files, which the fingerprint `record` is named by already covers, so
     they are read from the rows once and recorded: later runs only stat them."""
@@ -88,8 +91,8 @@ def _row_files(record: Path, recipe: Recipe, task) -> list[str]:
         return []
     if record.is_file():
         return json.loads(record.read_text())
-    check_task(recipe.data, task)
-    train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
+    check_task(data, task)
+    train, eval_ds = load_split(data, seed, task.text_fields)
     files = sorted({str(Path(f).absolute()) for ds in (train, eval_ds) if ds is not None for f in task.row_files(ds)})
     record.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.with_name(f".{record.name}.{socket.gethostname()}-{os.getpid()}")  # several may write it
@@ -112,14 +115,14 @@ def _stamps(files: list[str]) -> str:
     return "\n".join(out)
 
 
-def fingerprint(recipe: Recipe, tokenizer, task) -> str:
+def fingerprint(data: DataConfig, seed: int, tokenizer, task) -> str:
     """Changes whenever the encoded data could: source files (path, size, mtime), data
     settings, seed (splits and mixing), tokenizer (vocabulary, specials, chat template)
     and the task's own settings."""
-    data = recipe.data.model_dump(
+    settings = data.model_dump(
         mode="json", exclude={"cache_dir", "prepare_timeout_s", "prepare_workers", "shuffle", "group_by_length"}
     )
-    data.pop("packing")  # applied after the cache; a task whose encoding depends on it says so in settings()
+    settings.pop("packing")  # applied after the cache; a task whose encoding depends on it says so in settings()
     h = hashlib.sha256()
     h.update(
         json.dumps(
@@ -127,14 +130,14 @@ def fingerprint(recipe: Recipe, tokenizer, task) -> str:
                 "v": FORMAT_VERSION,
                 "task": f"{type(task).__module__}:{type(task).__qualname__}",
                 "settings": task.settings(),
-                "data": data,
-                "seed": recipe.seed,
+                "data": settings,
+                "seed": seed,
             },
             sort_keys=True,
         ).encode()
     )
     h.update(_tokenizer_identity(tokenizer).encode())
-    for source in (recipe.data.train or []) + (recipe.data.eval or []):
+    for source in (data.train or []) + (data.eval or []):
         if source.function is not None:
             from accord.data.streams import function_identity
 
@@ -179,7 +182,7 @@ def _source_files(path: Path) -> list[Path]:
     return []
 
 
-def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShare) -> None:
+def _prepare_into(folder: Path, data: DataConfig, seed: int, tokenizer, task, share: NodeShare) -> None:
     import datasets
 
     datasets.disable_progress_bars()
@@ -189,20 +192,20 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
     shutil.rmtree(tmp, ignore_errors=True)
     _failed(folder).unlink(missing_ok=True)
     try:
-        check_task(recipe.data, task)
-        train, eval_ds = load_split(recipe.data, recipe.seed, task.text_fields)
+        check_task(data, task)
+        train, eval_ds = load_split(data, seed, task.text_fields)
         train, eval_ds = task.fit(train, eval_ds)
-        workers = recipe.data.prepare_workers or default_workers()
+        workers = data.prepare_workers or default_workers()
         shared = share.nodes > 1 and task.token_shards
         if shared and not _tokenise_share(folder, work, train, eval_ds, task, workers, share):
-            _wait_for(folder, recipe.data.prepare_timeout_s)  # another node seals the cache
+            _wait_for(folder, data.prepare_timeout_s)  # another node seals the cache
             return
         tmp.mkdir()
         if task.token_shards:
             train_report = write_shards(
                 train,
                 task,
-                recipe,
+                data,
                 "train",
                 tmp / "train",
                 work / "train",
@@ -213,13 +216,13 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
             if task.row_capacity:  # packed once here, mapped by every rank (packing.py)
                 write_rows(TokenShards(tmp / "train"), task.row_capacity, rows_folder(tmp / "train", task.row_capacity))
         else:
-            train, train_report = _encode(train, task, recipe, "train", folder.name)
+            train, train_report = _encode(train, task, data, "train", folder.name)
             train.save_to_disk(str(tmp / "train"))
         if eval_ds is not None and task.eval_shards:  # no raw columns needed: shards too
             eval_report = write_shards(
                 eval_ds,
                 task,
-                recipe,
+                data,
                 "eval",
                 tmp / "eval",
                 work / "eval",
@@ -231,7 +234,7 @@ def _prepare_into(folder: Path, recipe: Recipe, tokenizer, task, share: NodeShar
         elif eval_ds is not None:
             if is_stream(eval_ds):  # sft's generation metrics read raw eval rows
                 eval_ds = read_into_arrow(eval_ds, work / "eval-rows")
-            eval_ds, _ = _encode(eval_ds, task, recipe, "eval", folder.name, keep_raw=True)
+            eval_ds, _ = _encode(eval_ds, task, data, "eval", folder.name, keep_raw=True)
             eval_ds.save_to_disk(str(tmp / "eval"))
             eval_count = len(eval_ds)
         report = train_report | {"eval_examples": eval_count if eval_ds is not None else 0, "task_state": task.state()}
@@ -264,10 +267,9 @@ def _tokenise_share(folder: Path, work: Path, train, eval_ds, task, workers: int
     return not sealed() and claim_seal(work)
 
 
-def _encode(ds, task, recipe: Recipe, split: str, key: str | None = None, keep_raw: bool = False):
-    """Encode, then apply the truncation policy; returns (dataset, counts). `key`: the cache
-    folder's name (default: found here), which changes whenever the encoding could."""
-    key = key or cache_folder(recipe, task.tokenizer, task).name
+def _encode(ds, task, data: DataConfig, split: str, key: str, keep_raw: bool = False):
+    """Encode, then apply data.truncation; returns (dataset, counts). `key`: the cache
+    folder's name, which changes whenever the encoding could."""
     raw_columns = ds.column_names
     # A bar over the examples (shown once tokenizing takes over ~3 s); datasets' own bars are off.
     with item_bar(len(ds), f"tokenize {split}") as bar:
@@ -280,12 +282,12 @@ def _encode(ds, task, recipe: Recipe, split: str, key: str | None = None, keep_r
         # The fingerprint is given: datasets would otherwise try to hash the bar with the function.
         token = hashlib.sha256(f"{dataset_fingerprint(ds)}:{split}:{key}".encode()).hexdigest()[:16]
         encoded = ds.map(encode, batched=True, desc=f"tokenize {split}", new_fingerprint=token)
-    policy = recipe.data.truncation
+    policy = data.truncation
     over = [i for i, flag in enumerate(encoded["over_length"]) if flag] if "over_length" in encoded.column_names else []
     if over and policy == "error":
         raise DataError(
             f"{row_origin(ds[over[0]])}: {len(over)} {split} example(s) are longer than data.max_length="
-            f"{recipe.data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
+            f"{data.max_length} tokens (this one first); raise max_length or set data.truncation=truncate|drop"
         )
     over_set = set(over)
     drop = set(over_set) if policy == "drop" else set()
@@ -305,9 +307,7 @@ def _encode(ds, task, recipe: Recipe, split: str, key: str | None = None, keep_r
         encoded = encoded.remove_columns([c for c in raw_columns if c in encoded.column_names])
     encoded = task.regroup(encoded)
     if len(encoded) == 0:
-        raise DataError(
-            f"no {split} examples left after data.truncation={policy} (data.max_length={recipe.data.max_length})"
-        )
+        raise DataError(f"no {split} examples left after data.truncation={policy} (data.max_length={data.max_length})")
     counts = {f"{split}_examples": len(encoded), f"{split}_over_length": len(over), f"{split}_dropped": len(drop)}
     return encoded, counts
 
@@ -349,10 +349,10 @@ def _load_split(folder: Path, tokenizer):
     return datasets.load_from_disk(str(folder))
 
 
-def reads_datasets(recipe: Recipe, task_class) -> bool:
-    """Whether loading the prepared data imports datasets: a task that keeps its rows as
-    datasets, or held-out data (kept with its raw columns unless the task streams text)."""
-    data = recipe.data
+def reads_datasets(data: DataConfig, task_class) -> bool:
+    """Whether loading the prepared data of this data section imports datasets: a task that
+    keeps its rows as datasets, or held-out data (kept with its raw columns unless the task
+    streams text)."""
     held_out = (
         data.eval is not None
         or data.eval_fraction > 0

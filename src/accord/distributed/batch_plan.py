@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from accord.errors import UserInputError
 
 if TYPE_CHECKING:
-    from accord.recipe.schema import Recipe
+    from accord.recipe.schema import BatchConfig, EngineConfig
 
 
 class BatchPlanError(UserInputError):
@@ -32,17 +32,18 @@ class BatchPlan:
     pipeline_parallel: int = 1
 
     @classmethod
-    def for_recipe(cls, recipe: Recipe, processes: int) -> BatchPlan:
-        """The plan of `recipe`'s batch section on `processes` processes. Derived once per
-        process where a run starts and handed on from there (the launcher's checks, the
-        workers' RunSetup); raises BatchPlanError naming a split that does not work."""
+    def of(cls, batch: BatchConfig, engine: EngineConfig, processes: int) -> BatchPlan:
+        """The plan of a recipe's batch section on `processes` processes, with its engine
+        section's sequence-, tensor- and pipeline-parallel degrees. Derived once per process
+        where a run starts and handed on from there (the launcher's checks, the workers'
+        RunSetup); raises BatchPlanError naming a split that does not work."""
         return cls.derive(
-            recipe.batch.global_batch_size,
-            recipe.batch.micro_batch_size,
+            batch.global_batch_size,
+            batch.micro_batch_size,
             processes,
-            recipe.engine.sequence_parallel,
-            recipe.engine.tensor_parallel,
-            recipe.engine.pipeline_parallel,
+            engine.sequence_parallel,
+            engine.tensor_parallel,
+            engine.pipeline_parallel,
         )
 
     @classmethod

@@ -178,7 +178,7 @@ def reconcile(recipe: Recipe, settings: dict[str, Any], world_size: int, source:
         raise RecipeError("; ".join(conflicts) + " — make them agree (or leave the value out of one of them)")
     merged = validate_recipe(data, source=source)
     if accumulation is not None:
-        plan = BatchPlan.for_recipe(merged, world_size)
+        plan = BatchPlan.of(merged.batch, merged.engine, world_size)
         if plan.grad_accum != accumulation:
             groups = plan.world_size  # data-parallel: processes / engine.sequence_parallel
             micro = (
@@ -207,7 +207,7 @@ def accelerate_config(
 ) -> dict[str, Any]:
     """The accelerate config that launches `recipe` as accord itself would."""
     engine = recipe.engine
-    plan = BatchPlan.for_recipe(recipe, num_processes)
+    plan = BatchPlan.of(recipe.batch, recipe.engine, num_processes)
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,

@@ -65,7 +65,7 @@ def plan_launch(recipe: Recipe, where: Where) -> LaunchPlan:
     if engine is not recipe.engine:
         recipe = recipe.model_copy(update={"engine": engine})
     # The likeliest mistake, found in microseconds: refused before any other check or worker.
-    batch = BatchPlan.for_recipe(recipe, world_size)
+    batch = BatchPlan.of(recipe.batch, recipe.engine, world_size)
     _refuse_tensor_parallel_across_nodes(recipe.engine.tensor_parallel, world_size, topology)
     # Hub names become commits before any check reads them: once per node (the launcher, or
     # under an outer launcher each node's local rank 0), and recorded in the run's recipe.yaml.

@@ -39,7 +39,7 @@ def preflight(
     problems: list[str] = []
     if plan is None:
         try:
-            plan = BatchPlan.for_recipe(recipe, world_size)
+            plan = BatchPlan.of(recipe.batch, recipe.engine, world_size)
         except BatchPlanError as e:
             problems.append(str(e))
     problems += check_model_source(recipe.model)

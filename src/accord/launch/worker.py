@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
@@ -35,7 +36,8 @@ from accord.launch.node_watch import watch_node
 from accord.observe import heartbeat
 from accord.observe.trackers import TrackerStartError, start_trackers
 from accord.output.folder import discard_earlier_run, prepare_output_dir, write_run_status
-from accord.recipe.schema import Recipe, read_resolved_recipe
+from accord.recipe.observe import ObserveConfig
+from accord.recipe.schema import Recipe, read_resolved_recipe, recipe_to_yaml
 from accord.run.assemble import build_run, describe
 from accord.run.trainer import Trainer
 from accord.stopping import EXIT_CODES, RunResult, StartRefused, StopRequest, TrainingStopped
@@ -69,7 +71,7 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopReques
     it is not this process's signals (a Ray worker, which runs in a thread of Ray's actor)."""
     info = dist.env_info()
     if plan is None:
-        plan = BatchPlan.for_recipe(recipe, info.world_size)
+        plan = BatchPlan.of(recipe.batch, recipe.engine, info.world_size)
     _quiet_libraries(info)
     if recipe.engine.release_host_memory and not release_freed_memory():
         dist.print0(
@@ -114,10 +116,11 @@ def train_worker(recipe: Recipe, plan: BatchPlan | None = None, stop: StopReques
 
 def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: StopRequest) -> RunResult:
     restarted = dist.restart_count() > 0
-    source = verified_resume_source(recipe, info, restarted=restarted)  # before anything is written
+    folder, recipe_yaml = Path(recipe.output.dir), recipe_to_yaml(recipe)
+    source = verified_resume_source(folder, recipe.resume, info, restarted=restarted)  # before anything is written
     out_dir = None
     if info.is_main:
-        out_dir = prepare_output_dir(recipe)
+        out_dir = prepare_output_dir(folder, recipe_yaml)
         write_run_status(out_dir, "running")
         for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
             dist.print0(f"accord: ignoring incomplete checkpoint {stale} (a crash while writing it); removing it")
@@ -125,10 +128,13 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
     if restarted:
         dist.print0(f"accord: worker group restarted ({dist.restart_count()} of {recipe.engine.max_restarts})")
     dist.barrier()
-    source = _node_folders(recipe, info, source, restarted)
-    trackers = _start_trackers(recipe, info, source)
+    source = _node_folders(folder, recipe_yaml, info, source)
+    trackers = _start_trackers(recipe.observe, folder, recipe.model_dump(mode="json"), info, source)
     try:
-        run = _build(recipe, plan, info, device, out_dir)
+        dist.print0("accord: loading model…")
+        with _refused_on_every_rank():
+            run = build_run(recipe, plan, info, device)
+        _describe(run, info, out_dir, recipe.checkpoint.keep_last)
     except BaseException:
         for tracker in trackers or []:  # the run never started: its tracker runs end as failed
             tracker.finish({}, "failed")
@@ -155,31 +161,38 @@ def _run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, stop: Sto
         trainer.close(ended)
 
 
-def _build(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device, out_dir):
-    dist.print0("accord: loading model…")
+@contextmanager
+def _refused_on_every_rank():
+    """What stops the run's assembly in one line (bad data, weights that do not fit the
+    config) is met by every rank alike: the run stops or is refused, with no traceback."""
     try:
-        run = build_run(recipe, plan, info, device)
+        yield
     except DataError as e:
         raise TrainingStopped(str(e)) from None
-    except UserInputError as e:  # e.g. weights that do not fit the config: the same on every rank
+    except UserInputError as e:
         raise StartRefused(str(e)) from None
+
+
+def _describe(run, info: dist.DistInfo, out_dir: Path | None, keep_last: int) -> None:
+    """The run's lines (model, layout, batch, data), and on rank 0 whether output.dir has
+    room for checkpoint.keep_last checkpoints."""
     for line in describe(run):
         dist.print0(line)
     if info.is_main:
-        warning = disk_space_warning(out_dir, run.model.num_params, run.model.trainable, recipe.checkpoint.keep_last)
+        warning = disk_space_warning(out_dir, run.model.num_params, run.model.trainable, keep_last)
         if warning:
             dist.print0(f"accord: warning: {warning}")
-    return run
 
 
-def _start_trackers(recipe: Recipe, info: dist.DistInfo, source):
-    """Rank 0 opens observe.report_to's trackers before the model is built; one that cannot
-    start (a bad MLFLOW_TRACKING_URI, an unknown WANDB_MODE) refuses the run on every rank."""
+def _start_trackers(observe: ObserveConfig, out_dir: Path, config: dict, info: dist.DistInfo, source):
+    """Rank 0 opens observe.report_to's trackers (`config`: the resolved recipe they record)
+    before the model is built; one that cannot start (a bad MLFLOW_TRACKING_URI, an unknown
+    WANDB_MODE) refuses the run on every rank."""
     trackers, refusal = None, None
     if info.is_main:
         try:
             step = read_state(source).step if source is not None else 0
-            trackers = start_trackers(recipe, Path(recipe.output.dir), step)
+            trackers = start_trackers(observe, out_dir, config, step)
         except TrackerStartError as e:
             refusal = str(e)
     refusal = dist.broadcast_object(refusal)
@@ -213,17 +226,16 @@ def _discard_earlier_run(out_dir) -> None:
         dist.print0(f"accord: first step done: removed the earlier run that --overwrite had set aside in {out_dir}")
 
 
-def _node_folders(recipe: Recipe, info: dist.DistInfo, source, restarted: bool):
+def _node_folders(out_dir: Path, recipe_yaml: str, info: dist.DistInfo, source):
     """Multi-node: find whether the nodes share output.dir (collective); with a folder per
-    node, each node's leader prepares its own, and every node resumes from the checkpoint
-    rank 0 chose, in its own folder. The checkpoint source, agreed."""
-    out_dir = Path(recipe.output.dir)
+    node, each node's leader prepares its own (with recipe.yaml), and every node resumes from
+    the checkpoint rank 0 chose, in its own folder. The checkpoint source, agreed."""
     layout = nodefolders.detect(out_dir, info)
     line = nodefolders.describe(layout)
     if line:
         dist.print0(f"accord: {line}")
     if layout.leader and not info.is_main:
-        prepare_output_dir(recipe)
+        prepare_output_dir(out_dir, recipe_yaml)
         for stale in incomplete_checkpoints(out_dir / CHECKPOINTS):
             shutil.rmtree(stale, ignore_errors=True)
     try:

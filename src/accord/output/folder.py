@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 from accord.atomic import replacing_folder, write_atomic
 from accord.observe.trackers import TRACKER_ARTEFACTS
 from accord.output.lock import lock_problem
-from accord.recipe.schema import OutputConfig, Recipe, recipe_to_yaml
+from accord.recipe.schema import OutputConfig
 
 # What a run writes; only these are removed by --overwrite (never the whole folder, which
 # may hold the user's own files).
@@ -81,11 +81,11 @@ def check_output_dir(output: OutputConfig, resume: str, run_id: str = "") -> lis
     return []
 
 
-def prepare_output_dir(recipe: Recipe) -> Path:
-    """Create output.dir and save the recipe (an earlier run was set aside by the launcher)."""
-    out_dir = Path(recipe.output.dir)
+def prepare_output_dir(out_dir: Path, recipe_yaml: str) -> Path:
+    """Create output.dir and save the resolved recipe (`recipe_to_yaml`) in it as recipe.yaml
+    (an earlier run was set aside by the launcher)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / "recipe.yaml", recipe_to_yaml(recipe))
+    write_atomic(out_dir / "recipe.yaml", recipe_yaml)
     return out_dir
 
 

@@ -210,7 +210,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     world = gpus * nodes
     if recipe.engine.pipeline_parallel > 1:  # one row per pipeline rank, under the recipe's strategy
         return _pipeline_rows(recipe, world, cpu), world
-    batch = BatchPlan.for_recipe(recipe, world)
+    batch = BatchPlan.of(recipe.batch, recipe.engine, world)
     model = meta_model(recipe)
     tp = recipe.engine.tensor_parallel
     if tp > 1:
@@ -292,7 +292,7 @@ def _pipeline_rows(recipe: Recipe, world: int, cpu: bool) -> list[StrategyPlan]:
 
     engine = recipe.engine
     dp = world // engine.pipeline_parallel
-    batch = BatchPlan.for_recipe(recipe, world)
+    batch = BatchPlan.of(recipe.batch, recipe.engine, world)
     micro, length = batch.micro_batch_size, recipe.data.max_length
     whole = meta_model(recipe)
     logits = 2 * 4 * micro * length * getattr(whole.config.get_text_config(), "vocab_size", 0)

@@ -61,7 +61,7 @@ def build_inputs(recipe: Recipe, preparer: bool, share: NodeShare | None = None)
         inputs, _kept = _kept[1], None  # taken once: nothing lingers for the rest of the run
         return inputs
     tokenizer, task = tokenizer_and_task(recipe)
-    data = prepare_data(recipe, tokenizer, task, preparer=preparer, share=share)
+    data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=preparer, share=share)
     return RunInputs(tokenizer, task, data, training_rows(data.train, task.row_capacity))
 
 

@@ -21,7 +21,6 @@ from typing import Any
 from accord.atomic import write_atomic
 from accord.errors import UserInputError
 from accord.recipe.observe import TRACKERS, ObserveConfig
-from accord.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -111,8 +110,11 @@ def _mlflow_needs_sqlalchemy() -> bool:
     return not uri or uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
 
 
-def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[Tracker]:
-    """Open observe.report_to's trackers, in order; the first that cannot start closes the ones
+def start_trackers(
+    observe: ObserveConfig, out_dir: Path, config: dict[str, Any], resume_step: int = 0
+) -> list[Tracker]:
+    """Open observe.report_to's trackers, in order, for the run in `out_dir` whose resolved
+    recipe (as recipe.yaml holds it) is `config`; the first that cannot start closes the ones
     already open and raises TrackerStartError (one line)."""
     # The folder holds trackers.json only from an earlier attempt of this run (a resume, a restarted
     # worker group, a rerun before any checkpoint): --overwrite sets an earlier run's aside.
@@ -120,13 +122,13 @@ def start_trackers(recipe: Recipe, out_dir: Path, resume_step: int = 0) -> list[
     context = TrackerStart(
         out_dir=out_dir,
         run_name=out_dir.resolve().name,
-        project=recipe.observe.project,
-        config=recipe.model_dump(mode="json"),  # what recipe.yaml holds
+        project=observe.project,
+        config=config,
         resume_step=resume_step,
     )
-    settings = {name: _settings(name) for name in recipe.observe.report_to}  # the user's, before any default
+    settings = {name: _settings(name) for name in observe.report_to}  # the user's, before any default
     started: list[Tracker] = []
-    for name in recipe.observe.report_to:
+    for name in observe.report_to:
         try:
             module = importlib.import_module(KINDS[name].module)
             started.append(module.start(replace(context, resume_id=ids.get(name))))
