@@ -217,12 +217,12 @@ def resume_seconds(recipe_path: Path) -> float:
 import time; t = time.perf_counter()
 from accord.recipe.schema import load_recipe
 from accord.models.build import build_tokenizer
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from accord.data.prepare import prepare_data
 from accord.data.packing import training_rows
 from accord.data.order import GlobalOrder
 from accord.data.fetch import fetch
-r = load_recipe({str(recipe_path)!r}); tok = build_tokenizer(r.model); task = build_task(r, tok)
+r = load_recipe({str(recipe_path)!r}); tok = build_tokenizer(r.model); task = build_task(task_config(r), tok)
 t = time.perf_counter()
 d = prepare_data(r.data, r.seed, tok, task, preparer=False); rows = training_rows(d.train, task.row_capacity)
 order = GlobalOrder(len(rows), r.batch.global_batch_size, r.seed)

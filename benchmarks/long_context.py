@@ -90,7 +90,7 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     from accord.engine.sequence_parallel.ulysses import install_ulysses
     from accord.models.build import build_byte_tokenizer, build_model
     from accord.recipe.schema import apply_override, validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     raw = {
         "model": {"config": llama_config(length), "tokenizer": "byte"},
@@ -105,7 +105,7 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     recipe = validate_recipe(raw)
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     # Before the Ulysses attention replaces the model's, as accord.run.assemble does: the task
     # (and the sequence shards) must see the core attention, sdpa, which takes a row of one
     # document as causal without a mask (with the Ulysses name it would build the L x L mask).
@@ -333,7 +333,7 @@ def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int)
 
     from accord.models.build import build_byte_tokenizer, build_model
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     torch.set_num_threads(threads)
     recipe = validate_recipe(
@@ -347,7 +347,7 @@ def one_chunk_run(length: int, chunk: int, vocab: int, steps: int, threads: int)
     )
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, seed=0)
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     task.configure_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = random_row(length, vocab)

@@ -532,7 +532,7 @@ def test_empty_completions_give_a_warning_with_their_count(tmp_path):
     from accord.data.prepare import prepare_data
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]
     for i in (5, 17, 30):
@@ -543,7 +543,7 @@ def test_empty_completions_give_a_warning_with_their_count(tmp_path):
     )
     tokenizer = build_byte_tokenizer()
     for _ in range(2):  # prepared here, then read from the cache: the warning is said at every start
-        task = build_task(recipe, tokenizer)
+        task = build_task(task_config(recipe), tokenizer)
         prepared = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
         assert prepared.report["train_examples"] == 40  # a warning, not an error: the rows still train
         assert task.describe() == [

@@ -164,7 +164,7 @@ def test_methods_distill_trains_both_sides_on_the_same_tokens_and_targets(tmp_pa
     from trl.experimental.utils import DataCollatorForChatML
 
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     methods.prepare(tmp_path, argparse.Namespace(model_size="tiny", steps=2, batch=4))
     rows = [json.loads(line) for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
@@ -177,7 +177,7 @@ def test_methods_distill_trains_both_sides_on_the_same_tokens_and_targets(tmp_pa
     } | methods._distill(None)
     recipe["distill"]["teacher"] = str(tmp_path / "teacher")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
-    task = build_task(validate_recipe(recipe), tokenizer)
+    task = build_task(task_config(validate_recipe(recipe)), tokenizer)
     train, _ = task.fit(datasets.Dataset.from_list(rows), None)
     ours = task.encode_batch(train.to_dict())
     theirs = DataCollatorForChatML(tokenizer=tokenizer, max_length=methods.MAX_LENGTH)(rows)

@@ -15,13 +15,13 @@ from conftest import TINY_RECIPE
 def _sft_task(overrides: dict | None = None, tokenizer=None):
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     raw = copy.deepcopy(TINY_RECIPE)
     raw["data"].update(overrides or {})
     recipe = validate_recipe(raw)
     tokenizer = tokenizer or build_byte_tokenizer()
-    return build_task(recipe, tokenizer), tokenizer
+    return build_task(task_config(recipe), tokenizer), tokenizer
 
 
 def _encode(task, prompt: str, completion: str):

@@ -12,7 +12,7 @@ import torch
 
 from accord.models.build import build_byte_tokenizer, build_model
 from accord.recipe.schema import validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from accord.tasks.chunked_loss import AUTO_CHUNK_TOKENS, AUTO_WHOLE_LOGITS_BYTES, chunk_tokens, shifted_targets
 from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, step_losses
 
@@ -35,7 +35,7 @@ def _tasks_and_models(task: str, **sections):
     for chunk in (0, CHUNK):
         recipe = _recipe(task, chunk, **sections)
         model = build_model(recipe.model, tokenizer, recipe.seed)
-        t = build_task(recipe, tokenizer)
+        t = build_task(task_config(recipe), tokenizer)
         t.configure_model(model)
         out.append((t, model))
     return out
@@ -79,7 +79,7 @@ COMPLETIONS = ["357", "15", "300", "0"]
 @pytest.mark.parametrize("packing", [False, True], ids=["one-per-row", "packed"])
 def test_chunked_sft_loss_and_gradients_equal_the_plain_ones_on_completion_tokens(packing):
     (plain, plain_model), (chunked, chunked_model) = _tasks_and_models("sft", data={"packing": packing})
-    assert plain.recipe.data.completion_only_loss and chunked.logprobs is not None and plain.logprobs is None
+    assert plain.config.data.completion_only_loss and chunked.logprobs is not None and plain.logprobs is None
     columns = {"prompt": PROMPTS, "completion": COMPLETIONS}
     if packing:
         encoded = plain.encode_batch(columns)
@@ -149,7 +149,7 @@ def test_a_model_that_rescales_its_logits_keeps_the_plain_loss():
         "logits_scaling": 2.0,
     }
     tokenizer = build_byte_tokenizer()
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     task.configure_model(build_model(recipe.model, tokenizer, recipe.seed, meta=True))
     assert task.logprobs is None
     assert task.describe() == [
@@ -178,7 +178,7 @@ def test_a_model_that_changes_what_its_output_layer_returns_is_refused_naming_th
     from accord.tasks.chunked_loss import HeadCall, row_target_logprobs
 
     recipe, tokenizer = _recipe("sft", CHUNK), build_byte_tokenizer()
-    model, task = build_model(recipe.model, tokenizer, recipe.seed), build_task(recipe, tokenizer)
+    model, task = build_model(recipe.model, tokenizer, recipe.seed), build_task(task_config(recipe), tokenizer)
     task.configure_model(model)
     batch = _batch(task, {"prompt": PROMPTS[:2], "completion": COMPLETIONS[:2]})
     inputs = {k: v for k, v in batch.items() if k != "labels"}  # as the task's loss passes them
@@ -244,7 +244,7 @@ def test_auto_chunk_size_chunks_only_micro_batches_whose_logits_pass_the_budget(
     for setting in ("auto", 0):
         recipe = _recipe("pretrain", setting)
         model = build_model(recipe.model, tokenizer, recipe.seed)
-        task = build_task(recipe, tokenizer)
+        task = build_task(task_config(recipe), tokenizer)
         task.configure_model(model)
         ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -13,13 +13,13 @@ from accord.data.sources import DataError
 from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
-from accord.tasks import build_task, task_class
+from accord.tasks import build_task, task_class, task_config
 from conftest import recipe_for, write_jsonl
 
 
 def _arrow_examples(recipe, tokenizer, split: str):
     """The examples (and counts) of the Arrow path these shards replace (prepare._encode)."""
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     train, eval_ds = task.fit(*load_split(recipe.data, recipe.seed, task.text_fields))
     key = cache_folder(recipe.data, recipe.seed, tokenizer, task).name
     encoded, counts = _encode(train if split == "train" else eval_ds, task, recipe.data, split, key)
@@ -38,7 +38,7 @@ def test_shards_hold_the_examples_the_arrow_encoding_gave(tmp_path, name):
     tokenizer = build_byte_tokenizer()
     if name == "classify-pair":
         tokenizer.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
     assert isinstance(data.train, ColumnShards) and isinstance(data.eval, ColumnShards)
     for split, shards in (("train", data.train), ("eval", data.eval)):
@@ -48,7 +48,7 @@ def test_shards_hold_the_examples_the_arrow_encoding_gave(tmp_path, name):
             assert {k: data.report[k] for k in counts} == counts and counts["train_over_length"] > 0
     if name == "classify-pair":
         assert "token_type_ids" in data.train.column_names and data.train["label_id"].max() == 11
-    assert not reads_datasets(recipe.data, task_class(recipe))  # the workers never import datasets
+    assert not reads_datasets(recipe.data, task_class(recipe.task, recipe.model))  # the workers never import datasets
 
 
 def test_dropped_examples_leave_every_column_aligned(tmp_path):
@@ -62,7 +62,7 @@ def test_dropped_examples_leave_every_column_aligned(tmp_path):
     }
     recipe = validate_recipe(recipe)
     tokenizer = build_byte_tokenizer()
-    data = prepare_data(recipe.data, recipe.seed, tokenizer, build_task(recipe, tokenizer), preparer=True)
+    data = prepare_data(recipe.data, recipe.seed, tokenizer, build_task(task_config(recipe), tokenizer), preparer=True)
     old, counts = _arrow_examples(recipe, tokenizer, "train")
     assert counts["train_dropped"] > 0 and len(data.train) == len(old) == 60 - counts["train_dropped"]
     assert fetch(data.train, range(len(old))) == [{k: e[k] for k in data.train.column_names} for e in old]

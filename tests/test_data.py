@@ -11,7 +11,7 @@ from accord.data.sources import DataError, load_source
 from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import SourceConfig, validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from conftest import TINY_RECIPE, recipe_for, run_accord_here, write_jsonl, write_recipe
 
 ROWS = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(12)]
@@ -182,7 +182,7 @@ def test_chatterbot_and_contrastive_adapters(tmp_path):
 
 def prepare(recipe):
     tokenizer = build_byte_tokenizer()
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     return prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
 
 
@@ -260,7 +260,7 @@ def test_cache_key_changes_with_data_tokenizer_settings(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", ROWS)
     tokenizer = build_byte_tokenizer()
     base = sft_recipe(tmp_path, train=str(path))
-    key = lambda r: cache_folder(r.data, r.seed, tokenizer, build_task(r, tokenizer)).name  # noqa: E731
+    key = lambda r: cache_folder(r.data, r.seed, tokenizer, build_task(task_config(r), tokenizer)).name  # noqa: E731
     assert key(base) == key(sft_recipe(tmp_path, train=str(path)))
     assert key(base) != key(sft_recipe(tmp_path, train=str(path), max_length=64))
     assert key(base) != key(sft_recipe(tmp_path, train=str(path), completion_only_loss=False))
@@ -275,7 +275,7 @@ def test_cache_key_of_a_recipe_stays_the_same_across_versions():
     tokenizer library describes the same tokenizer differently); then update the value here."""
     recipe = validate_recipe(TINY_RECIPE)
     tokenizer = build_byte_tokenizer()
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     assert cache_folder(recipe.data, recipe.seed, tokenizer, task).name == "sft-816bcda6d38d6035"
 
 
@@ -286,7 +286,7 @@ def test_waiting_process_reports_the_preparers_error_and_times_out(tmp_path):
         prepare(recipe)
     tokenizer = build_byte_tokenizer()
     with pytest.raises(DataError, match="no assistant turn"):  # a waiting rank gets the same line
-        prepare_data(recipe.data, recipe.seed, tokenizer, build_task(recipe, tokenizer), preparer=False)
+        prepare_data(recipe.data, recipe.seed, tokenizer, build_task(task_config(recipe), tokenizer), preparer=False)
     fresh = sft_recipe(tmp_path, train=str(write_jsonl(tmp_path / "fresh.jsonl", ROWS)), prepare_timeout_s=1)
     with pytest.raises(DataError, match="not prepared within data.prepare_timeout_s=1 s"):
-        prepare_data(fresh.data, fresh.seed, tokenizer, build_task(fresh, tokenizer), preparer=False)
+        prepare_data(fresh.data, fresh.seed, tokenizer, build_task(task_config(fresh), tokenizer), preparer=False)

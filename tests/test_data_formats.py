@@ -15,7 +15,7 @@ from accord.data.sources import DataError, load_source
 from accord.data.split import held_out_warning, load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import SourceConfig, load_recipe, validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from conftest import TINY_RECIPE, write_jsonl, write_recipe
 
 CHAT = [
@@ -32,7 +32,7 @@ def recipe(tmp_path, task="sft", **data):
 
 def prepared(r):
     tokenizer = build_byte_tokenizer()
-    task = build_task(r, tokenizer)
+    task = build_task(task_config(r), tokenizer)
     return prepare_data(r.data, r.seed, tokenizer, task, preparer=True), task
 
 
@@ -145,7 +145,7 @@ def classify_fit(tmp_path, rows, labels=None):
     )
     if labels:
         r = validate_recipe(r.model_dump(mode="json") | {"classify": {"labels": labels}})
-    task = build_task(r, build_byte_tokenizer())
+    task = build_task(task_config(r), build_byte_tokenizer())
     train, _ = load_split(r.data, 0, task.text_fields)
     task.fit(train, None)
     return task, task.encode_batch(train[:])["label_id"]

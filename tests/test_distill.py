@@ -80,12 +80,12 @@ def _recipe(root, **distill) -> dict:
 def _task(root, chunk: int | str = "auto", **distill):
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     tokenizer = build_byte_tokenizer()
     recipe = _recipe(root, **distill)
     recipe["train"]["loss_chunk_size"] = chunk
-    return build_task(validate_recipe(recipe), tokenizer), tokenizer
+    return build_task(task_config(validate_recipe(recipe)), tokenizer), tokenizer
 
 
 def _examples(task, rows: list[dict]) -> list[dict]:
@@ -290,7 +290,7 @@ def test_a_hub_teacher_is_pinned_to_a_commit_and_read_from_the_cache(offline_hub
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.hub import pin
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
     from test_hub import MODEL, MODEL_COMMIT, fake_model
 
     fake_model(offline_hub)
@@ -298,7 +298,7 @@ def test_a_hub_teacher_is_pinned_to_a_commit_and_read_from_the_cache(offline_hub
     recipe["distill"]["teacher"] = MODEL
     pinned = pin(validate_recipe(recipe))
     assert pinned.distill.teacher == MODEL and pinned.distill.teacher_revision == MODEL_COMMIT
-    assert build_task(pinned, build_byte_tokenizer()).teacher_vocab == 262
+    assert build_task(task_config(pinned), build_byte_tokenizer()).teacher_vocab == 262
 
 
 def test_a_teacher_whose_tokenizer_maps_tokens_to_other_ids_is_refused(tmp_path):

@@ -61,12 +61,12 @@ def test_each_loss_equals_trl_dpo_trainers_at_every_step(trl_trainer, tmp_path, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     trainer, initial, tokenizer, settings = trl_trainer
     section = CONFIGS[name]
     recipe = validate_recipe(recipe_for("dpo", tmp_path) | {"dpo": section})
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     ours = LlamaForCausalLM(LlamaConfig(**settings, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id))
     ours.load_state_dict(initial)
     task.configure_model(ours)

@@ -17,6 +17,7 @@ import torch
 from accord.errors import UserInputError
 from accord.recipe.grpo import GRPOConfig
 from accord.recipe.schema import RecipeError, validate_recipe
+from accord.tasks import task_config
 from accord.tasks.grpo import GRPOTask, Rollout
 from accord.tasks.grpo_loss import grpo_token_loss
 from accord.tasks.rewards import Group, RewardFailed, RewardFunctions
@@ -175,7 +176,7 @@ def test_a_grpo_step_raises_the_rewarded_completion_and_lowers_the_others():
         json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 4, "max_new_tokens": 4, "beta": 0.0}})
     )
     raw["data"]["add_bos"] = "never"
-    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), task_config(validate_recipe(raw)))
     prompt, completions = [1, 5, 9, 7], [[11, 12, 2], [13, 2], [14, 15, 16, 17], [18, 19, 2]]
     rollout = Rollout(prompt, completions, {"prompt": "p", "completion": "42"}, ["42", "7", "4242", " x"])
     task._score(rollout, 0)  # exact match: only the first is right
@@ -215,7 +216,7 @@ def test_a_group_gets_the_sampling_policys_log_probs_of_its_completion_positions
         )
     )
     raw["data"]["add_bos"] = "never"
-    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), task_config(validate_recipe(raw)))
     task.policy = model
     prompt, completions = [1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]]
     rollout = Rollout(prompt, completions, {}, [])
@@ -242,7 +243,7 @@ def test_while_the_policy_is_the_reference_the_kl_term_adds_exactly_no_gradient(
         json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}})
     )
     raw["data"]["add_bos"] = "never"
-    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), task_config(validate_recipe(raw)))
     task.policy, task.reference = model, copy.deepcopy(model).requires_grad_(False).eval()
     groups = [
         Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []),
@@ -265,7 +266,7 @@ def test_a_groups_log_probs_are_the_same_floats_alone_or_beside_other_groups():
         json.dumps({**TINY_RECIPE, "task": "grpo", "grpo": {"group_size": 2, "max_new_tokens": 4, "beta": 0.04}})
     )
     raw["data"]["add_bos"] = "never"
-    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), validate_recipe(raw))
+    task = GRPOTask(types.SimpleNamespace(eos_token_id=2, pad_token_id=0), task_config(validate_recipe(raw)))
     task.policy = model
     groups = [
         Rollout([1, 8, 3, 6, 4], [[14, 15, 16, 17], [18, 2]], {}, []),
@@ -439,7 +440,7 @@ def test_chat_rows_prompt_with_the_chat_template_up_to_the_last_user_turn():
     from accord.tasks.grpo import GRPOTask
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
-    task = GRPOTask(tokenizer, _recipe(max_new_tokens=4, rewards=[{"kind": "regex", "pattern": ".*"}]))
+    task = GRPOTask(tokenizer, task_config(_recipe(max_new_tokens=4, rewards=[{"kind": "regex", "pattern": ".*"}])))
     conversation = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
@@ -472,9 +473,8 @@ def test_greedy_eval_batches_prompts_of_one_length_and_completes_each_as_alone()
 
     tokenizer = build_tokenizer(ModelConfig(config={"architecture": "llama"}, tokenizer="byte"))
     model = _tiny_llama(vocab=len(tokenizer))
-    task = GRPOTask(
-        tokenizer, _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}])
-    )
+    recipe = _recipe(max_new_tokens=6, rewards=[{"kind": "function", "function": "test_grpo:record_completion"}])
+    task = GRPOTask(tokenizer, task_config(recipe))
     prompts = ["1+2=", "13+4=", "5+6=", "99+9=", "7+8=", "40+1="]
     rows = [{k: v[0] for k, v in task.encode_batch({"prompt": [p], "completion": ["0"]}).items()} for p in prompts]
     rows.append({**rows[0], PADDING: True})

@@ -38,10 +38,10 @@ def _recipe(folder, **kto) -> dict:
 def _task(tmp_path, **kto):
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     tokenizer = build_byte_tokenizer()
-    return build_task(validate_recipe(_recipe(tmp_path, **kto)), tokenizer), tokenizer
+    return build_task(task_config(validate_recipe(_recipe(tmp_path, **kto))), tokenizer), tokenizer
 
 
 def _trl_trainer(model, tokenizer, rows, tmp_path, **args):

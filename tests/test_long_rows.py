@@ -15,7 +15,7 @@ from accord.engine.long_rows import apply_memory_levers, mlp_tiles
 from accord.models.build import build_byte_tokenizer, build_model
 from accord.recipe.engine import EngineConfig
 from accord.recipe.schema import RecipeError, validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from conftest import TINY_RECIPE
 
 LENGTH = 40  # a row that the tiles below split unevenly (40 = 14 + 13 + 13 with 3 tiles)
@@ -33,7 +33,7 @@ def _loss_and_grads(**engine):
     tokenizer = build_byte_tokenizer()
     model = build_model(recipe.model, tokenizer, recipe.seed)
     apply_memory_levers(model, recipe.engine, recipe.data.max_length, torch.device("cpu"))
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     task.configure_model(model)
     model.train()
     ids = torch.randint(3, 250, (2, LENGTH), generator=torch.Generator().manual_seed(0))

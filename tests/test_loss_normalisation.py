@@ -21,7 +21,7 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.models.build import build_model, build_tokenizer
 from accord.recipe.schema import validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from conftest import TINY_RECIPE, max_param_diff
 
 STEPS = 4
@@ -30,7 +30,7 @@ STEPS = 4
 def simulate(world: int, micro: int, normalisation: str, cache_dir) -> dict[str, torch.Tensor]:
     recipe = validate_recipe(TINY_RECIPE | {"data": TINY_RECIPE["data"] | {"cache_dir": str(cache_dir)}})
     tokenizer = build_tokenizer(recipe.model)
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
     task.packing = True
     rows = Rows.build(np.asarray(data.train["length"]), np.asarray(data.train["num_targets"]), recipe.data.max_length)

@@ -162,7 +162,7 @@ def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_b
     from accord.distributed.batch_plan import BatchPlan
     from accord.models.build import build_byte_tokenizer, build_model
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
     from accord.tasks.router_balance import balance_router
 
     recipe = moe_recipe(balance_loss="per_forward", aux_loss_coef=None, z_loss_coef=None)
@@ -171,10 +171,10 @@ def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_b
     recipe["model"]["config"]["router_aux_loss_coef"] = 0.3  # the weight both read from the config
     recipe = validate_recipe(recipe)
     tokenizer = build_byte_tokenizer()
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     model = build_model(recipe.model, tokenizer, recipe.seed)
     task.configure_model(model)
-    balanced = balance_router(task, model, recipe, BatchPlan.of(recipe.batch, recipe.engine, 1))
+    balanced = balance_router(task, model, recipe.moe, BatchPlan.of(recipe.batch, recipe.engine, 1))
     pairs = [("12+7=", "19"), ("3+4=", "7"), ("100+1=", "101"), ("5+5=", "10"), ("9+9=", "18"), ("0+0=", "0")]
     encoded = task.encode_batch({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
     rows = [[{name: column[i] for name, column in encoded.items()}] for i in range(len(pairs))]

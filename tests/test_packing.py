@@ -10,6 +10,7 @@ from accord.data.order import GlobalOrder
 from accord.data.packing import Rows, best_fit_decreasing
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
+from accord.tasks import task_config
 from accord.tasks.sft import SFTTask
 from conftest import TINY_RECIPE
 
@@ -37,7 +38,7 @@ def test_packed_per_document_loss_equals_unpacked(attn):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    task = SFTTask(tokenizer, validate_recipe(TINY_RECIPE))
+    task = SFTTask(tokenizer, task_config(validate_recipe(TINY_RECIPE)))
     rows = [
         {"prompt": "12+345=", "completion": "357"},
         {"prompt": "7+8=", "completion": "15"},
@@ -115,7 +116,7 @@ def test_flattened_rows_attended_per_document_give_the_block_mask_loss_and_gradi
 
     tokenizer = build_byte_tokenizer()
     recipe = validate_recipe(TINY_RECIPE | {"engine": {"device": "cpu"}})
-    task = SFTTask(tokenizer, recipe)
+    task = SFTTask(tokenizer, task_config(recipe))
     rng = np.random.default_rng(3)
 
     def example(n: int) -> dict:
@@ -161,7 +162,7 @@ def test_rows_stay_padded_under_a_mask_where_attention_per_document_does_not_app
         (TINY_RECIPE | {"engine": {"device": "cpu"}}, MistralForCausalLM(MistralConfig(**small, sliding_window=8))),
     ]
     for recipe, model in cases:
-        task = SFTTask(tokenizer, validate_recipe(recipe))
+        task = SFTTask(tokenizer, task_config(validate_recipe(recipe)))
         task.configure_model(model)
         assert not task.flatten
         assert "attention_mask" in task.collate([[{"input_ids": [1, 2], "labels": [-100, 2]}]])

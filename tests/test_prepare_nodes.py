@@ -17,7 +17,7 @@ from accord.data.prepare import cache_folder, prepare_data
 from accord.data.split import load_split
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from conftest import TINY_RECIPE, write_jsonl
 
 ROWS = [{"text": f"document {i}: " + "some words, then more words. " * (1 + i % 6)} for i in range(40)]
@@ -39,12 +39,12 @@ def recipe(tmp_path, cache: str, **data):
 
 def prepare(r, share: NodeShare):
     tokenizer = build_byte_tokenizer()
-    return prepare_data(r.data, r.seed, tokenizer, build_task(r, tokenizer), preparer=True, share=share)
+    return prepare_data(r.data, r.seed, tokenizer, build_task(task_config(r), tokenizer), preparer=True, share=share)
 
 
 def folder_bytes(r) -> dict[str, bytes]:
     tokenizer = build_byte_tokenizer()
-    folder = cache_folder(r.data, r.seed, tokenizer, build_task(r, tokenizer))
+    folder = cache_folder(r.data, r.seed, tokenizer, build_task(task_config(r), tokenizer))
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
@@ -83,7 +83,7 @@ def test_a_node_tokenises_only_what_the_other_node_left_and_the_union_is_the_one
     shared = recipe(tmp_path, "shared", eval_fraction=0.1)
     # Node 1 tokenises its share of the training units into the shared cache's work folder...
     tokenizer = build_byte_tokenizer()
-    task = build_task(shared, tokenizer)
+    task = build_task(task_config(shared), tokenizer)
     train, _ = load_split(shared.data, shared.seed, task.text_fields)
     folder = cache_folder(shared.data, shared.seed, tokenizer, task)
     work = folder.with_name(folder.name + ".partial") / "train"
@@ -118,7 +118,7 @@ def test_pairs_tokenised_by_two_nodes_give_the_one_node_cache(tmp_path, monkeypa
     )
     prepare(one, NodeShare())
     tokenizer = build_byte_tokenizer()
-    task = build_task(shared, tokenizer)
+    task = build_task(task_config(shared), tokenizer)
     train, _ = task.fit(*load_split(shared.data, shared.seed, task.text_fields))
     folder = cache_folder(shared.data, shared.seed, tokenizer, task)
     work = folder.with_name(folder.name + ".partial") / "train"

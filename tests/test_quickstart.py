@@ -74,7 +74,7 @@ def test_saved_model_reloads_in_plain_transformers(quickstart_run):
     from accord.models.build import build_tokenizer
     from accord.observe.metrics import read_metrics
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     out, _ = quickstart_run
     model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
@@ -87,7 +87,7 @@ def test_saved_model_reloads_in_plain_transformers(quickstart_run):
     recipe = validate_recipe(yaml.safe_load((out / "recipe.yaml").read_text()))
     accord_tokenizer = build_tokenizer(recipe.model)
     rows = prepare_data(
-        recipe.data, recipe.seed, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True
+        recipe.data, recipe.seed, accord_tokenizer, build_task(task_config(recipe), accord_tokenizer), preparer=True
     ).eval
     loss_sum, targets = 0.0, 0
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     from accord.models.build import build_tokenizer
     from accord.observe.metrics import read_metrics
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     out, _ = quickstart_run
     logged = [r for r in read_metrics(out) if r["kind"] == "eval"][-1]
@@ -127,7 +127,7 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     accord_tokenizer = build_tokenizer(recipe.model)
     rows = list(
         prepare_data(
-            recipe.data, recipe.seed, accord_tokenizer, build_task(recipe, accord_tokenizer), preparer=True
+            recipe, accord_tokenizer, build_task(task_config(recipe), accord_tokenizer), preparer=True
         ).eval.select(range(16))
     )
 

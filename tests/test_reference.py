@@ -81,11 +81,13 @@ def _global_batches(raw: dict, log: str) -> tuple[list[list[dict]], int]:
     from accord.data.prepare import prepare_data
     from accord.models.build import build_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     recipe = validate_recipe(raw)
     tokenizer = build_tokenizer(recipe.model)
-    train = prepare_data(recipe.data, recipe.seed, tokenizer, build_task(recipe, tokenizer), preparer=True).train
+    train = prepare_data(
+        recipe.data, recipe.seed, tokenizer, build_task(task_config(recipe), tokenizer), preparer=True
+    ).train
     rows = Rows.build(np.asarray(train["length"]), np.asarray(train["num_targets"]), recipe.data.max_length)
     assert f"in {len(rows)} packed rows" in log  # the rows the run trained on
     order = GlobalOrder(len(rows), recipe.batch.global_batch_size, recipe.seed)

@@ -32,10 +32,10 @@ def _tiny_lm(tokenizer):
 def _task(variant: str, tmp_path):
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     tokenizer = build_byte_tokenizer()
-    return build_task(validate_recipe(_recipe(variant, tmp_path)), tokenizer), tokenizer
+    return build_task(task_config(validate_recipe(_recipe(variant, tmp_path))), tokenizer), tokenizer
 
 
 def _recipe(variant: str, folder, **sections) -> dict:

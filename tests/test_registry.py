@@ -34,7 +34,7 @@ def test_every_registered_task_validates_and_resolves_to_a_task_class(name):
     # A section the task cannot do without.
     required = {"distill": {"distill": {"teacher": "teacher-folder", "max_new_tokens": 8}}}
     recipe = validate_recipe(TINY_RECIPE | {"task": name} | required.get(name, {}))
-    assert task_class(recipe).name == name and task_class(name) is task_class(recipe)
+    assert task_class(recipe.task, recipe.model).name == name and task_class(name) is task_class(recipe.task)
 
 
 @pytest.mark.parametrize("name", sorted(registry.STRATEGIES))
@@ -81,13 +81,13 @@ def test_a_registered_name_validates_here_and_in_the_processes_started_from_here
     accord.register_task("my_sft", MySFT)
     accord.register_strategy("my_ddp", build_my_ddp, like="ddp")
     recipe = accord.load_recipe(raw)
-    assert accord.task_class("my_sft") is MySFT and task_class(recipe) is MySFT
+    assert accord.task_class("my_sft") is MySFT and task_class(recipe.task, recipe.model) is MySFT
     assert registry.STRATEGIES["my_ddp"].factory == "user_extensions:build_my_ddp"
     assert registry.strategy("my_ddp").memory == registry.STRATEGIES["ddp"].memory
     # A fresh interpreter started from here (as the workers are) knows both names.
     code = (
         "import json, sys; from accord.recipe.schema import validate_recipe; from accord.tasks import task_class;"
-        "r = validate_recipe(json.loads(sys.argv[1])); print(task_class(r).__name__, r.engine.strategy)"
+        "r = validate_recipe(json.loads(sys.argv[1])); print(task_class(r.task, r.model).__name__, r.engine.strategy)"
     )
     env = accord_env() | {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = run_process([sys.executable, "-c", code, json.dumps(raw)], env=env, timeout=120)
@@ -105,7 +105,7 @@ def test_a_registered_task_has_the_traits_of_its_class_not_of_its_name(clean_reg
     chunked = {"train": {"max_steps": 1, "loss_chunk_size": 7}}
     sft, mine = (validate_recipe(TINY_RECIPE | chunked | {"task": task}) for task in ("sft", "my_sft"))
     whole = validate_recipe(TINY_RECIPE | {"train": {"max_steps": 1, "loss_chunk_size": 0}})
-    assert task_class(mine).chunked_loss
+    assert task_class(mine.task, mine.model).chunked_loss
     assert plan(mine, 2)[0][0].activations == plan(sft, 2)[0][0].activations < plan(whole, 2)[0][0].activations
     split = mine.model_copy(update={"engine": mine.engine.model_copy(update={"sequence_parallel": 2})})
     assert check_sequence_parallel(split, meta_model(mine).config) == []
@@ -270,7 +270,7 @@ def test_a_registered_task_and_strategy_train_through_the_api(tmp_path):
 def test_bad_task_class_is_one_line(target, message):
     recipe = validate_recipe(TINY_RECIPE | {"task": {"class": target}})
     with pytest.raises(UserInputError, match="^task.class: .*") as caught:
-        task_class(recipe)
+        task_class(recipe.task, recipe.model)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 

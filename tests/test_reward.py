@@ -25,13 +25,15 @@ def _tiny_classifier(tokenizer):
     return LlamaForSequenceClassification(config)
 
 
-def _reward_task(tmp_path):
+def _reward_task(tmp_path, recipe=None):
+    """The reward task of `recipe` (by default the tiny reward recipe), with its byte tokenizer."""
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     tokenizer = build_byte_tokenizer()
-    return build_task(validate_recipe(recipe_for("reward", tmp_path)), tokenizer), tokenizer
+    recipe = recipe or validate_recipe(recipe_for("reward", tmp_path))
+    return build_task(task_config(recipe), tokenizer), tokenizer
 
 
 def _wordpiece_tokenizer(folder):
@@ -51,10 +53,10 @@ def test_a_pair_trains_on_the_tokens_that_tokenizer_gives_for_prompt_plus_answer
     BOS before (byte), an encoder's [CLS] before and [SEP] after (wordpiece)."""
     from accord.models.build import build_byte_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     tokenizer = build_byte_tokenizer() if kind == "byte" else _wordpiece_tokenizer(tmp_path)
-    task = build_task(validate_recipe(recipe_for("reward", tmp_path)), tokenizer)
+    task = build_task(task_config(validate_recipe(recipe_for("reward", tmp_path))), tokenizer)
     prompt, chosen, rejected = "is red ", "a colour", "a dog ?"
     encoded = task.encode_batch({"prompt": [prompt], "chosen": [chosen], "rejected": [rejected]})
     assert encoded["chosen_input_ids"] == [tokenizer(prompt + chosen)["input_ids"]]
@@ -131,12 +133,14 @@ def test_the_pair_loss_equals_trl_reward_trainers_on_the_same_batch(tmp_path):
 def test_data_without_a_rejected_answer_is_one_line_naming_the_file(tmp_path):
     from accord.data.prepare import prepare_data
     from accord.data.sources import DataError
+    from accord.recipe.schema import validate_recipe
 
-    task, tokenizer = _reward_task(tmp_path)
+    recipe = validate_recipe(recipe_for("reward", tmp_path))
     bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "2+2=", "chosen": "4", "worse": "5"}] * 8)
-    task.recipe.data.train[0].path = str(bad)
+    recipe.data.train[0].path = str(bad)
+    task, tokenizer = _reward_task(tmp_path, recipe)
     with pytest.raises(DataError) as caught:
-        prepare_data(task.recipe.data, task.recipe.seed, tokenizer, task, preparer=True)
+        prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
     message = str(caught.value)
     assert "\n" not in message
     assert message == (
@@ -149,8 +153,10 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
     """Conversational rows (a shared `prompt` conversation, or none) train on exactly the
     tokens that scoring the rendered conversation with plain transformers gives."""
     from accord.data.prepare import prepare_data
+    from accord.recipe.schema import validate_recipe
 
-    task, tokenizer = _reward_task(tmp_path)
+    recipe = validate_recipe(recipe_for("reward", tmp_path))
+    task, tokenizer = _reward_task(tmp_path, recipe)
     user = [{"role": "user", "content": "2+2?"}]
     rows = [
         {
@@ -163,8 +169,8 @@ def test_chat_pairs_encode_as_the_template_renders_each_whole_conversation(tmp_p
             "rejected": user + [{"role": "assistant", "content": "fish"}],
         },
     ]
-    task.recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
-    prepared = prepare_data(task.recipe.data, task.recipe.seed, tokenizer, task, preparer=True)
+    recipe.data.train[0].path = str(write_jsonl(tmp_path / "chat.jsonl", rows * 8))
+    prepared = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True)
 
     def render(messages):
         text = tokenizer.apply_chat_template(messages, tokenize=False)

@@ -19,7 +19,7 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.launch import refusal_relay as refusals
 from accord.models.build import build_byte_tokenizer
 from accord.recipe.schema import validate_recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from accord.tasks.base import IGNORE, text_prefix, token_ids
 from conftest import TINY_RECIPE, write_recipe
 
@@ -45,7 +45,7 @@ def _recipe(tmp_path, task: str, train, **data):
 
 def _prepare(recipe):
     tokenizer = build_byte_tokenizer()
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     return prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=True), cache_folder(
         recipe.data, recipe.seed, tokenizer, task
     )

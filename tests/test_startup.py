@@ -134,7 +134,7 @@ def test_a_held_out_split_or_a_rows_task_is_what_makes_the_run_read_datasets():
 
     def reads(**changes):
         recipe = validate_recipe(TINY_RECIPE | changes)
-        return reads_datasets(recipe.data, task_class(recipe))
+        return reads_datasets(recipe.data, task_class(recipe.task, recipe.model))
 
     no_held_out = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
     assert reads()  # generated addition data keeps 32 held-out examples with their raw columns

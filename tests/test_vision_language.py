@@ -118,11 +118,11 @@ def vlm_recipe(folder: Path, data_file: Path, **sections) -> dict:
 def _task(recipe: dict):
     from accord.models.build import build_tokenizer
     from accord.recipe.schema import validate_recipe
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     valid = validate_recipe(recipe)
     tokenizer = build_tokenizer(valid.model)
-    return build_task(valid, tokenizer), tokenizer, valid
+    return build_task(task_config(valid), tokenizer), tokenizer, valid
 
 
 # ---------------------------------------------------------------- unit tier

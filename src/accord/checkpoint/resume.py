@@ -24,7 +24,7 @@ from accord.errors import CheckpointError
 from accord.output.folder import earlier_run
 from accord.recipe.schema import Recipe
 from accord.stopping import StartRefused
-from accord.tasks import groups_by_length
+from accord.tasks import groups_by_length, task_class
 
 
 def resume_candidates(out_dir: Path, resume: str, restarted: bool = False) -> list[Path]:
@@ -143,7 +143,7 @@ def order_change(folder: Path, recipe: Recipe) -> str | None:
     """The line refusing a checkpoint taken in another global data order (an older accord's):
     the same steps would see other examples, so the run would not continue where it was."""
     saved = read_state(folder).data_order
-    grouped = groups_by_length(recipe)
+    grouped = groups_by_length(recipe.data, task_class(recipe.task, recipe.model))
     if same_order(saved, recipe.data.shuffle, grouped):
         return None
     return (

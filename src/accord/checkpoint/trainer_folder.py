@@ -143,11 +143,10 @@ def _write(folder: Path, recipe: Recipe, step: int, out: Path) -> None:
     micro = recipe.batch.micro_batch_size or recipe.batch.global_batch_size
     # Position -1: the data position is accord's own at this step (checkpoint.schedule.restore_run).
     from accord.data.order import order_version
-    from accord.tasks import groups_by_length
+    from accord.tasks import groups_by_length, task_class
 
-    state = TrainingState(
-        step, -1, -1, 1, micro, order_version(recipe.data.shuffle, groups_by_length(recipe)), started_from=str(folder)
-    )
+    grouped = groups_by_length(recipe.data, task_class(recipe.task, recipe.model))
+    state = TrainingState(step, -1, -1, 1, micro, order_version(recipe.data.shuffle, grouped), started_from=str(folder))
     (out / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
     (out / RECIPE_FILE).write_text(recipe_to_yaml(recipe))
     node_folders.record(out)

@@ -282,7 +282,7 @@ def _peer_rows(job: Job, recipe, examples: list[int], tokenizer):
 
     from accord.data.split import load_split
     from accord.data.streams import is_stream
-    from accord.tasks import build_task
+    from accord.tasks import build_task, task_config
 
     if job.task == "trainer":  # the user's script tokenized: the Trainer gets accord's token rows
         from accord.run.inputs import build_inputs
@@ -290,7 +290,7 @@ def _peer_rows(job: Job, recipe, examples: list[int], tokenizer):
         train = build_inputs(recipe, preparer=True).data.train
         rows = [train[i] for i in examples]
         return datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
-    task = build_task(recipe, tokenizer)
+    task = build_task(task_config(recipe), tokenizer)
     raw, _ = task.fit(*load_split(recipe.data, recipe.seed, task.text_fields))
     if is_stream(raw):
         raise ImportError_("--verify reads the training data as a dataset: turn data.*.streaming off for it")

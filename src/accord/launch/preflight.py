@@ -194,7 +194,7 @@ def check_freeze(recipe: Recipe) -> list[str]:
     try:
         config = _model_config(cfg)
         with torch.device("meta"):
-            model = auto_class(task_class(recipe).model_kind).from_config(
+            model = auto_class(task_class(recipe.task, recipe.model).model_kind).from_config(
                 config, trust_remote_code=cfg.trust_remote_code
             )
     except (KeyError, ValueError, TypeError, OSError, ImportError):
@@ -257,7 +257,7 @@ def check_moe(recipe: Recipe) -> list[str]:
         value = getattr(engine, key)
         if value > 1:
             return [f"engine.{key}={value} with a mixture-of-experts model is not supported yet; set engine.{key}=1"]
-    task = task_class(recipe)
+    task = task_class(recipe.task, recipe.model)
     if recipe.moe.balance_loss == "global_batch" and (task.online or task.batch_statistics):
         return [
             f"moe.balance_loss=global_batch with task {task.name} is not supported yet (the task "

@@ -148,7 +148,7 @@ def _import_what_the_run_builds(recipe: Recipe) -> None:
         from accord.data.prepare import reads_datasets
         from accord.tasks import task_class
 
-        if reads_datasets(recipe.data, task_class(recipe)):
+        if reads_datasets(recipe.data, task_class(recipe.task, recipe.model)):
             import datasets  # noqa: F401 - pandas & co.: imported once the run loads the data anyway
         model = recipe.model
         if model.config:

@@ -24,7 +24,7 @@ from accord.engine.memory import Footprint, MemoryModel
 from accord.errors import UserInputError
 from accord.recipe.schema import Recipe
 from accord.registry import load_object
-from accord.tasks import task_class
+from accord.tasks import task_config
 from accord.tasks.base import FrozenModel
 from accord.tasks.chunked_loss import chunk_tokens, chunking_blocker
 
@@ -76,7 +76,7 @@ def meta_model(recipe: Recipe):
     from accord.models.build import apply_lora, auto_class, build_model, model_folder
     from accord.run.inputs import tokenizer_and_task
 
-    tokenizer, task = tokenizer_and_task(recipe)
+    tokenizer, task = tokenizer_and_task(task_config(recipe))
     kwargs = task.model_kwargs()  # before the data is read: what the recipe alone fixes (e.g. classify.labels)
     with torch.device("meta"):
         folder = model_folder(recipe.model)
@@ -221,8 +221,9 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
         tensor_parallel_local(model, tp)
     # Tasks that chunk their loss (train.loss_chunk_size) hold chunk-sized logits; others whole ones.
     loss_chunk = 0
-    cls = task_class(recipe)
-    if cls.chunked_loss and chunking_blocker(model, recipe) is None:
+    config = task_config(recipe)
+    cls = config.task_class
+    if cls.chunked_loss and chunking_blocker(model, config) is None:
         positions = batch.micro_batch_size * recipe.data.max_length
         loss_chunk = chunk_tokens(recipe.train.loss_chunk_size, positions, getattr(model.config, "vocab_size", 0))
     # On a CPU run host memory is the device's: offloading keeps the layer inputs where they were.
@@ -244,7 +245,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
     else:
         per_degree = _sequence_parallel_activations(model, recipe, world, loss_chunk, checkpointing, tiles)
         act = per_degree[recipe.engine.sequence_parallel]
-    frozen = cls.frozen_model(recipe)
+    frozen = cls.frozen_model(config)
     frozen_model = frozen_meta_model(recipe, frozen, model) if frozen is not None else None
     frozen_act = 0.0
     if frozen is not None:

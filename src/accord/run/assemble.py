@@ -33,7 +33,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     # process ran the checks, they built these already.
     inputs = build_inputs(recipe, preparer=info.leads_node)
     tokenizer, task, data, rows = inputs.tokenizer, inputs.task, inputs.data, inputs.rows
-    grouped = rows.lengths if groups_by_length(recipe) else None
+    grouped = rows.lengths if groups_by_length(recipe.data, type(task)) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)
     total_steps = _total_steps(recipe.train, order, task.steps_per_batch)
 
@@ -46,7 +46,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     if recipe.lora is not None:
         model = apply_lora(model, recipe.lora, task.model_kind, recipe.seed)
     # A mixture-of-experts model's router hooks go on before the engine wraps it.
-    task = balance_router(task, model, recipe, plan)
+    task = balance_router(task, model, recipe.moe, plan)
     facts = ModelFacts(
         name=type(model).__name__,
         num_params=num_params,

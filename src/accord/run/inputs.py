@@ -18,8 +18,9 @@ from accord.data.prepare import PreparedData, prepare_data
 from accord.errors import UserInputError
 from accord.models.build import build_tokenizer
 from accord.recipe.schema import Recipe
-from accord.tasks import build_task
+from accord.tasks import build_task, task_config
 from accord.tasks.base import Task
+from accord.tasks.config import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,20 @@ class TokenizerError(UserInputError):
     """The recipe's tokenizer cannot be loaded; the message names it and why."""
 
 
-def tokenizer_and_task(recipe: Recipe) -> tuple[Any, Task]:
+def tokenizer_and_task(config: TaskConfig) -> tuple[Any, Task]:
+    """The tokenizer of the task's model (config.model) and the task built with it."""
+    model = config.model
     try:
-        tokenizer = build_tokenizer(recipe.model)
+        tokenizer = build_tokenizer(model)
     except UserInputError:
         raise
     except Exception as e:  # transformers and tokenizers raise many kinds; all mean the same to the user
-        where = "model.tokenizer" if recipe.model.tokenizer else "model.path"
+        where = "model.tokenizer" if model.tokenizer else "model.path"
         reason = " ".join(str(e).split())[:300]
         raise TokenizerError(
-            f"{where}: the tokenizer in {recipe.model.tokenizer or recipe.model.path} cannot be loaded: "
-            f"{type(e).__name__}: {reason}"
+            f"{where}: the tokenizer in {model.tokenizer or model.path} cannot be loaded: {type(e).__name__}: {reason}"
         ) from None
-    return tokenizer, build_task(recipe, tokenizer)
+    return tokenizer, build_task(config, tokenizer)
 
 
 def build_inputs(recipe: Recipe, preparer: bool, share: NodeShare | None = None) -> RunInputs:
@@ -60,7 +62,7 @@ def build_inputs(recipe: Recipe, preparer: bool, share: NodeShare | None = None)
     if _kept is not None and _kept[0] == recipe.model_dump_json():
         inputs, _kept = _kept[1], None  # taken once: nothing lingers for the rest of the run
         return inputs
-    tokenizer, task = tokenizer_and_task(recipe)
+    tokenizer, task = tokenizer_and_task(task_config(recipe))
     data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=preparer, share=share)
     return RunInputs(tokenizer, task, data, training_rows(data.train, task.row_capacity))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,10 @@ from torch import nn
 
 from accord.data.rows import IGNORE, DataError
 from accord.data.token_ids import token_ids  # noqa: F401 (read from here too)
+from accord.tasks.config import TaskConfig
+
+if TYPE_CHECKING:
+    from accord.recipe.schema import DataConfig
 
 # A row that only keeps a rank's number of forward passes equal to the others'.
 PADDING = "__accord_padding__"
@@ -115,21 +119,30 @@ class Task:
     # Metric names left out of the one-line evaluation summary (still in metrics.jsonl).
     eval_hidden: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer, recipe):
+    # The recipe sections besides `data` this method reads, by name (dpo's "dpo"): its
+    # TaskConfig carries them (config.section(name)), and no other.
+    sections: tuple[str, ...] = ()
+
+    def __init__(self, tokenizer, config: TaskConfig):
+        if not isinstance(config, TaskConfig):  # code written when tasks took the whole Recipe
+            raise TypeError(
+                f"{type(self).__name__} is built from a TaskConfig, not a {type(config).__name__}: "
+                "accord.tasks.build_task(accord.tasks.task_config(recipe), tokenizer)"
+            )
         self.tokenizer = tokenizer
-        self.recipe = recipe
-        self.max_length = recipe.data.max_length
+        self.config = config
+        self.max_length = config.data.max_length
         self.pad_id = tokenizer.pad_token_id
-        self.packing = self.packs(recipe)
+        self.packing = self.packs(config.data)
 
     @classmethod
-    def packs(cls, recipe) -> bool:
+    def packs(cls, data: DataConfig) -> bool:
         """Whether several examples share a row: the task's to decide (data.packing only turns
         it off), before any row is built (and before a task exists: a checkpoint's order)."""
-        return cls.packable and recipe.data.packing is not False
+        return cls.packable and data.packing is not False
 
     @classmethod
-    def frozen_model(cls, recipe) -> FrozenModel | None:
+    def frozen_model(cls, config: TaskConfig) -> FrozenModel | None:
         """The frozen model a run of this task holds beside the trained one (None: none); read
         by `accord plan` before any task exists."""
         return None

@@ -21,8 +21,8 @@ class CausalLMTask(Task):
     takes_streams = True
     eval_hidden = ("perplexity", "generated")
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
         self.attn_implementation = "sdpa"
         self.flatten = False  # packed micro-batches as one sequence, attended document by document
         self.logprobs: TargetLogprobs | None = None  # the chunked loss (train.loss_chunk_size)
@@ -33,20 +33,20 @@ class CausalLMTask(Task):
 
     def configure_model(self, model: nn.Module) -> None:
         self.attn_implementation = attn_implementation(model.config) or "sdpa"
-        engine = self.recipe.engine
-        on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+        device = self.config.device
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         # On the CPU, attention per document beats SDPA under a block-diagonal mask and the
         # padding goes (accord.models.documents); GPUs keep their fused kernels (flash-attention's
         # varlen path where the model selects it). Sequence parallelism slices rows, tensor
         # parallelism shards the attention (not measured flattened), pipeline stages take rows
         # in equal micro-batches, and a compiled forward would meet a new length every step and
         # a Python loop over documents: not flattened.
-        whole = engine.sequence_parallel == 1 and engine.tensor_parallel == 1 and engine.pipeline_parallel == 1
-        if self.packing and on_cpu and whole and not engine.compile:
+        whole = not self.config.splits_rows_or_model
+        if self.packing and on_cpu and whole and not self.config.compile:
             self.flatten = install_document_attention(model)
-        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        self.plain_loss_reason = chunking_blocker(model, self.config)
         if self.plain_loss_reason is None:
-            self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)
+            self.logprobs = TargetLogprobs.install(model, self.config.loss_chunk_size)
 
     def describe(self) -> list[str]:
         return super().describe() + plain_loss_note(self.plain_loss_reason)

@@ -24,6 +24,7 @@ transformers' loss functions take materialised logits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch.utils.checkpoint import checkpoint
 from accord.compat.torch import replace_forward
 from accord.errors import UserInputError
 from accord.tasks.base import IGNORE, sequence_logprobs
+
+if TYPE_CHECKING:
+    from accord.tasks.config import TaskConfig
 
 # Config fields through which a model rescales its logits after the output layer (Gemma's
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling): a request served by the
@@ -56,9 +60,9 @@ def chunk_tokens(setting: int | str, positions: int, vocab: int) -> int:
     return AUTO_CHUNK_TOKENS if 4 * positions * vocab > AUTO_WHOLE_LOGITS_BYTES else 0
 
 
-def chunking_blocker(model: nn.Module, recipe) -> str | None:
-    """Why the chunked loss cannot serve this model and recipe (None: it can)."""
-    if recipe.train.loss_chunk_size == 0:
+def chunking_blocker(model: nn.Module, config: TaskConfig) -> str | None:
+    """Why the chunked loss cannot serve this model under the task's `config` (None: it can)."""
+    if config.loss_chunk_size == 0:
         return "train.loss_chunk_size=0"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
@@ -67,10 +71,10 @@ def chunking_blocker(model: nn.Module, recipe) -> str | None:
         value = getattr(model.config, name, neutral)
         if value is not None and value != neutral:
             return f"the model rescales its logits after the output layer ({name}={value})"
-    if recipe.engine.compile:
+    if config.compile:
         # The request is Python state read inside the forward that torch.compile traces.
         return "engine.compile is on"
-    lora = recipe.lora
+    lora = config.lora
     if lora is not None and lora.target_modules != "all-linear" and "lm_head" in lora.target_modules:
         return "lora.target_modules adapts lm_head"
     return None

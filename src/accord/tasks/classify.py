@@ -23,10 +23,12 @@ class ClassifyTask(Task):
     text_fields = ("text",)
     model_kind = "sequence_classification"
     token_shards = eval_shards = True
+    sections = ("classify",)
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.given: list[str] | None = list(recipe.classify.labels) if recipe.classify.labels else None
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        labels = config.section("classify").labels
+        self.given: list[str] | None = list(labels) if labels else None
         self.labels: list[str] | None = self.given  # names in id order
         self.ids: dict[str, int] = {}  # a row's label (as text) -> its id
         self.pair = False

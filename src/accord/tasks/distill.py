@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from accord.errors import UserInputError
+from accord.recipe.distill import DistillConfig
+from accord.recipe.schema import ModelConfig
 from accord.tasks.base import IGNORE, FrozenModel, LossOutput, Task
 from accord.tasks.chunked_divergence import divergence_at, entropy, logits_at
 from accord.tasks.chunked_loss import HeadCall, chunk_tokens, chunking_blocker, plain_loss_note, shifted_targets
@@ -73,25 +75,27 @@ class DistillTask(SFTTask):
     splits_rows = False
     chunked_loss = True  # the student's logits chunk by chunk (accord.tasks.chunked_divergence)
     eval_hidden = ("entropy", "generated")
+    sections = ("distill",)
 
     @classmethod
-    def frozen_model(cls, recipe) -> FrozenModel | None:
-        cfg = recipe.distill
+    def frozen_model(cls, config) -> FrozenModel | None:
+        cfg = config.section("distill")
         return FrozenModel(cfg.teacher, cfg.teacher_revision, keeps_logits=True, key="distill.teacher")
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.cfg = recipe.distill
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.cfg = config.section("distill")
         self.completion_only = True  # the recipe refuses data.completion_only_loss=false
         self.online = self.cfg.lmbda > 0 or self.cfg.seq_kd
         self.teacher = ReferenceModel(
-            recipe, tokenizer, self.model_kind, self.cfg.teacher, revision=self.cfg.teacher_revision
+            config, tokenizer, self.model_kind, self.cfg.teacher, revision=self.cfg.teacher_revision
         )
-        self.teacher_vocab = _teacher_vocab(recipe)
-        _check_tokenizers(recipe, tokenizer)
-        student = _student_vocab(recipe, tokenizer)
+        trust_remote_code = config.model.trust_remote_code
+        self.teacher_vocab = _teacher_vocab(self.cfg, trust_remote_code)
+        _check_tokenizers(self.cfg, trust_remote_code, tokenizer)
+        student = _student_vocab(config.model, tokenizer)
         if student is not None:
-            _check_vocab(student, self.teacher_vocab, recipe)
+            _check_vocab(student, self.teacher_vocab, self.cfg)
         self.policy: nn.Module | None = None
         self.lockstep = False
         # The output layers' second mode (train.loss_chunk_size), when both models can take it.
@@ -104,11 +108,11 @@ class DistillTask(SFTTask):
     def configure_model(self, model: nn.Module) -> None:
         # Not sft's: its packed attention and chunked cross-entropy serve no distillation loss.
         # A GGUF student's vocabulary is known once converted: checked here, before any step.
-        _check_vocab(vocab_size(model.config), self.teacher_vocab, self.recipe)
+        _check_vocab(vocab_size(model.config), self.teacher_vocab, self.cfg)
         self.teacher.configure_model(model)
         teacher = self.teacher.module
         assert teacher is not None
-        self.plain_divergence_reason = chunking_blocker(model, self.recipe) or chunking_blocker(teacher, self.recipe)
+        self.plain_divergence_reason = chunking_blocker(model, self.config) or chunking_blocker(teacher, self.config)
         if self.plain_divergence_reason is None:
             self.heads = (HeadCall.install(model), HeadCall.install(teacher))
 
@@ -143,7 +147,7 @@ class DistillTask(SFTTask):
         teacher = self.teacher.module
         assert teacher is not None, "configure_model() first"
         cfg = self.cfg
-        chunk = chunk_tokens(self.recipe.train.loss_chunk_size, targets.numel(), self.teacher_vocab)
+        chunk = chunk_tokens(self.config.loss_chunk_size, targets.numel(), self.teacher_vocab)
         # The teacher's pass first: a frozen forward before the training one, not between it and
         # its backward (sharded strategies track the forward's order).
         if self.heads is not None and chunk:
@@ -174,7 +178,7 @@ class DistillTask(SFTTask):
         """This rank's rows of `step`'s global batch with the step's completions. Every rank
         calls it with the same number of rows and makes the same number of forward passes."""
         start = time.perf_counter()
-        source = completion_source(self.recipe.seed, step, self.cfg.lmbda, self.cfg.seq_kd)
+        source = completion_source(self.config.seed, step, self.cfg.lmbda, self.cfg.seq_kd)
         if source == DATA:
             sequences = [{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in rows]
         else:
@@ -203,7 +207,7 @@ class DistillTask(SFTTask):
             prompts.append(prompt)
         model = self.policy if source == STUDENT else self.teacher.module
         assert model is not None, "setup() first"
-        seeds = [[sample_seed(self.recipe.seed, step, int(rid), 0)] for rid in row_ids]
+        seeds = [[sample_seed(self.config.seed, step, int(rid), 0)] for rid in row_ids]
         # Prompts of one padded width share a call; under lockstep each has its own (every rank
         # holds the same number of rows, so every rank calls generate equally often).
         calls: dict[Any, list[int]] = {}
@@ -244,13 +248,12 @@ class DistillTask(SFTTask):
         return self.collate([[self._sequences[int(r)]] for r in row_ids])
 
 
-def _teacher_vocab(recipe) -> int:
+def _teacher_vocab(cfg: DistillConfig, trust_remote_code: bool) -> int:
     """The teacher's vocabulary size, from its config alone; a missing teacher is one line."""
     from transformers import AutoConfig
 
     from accord.recipe.hub import local_path
 
-    cfg = recipe.distill
     folder = local_path(cfg.teacher, cfg.teacher_revision, where="distill.teacher")
     if not (folder / "config.json").is_file():
         what = "folder not found" if not folder.exists() else "no config.json in it (expected a save_pretrained folder)"
@@ -259,7 +262,7 @@ def _teacher_vocab(recipe) -> int:
             what += f" (the final model of an accord run: train the recipe whose output.dir is {folder.parent} first)"
         raise UserInputError(f"distill.teacher: {folder}: {what}; give the teacher's model folder or hub name")
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())[:300]
         raise UserInputError(f"distill.teacher: {folder}/config.json cannot be loaded: {reason}") from None
@@ -273,19 +276,18 @@ def _teacher_vocab(recipe) -> int:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _check_tokenizers(recipe, tokenizer) -> None:
+def _check_tokenizers(cfg: DistillConfig, trust_remote_code: bool, tokenizer) -> None:
     """Where the teacher ships a tokenizer, it must map every token to the student's id: the
     divergence compares the two distributions id by id (equal vocabulary sizes are not enough)."""
     from transformers import AutoTokenizer
 
     from accord.recipe.hub import local_path
 
-    cfg = recipe.distill
     folder = local_path(cfg.teacher, cfg.teacher_revision, where="distill.teacher")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return
     try:
-        theirs = AutoTokenizer.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code).get_vocab()
+        theirs = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code).get_vocab()
     except (OSError, ValueError, TypeError):
         return  # a folder whose tokenizer transformers cannot read: the vocabulary sizes were compared
     ours = tokenizer.get_vocab()
@@ -299,9 +301,8 @@ def _check_tokenizers(recipe, tokenizer) -> None:
         )
 
 
-def _student_vocab(recipe, tokenizer) -> int | None:
+def _student_vocab(model: ModelConfig, tokenizer) -> int | None:
     """The student's vocabulary size before it is built (None: a GGUF file, known once converted)."""
-    model = recipe.model
     if model.path is None:
         return int((model.config or {}).get("vocab_size", len(tokenizer)))
     from accord.recipe.hub import local_path
@@ -314,10 +315,10 @@ def _student_vocab(recipe, tokenizer) -> int | None:
     return vocab_size(AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code))
 
 
-def _check_vocab(student: int | None, teacher: int, recipe) -> None:
+def _check_vocab(student: int | None, teacher: int, cfg: DistillConfig) -> None:
     if student is not None and student != teacher:
         raise UserInputError(
             f"distill.teacher: the teacher's vocabulary has {teacher} tokens and the student's {student}; the "
             f"divergence compares their distributions token by token, so give a teacher with the student's "
-            f"tokenizer (distill.teacher={recipe.distill.teacher})"
+            f"tokenizer (distill.teacher={cfg.teacher})"
         )

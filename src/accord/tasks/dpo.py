@@ -32,21 +32,23 @@ class DPOTask(Task):
     token_shards = eval_shards = True
     takes_streams = True  # pairs are encoded as they come: nothing reads the whole table first
     chunked_loss = True
+    sections = ("dpo",)
 
     @classmethod
-    def frozen_model(cls, recipe):
-        return frozen_reference(recipe, recipe.dpo.reference, "dpo.reference", recipe.dpo.reference_free)
+    def frozen_model(cls, config):
+        dpo = config.section("dpo")
+        return frozen_reference(config.lora, dpo.reference, "dpo.reference", dpo.reference_free)
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        cfg = recipe.dpo
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.cfg = cfg = config.section("dpo")
         self.beta = cfg.beta
         self.terms = cfg.weighted_losses()
         self.params = LossParams(cfg.beta, cfg.label_smoothing, cfg.discopop_tau)
         self.eos_id = tokenizer.eos_token_id
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
-        self.reference = ReferenceModel(recipe, tokenizer, self.model_kind, cfg.reference, cfg.reference_free)
+        self.reference = ReferenceModel(config, tokenizer, self.model_kind, cfg.reference, cfg.reference_free)
         self.precomputed = 0  # training pairs whose reference log-probabilities were precomputed
 
     eval_hidden = ("logps_chosen", "logps_rejected")
@@ -61,7 +63,7 @@ class DPOTask(Task):
 
     def setup(self, engine, train, eval_ds):
         self.reference.setup(engine)
-        if not self.recipe.dpo.precompute_reference:  # (the recipe refuses it with reference_free)
+        if not self.cfg.precompute_reference:  # (the recipe refuses it with reference_free)
             return train, eval_ds
         train, eval_ds = (self._with_reference_logps(ds, engine) if ds is not None else None for ds in (train, eval_ds))
         self.reference.release()
@@ -73,7 +75,7 @@ class DPOTask(Task):
         """`ds` with a `ref_logp` column (chosen, rejected), computed once so training needs
         no reference forward pass. Every rank runs the same batches (a sharded policy's
         forward is collective)."""
-        size = self.recipe.train.eval_micro_batch_size
+        size = self.config.eval_micro_batch_size
         values = np.zeros((len(ds), 2), dtype=np.float32)
         for start in range(0, len(ds), size):
             indices = list(range(start, min(start + size, len(ds))))

@@ -66,10 +66,11 @@ class GRPOTask(Task):
     online = True  # generates its training targets each step (Trainer.train_step)
     token_targets = True  # the loss is a sum over completion tokens (rloo: over completions)
     eval_loss = False  # held-out rows are scored by generation (train.eval_generate), not a loss
+    sections = ("grpo",)
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.cfg = recipe.grpo
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.cfg = config.section("grpo")
         if self.cfg.max_new_tokens >= self.max_length:
             raise UserInputError(
                 f"grpo.max_new_tokens={self.cfg.max_new_tokens} leaves no room for the prompt "
@@ -78,7 +79,7 @@ class GRPOTask(Task):
             )
         self.rewards = RewardFunctions(self.cfg)  # imports callables, checks reward models: one line each
         self.eos_id = tokenizer.eos_token_id
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)
         self.chat = False
         self.reference: nn.Module | None = None
@@ -89,9 +90,9 @@ class GRPOTask(Task):
         self._summary: RolloutSummary | None = None
 
     @classmethod
-    def frozen_model(cls, recipe) -> FrozenModel | None:
+    def frozen_model(cls, config) -> FrozenModel | None:
         # The KL anchor (beta > 0): a copy of the starting model; under LoRA the policy with its adapters off.
-        return FrozenModel() if recipe.grpo.beta > 0 and recipe.lora is None else None
+        return FrozenModel() if config.section("grpo").beta > 0 and config.lora is None else None
 
     @property
     def steps_per_batch(self) -> int:
@@ -158,7 +159,7 @@ class GRPOTask(Task):
     def configure_model(self, model: nn.Module) -> None:
         """The KL anchor: a frozen copy of the starting model (its description: it is on the
         meta device), or under LoRA the policy with its adapters off."""
-        if self.cfg.beta > 0 and self.recipe.lora is None:
+        if self.cfg.beta > 0 and self.config.lora is None:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
 
     def setup(self, engine, train, eval_ds):
@@ -168,7 +169,7 @@ class GRPOTask(Task):
             self.reference = engine.prepare_frozen(self.reference)
         self.rewards.load(engine.device)
         # Held-out prompts are only scored by greedy generation (train.eval_generate).
-        return train, eval_ds if self.recipe.train.eval_generate else None
+        return train, eval_ds if self.config.eval_generate else None
 
     def describe(self) -> list[str]:
         c = self.cfg
@@ -211,7 +212,7 @@ class GRPOTask(Task):
         under lockstep every rank must call generate equally often, so there each prompt has
         its own call (every rank holds the same number of prompts)."""
         c = self.cfg
-        seeds = [[sample_seed(self.recipe.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
+        seeds = [[sample_seed(self.config.seed, generation, rid, k) for k in range(c.group_size)] for rid in row_ids]
         calls = (
             [[i] for i in range(len(rows))]
             if self.lockstep
@@ -235,7 +236,7 @@ class GRPOTask(Task):
         if self._logps_at_rollout:
             # At most a micro-batch of groups at a time (the memory the loss's passes are sized
             # for); a group's floats do not depend on which others share the pass (_group_logps).
-            chunk = self.recipe.batch.micro_batch_size or len(rollouts)
+            chunk = self.config.micro_batch_size or len(rollouts)
             for k in range(0, len(rollouts), chunk):
                 self._add_old_logps(model, rollouts[k : k + chunk])
         return rollouts

@@ -37,23 +37,24 @@ class KTOTask(Task):
     # Its loss reads a statistic of the whole global batch (the KL estimate): the trainer runs
     # statistics_batch / statistics_sums over the step's rows before its micro-batches.
     batch_statistics = True
+    sections = ("kto",)
 
     eval_hidden = ("logps/chosen", "logps/rejected")
 
     @classmethod
-    def frozen_model(cls, recipe):
-        return frozen_reference(recipe, recipe.kto.reference, "kto.reference")
+    def frozen_model(cls, config):
+        return frozen_reference(config.lora, config.section("kto").reference, "kto.reference")
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        cfg = recipe.kto
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        cfg = config.section("kto")
         self.beta = cfg.beta
         self.estimates_kl = cfg.loss_type == "kto"
         self.weights = (cfg.desirable_weight, cfg.undesirable_weight)
         self.eos_id = tokenizer.eos_token_id
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
-        self.reference = ReferenceModel(recipe, tokenizer, self.model_kind, cfg.reference)
+        self.reference = ReferenceModel(config, tokenizer, self.model_kind, cfg.reference)
         # This step's totals over the global batch (use_statistics): z0, and its rows per class.
         self.kl = 0.0
         self.counts = (0.0, 0.0, 0.0)  # rows, desirable, undesirable

@@ -24,12 +24,12 @@ class PretrainTask(CausalLMTask):
     streams_text = True  # prepared from pieces of text, never a whole document at once (data/chunks.py)
     eval_shards = True
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.join = recipe.data.packing is not False
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.join = config.data.packing is not False
         self.eos_id = tokenizer.eos_token_id
         # Each document starts as `tokenizer(text)` starts it (data.add_bos) and ends with EOS.
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)
 
     def settings(self) -> dict[str, Any]:

@@ -42,10 +42,10 @@ class _ReferenceFreeTask(Task):
     # Which chosen tokens the NLL covers: "sequence" (every token after the first) or "answer".
     nll_over = "answer"
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
         self.eos_id = tokenizer.eos_token_id
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(prompt)` puts first (data.add_bos)
 
     def settings(self) -> dict[str, Any]:
@@ -100,12 +100,13 @@ class _ReferenceFreeTask(Task):
 class ORPOTask(_ReferenceFreeTask):
     name = "orpo"
     nll_over = "sequence"
+    sections = ("orpo",)
     # The NLL covers the whole chosen sequence and the odds its answer alone: one forward
     # gives both only from whole logits (the chunked path returns one sum per row).
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.beta = recipe.orpo.beta
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.beta = config.section("orpo").beta
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -134,17 +135,18 @@ class ORPOTask(_ReferenceFreeTask):
 class CPOTask(_ReferenceFreeTask):
     name = "cpo"
     chunked_loss = True
+    sections = ("cpo",)
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.cfg = recipe.cpo
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.cfg = config.section("cpo")
         self.logprobs: TargetLogprobs | None = None  # the chunked log-probabilities (train.loss_chunk_size)
         self.plain_loss_reason: str | None = None
 
     def configure_model(self, model: nn.Module) -> None:
-        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        self.plain_loss_reason = chunking_blocker(model, self.config)
         if self.plain_loss_reason is None:
-            self.logprobs = TargetLogprobs.install(model, self.recipe.train.loss_chunk_size)
+            self.logprobs = TargetLogprobs.install(model, self.config.loss_chunk_size)
 
     def describe(self) -> list[str]:
         return plain_loss_note(self.plain_loss_reason)

@@ -11,37 +11,43 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from accord.recipe.schema import ModelConfig
+from accord.recipe.schema import LoraConfig, ModelConfig
 from accord.tasks.base import FrozenModel
 from accord.tasks.chunked_loss import TargetLogprobs, answer_logprobs, chunking_blocker
 
+if TYPE_CHECKING:
+    from accord.tasks.config import TaskConfig
 
-def holds_frozen_copy(recipe, folder: str | None, reference_free: bool = False) -> bool:
+
+def holds_frozen_copy(lora: LoraConfig | None, folder: str | None, reference_free: bool = False) -> bool:
     """Whether the run keeps a second, frozen model: a reference folder, or (without LoRA,
     whose reference is the policy with adapters off) a copy of the starting model."""
-    return not reference_free and (folder is not None or recipe.lora is None)
+    return not reference_free and (folder is not None or lora is None)
 
 
-def frozen_reference(recipe, folder: str | None, key: str, reference_free: bool = False) -> FrozenModel | None:
+def frozen_reference(
+    lora: LoraConfig | None, folder: str | None, key: str, reference_free: bool = False
+) -> FrozenModel | None:
     """The reference a run holds, as `accord plan` counts it (Task.frozen_model); `key` names `folder` in the recipe."""
-    return FrozenModel(folder, key=key) if holds_frozen_copy(recipe, folder, reference_free) else None
+    return FrozenModel(folder, key=key) if holds_frozen_copy(lora, folder, reference_free) else None
 
 
 class ReferenceModel:
     def __init__(
         self,
-        recipe,
+        config: TaskConfig,
         tokenizer,
         model_kind: str,
         folder: str | None,
         reference_free: bool = False,
         revision: str | None = None,
     ):
-        self.recipe, self.tokenizer, self.model_kind = recipe, tokenizer, model_kind
+        self.config, self.tokenizer, self.model_kind = config, tokenizer, model_kind
         self.folder = folder  # a model folder or a hub name (read at `revision`)
         self.revision = revision
         self.reference_free = reference_free  # a uniform reference: log-probabilities 0, no model
@@ -60,16 +66,16 @@ class ReferenceModel:
             from accord.models.build import build_model
 
             config = ModelConfig(path=self.folder, revision=self.revision)
-            self.module = build_model(config, self.tokenizer, self.recipe.seed, self.model_kind, meta=True)
-        elif holds_frozen_copy(self.recipe, None, self.reference_free):
+            self.module = build_model(config, self.tokenizer, self.config.seed, self.model_kind, meta=True)
+        elif holds_frozen_copy(self.config.lora, None, self.reference_free):
             self.module = copy.deepcopy(model)
         if self.module is not None:
             self.module.requires_grad_(False).eval()
-        self.plain_loss_reason = chunking_blocker(model, self.recipe)
+        self.plain_loss_reason = chunking_blocker(model, self.config)
         if self.plain_loss_reason is None:
-            chunk = self.recipe.train.loss_chunk_size
+            chunk = self.config.loss_chunk_size
             self.logprobs = TargetLogprobs.install(model, chunk)
-            if self.module is not None and chunking_blocker(self.module, self.recipe) is None:
+            if self.module is not None and chunking_blocker(self.module, self.config) is None:
                 self.reference_logprobs = TargetLogprobs.install(self.module, chunk)
 
     def setup(self, engine) -> None:

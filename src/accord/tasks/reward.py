@@ -34,9 +34,9 @@ class RewardTask(Task):
     model_kind = "sequence_classification"
     token_shards = eval_shards = True
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.add_bos = recipe.data.add_bos
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)  # what `tokenizer(text)` puts first (data.add_bos)
         self.suffix = text_suffix(tokenizer)  # what `tokenizer(text)` puts last (an encoder's [SEP])
         self.chat = False  # rows are conversations, rendered with the chat template in fit()

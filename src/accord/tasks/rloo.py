@@ -44,10 +44,11 @@ def _std(mean: float, mean_square: float, n: float) -> float:
 class RLOOTask(GRPOTask):
     name = "rloo"
     token_targets = False  # the loss is a mean over completions, not tokens
+    sections = ("grpo", "rloo")  # grpo's keys (prompts, sampling, rewards) and its own
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.loo = recipe.rloo
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.loo = config.section("rloo")
         self._scaled: int | None = None  # the generation batch whose advantages rollout_means scaled
 
     def describe(self) -> list[str]:

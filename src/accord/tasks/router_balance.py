@@ -27,6 +27,7 @@ from torch import nn
 from accord.distributed import group as dist
 from accord.errors import UserInputError
 from accord.models.moe import DEFAULT_AUX_LOSS_COEF, MoELayout, RouterCapture, RouterRecord, moe_layout, pretrained_part
+from accord.recipe.moe import MoEConfig
 from accord.tasks.base import TOKEN_MASK, LossOutput
 
 
@@ -172,13 +173,12 @@ class RouterBalancedTask:
             return torch.device("cpu")
 
 
-def balance_router(task, model: nn.Module, recipe, plan) -> object:
-    """`task` with the router's balancing loss for a mixture-of-experts `model` (hooks installed
-    on it); a dense model's task as it is."""
+def balance_router(task, model: nn.Module, cfg: MoEConfig, plan) -> object:
+    """`task` with the router's balancing loss (the recipe's moe section, `cfg`) for a
+    mixture-of-experts `model` (hooks installed on it); a dense model's task as it is."""
     layout = moe_layout(model)
     if layout is None:
         return task
-    cfg = recipe.moe
     check_router_task(task, cfg.balance_loss)
     config = pretrained_part(model).config
     aux = cfg.aux_loss_coef

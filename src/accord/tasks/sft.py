@@ -20,13 +20,13 @@ from accord.tasks.causal import CausalLMTask
 class SFTTask(CausalLMTask):
     name = "sft"
 
-    def __init__(self, tokenizer, recipe):
-        super().__init__(tokenizer, recipe)
-        self.completion_only = recipe.data.completion_only_loss
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.completion_only = config.data.completion_only_loss
         self.eos_id = tokenizer.eos_token_id
         # data.add_bos: by default what `tokenizer(prompt)` puts first (the BOS for Llama-style
         # tokenizers, nothing for GPT-2 style), so final/ encodes prompts as training did.
-        self.add_bos = recipe.data.add_bos
+        self.add_bos = config.data.add_bos
         self.prefix = text_prefix(tokenizer, self.add_bos)
         self.chat = False
         # split -> [count, where the first is]: rows whose completion is "" train on EOS alone,
@@ -47,7 +47,7 @@ class SFTTask(CausalLMTask):
                 first = "" if is_stream(ds) else f"{row_origin(ds[0])}: "
                 raise DataError(
                     f"{first}image rows (an `images` column) need a vision-language model, and "
-                    f"{self.recipe.model.path or self.recipe.model.config.get('architecture')} is text-only; use a "
+                    f"{self.config.model.path or self.config.model.config.get('architecture')} is text-only; use a "
                     "model transformers loads with AutoModelForImageTextToText (llava, qwen2_vl, idefics3, ...)"
                 )
         checked = []

@@ -51,15 +51,15 @@ class VisionSFTTask(SFTTask):
     packable = False
     chunked_loss = splits_rows = False
 
-    def __init__(self, tokenizer, recipe):
-        if recipe.data.packing is True:
+    def __init__(self, tokenizer, config):
+        if config.data.packing is True:
             raise UserInputError(
                 "data.packing: rows with images are not packed (an image's tokens must stay with its row, and the "
                 "vision-language model attends across the whole row); set data.packing=false"
             )
-        super().__init__(tokenizer, recipe)
-        config = build_config(recipe.model, tokenizer, self.model_kind)
-        self.processor = build_processor(recipe.model, tokenizer, config)
+        super().__init__(tokenizer, config)
+        model_config = build_config(config.model, tokenizer, self.model_kind)
+        self.processor = build_processor(config.model, tokenizer, model_config)
         self.image_token_id = _image_token_id(self.processor, tokenizer)
         self.chat = True
 
@@ -73,7 +73,7 @@ class VisionSFTTask(SFTTask):
         return image_files(ds)
 
     def fit(self, train, eval_ds):
-        sharded = registry.strategy(self.recipe.engine.strategy).shards_params
+        sharded = registry.strategy(self.config.strategy).shards_params
         for split, ds in (("train", train), ("eval", eval_ds)):
             if ds is None:
                 continue
@@ -94,7 +94,7 @@ class VisionSFTTask(SFTTask):
                     # The vision tower's forward gathers its shards from every rank: a rank
                     # whose micro-batch has no image would leave the others waiting.
                     raise DataError(
-                        f"{where}: a row without images, which engine.strategy={self.recipe.engine.strategy} "
+                        f"{where}: a row without images, which engine.strategy={self.config.strategy} "
                         "cannot mix with image rows (the sharded vision tower runs on every rank together); "
                         "give every row an image, or use ddp, zero1 or zero2"
                     )

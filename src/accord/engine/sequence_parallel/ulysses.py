@@ -28,7 +28,7 @@ def check_sequence_parallel(recipe, config) -> list[str]:
     n = recipe.engine.sequence_parallel
     if n == 1:
         return []
-    if not task_class(recipe).splits_rows:  # a causal LM whose loss is a sum over tokens
+    if not task_class(recipe.task, recipe.model).splits_rows:  # a causal LM whose loss is a sum over tokens
         task = recipe.task if isinstance(recipe.task, str) else recipe.task.class_
         return [
             f"engine.sequence_parallel={n} supports task {' and '.join(_splitting_tasks())}, not {task}; "
