@@ -127,7 +127,7 @@ def test_final_generates_the_trained_answers_in_plain_transformers(quickstart_ru
     accord_tokenizer = build_tokenizer(recipe.model)
     rows = list(
         prepare_data(
-            recipe, accord_tokenizer, build_task(task_config(recipe), accord_tokenizer), preparer=True
+            recipe.data, recipe.seed, accord_tokenizer, build_task(task_config(recipe), accord_tokenizer), preparer=True
         ).eval.select(range(16))
     )
 
