@@ -72,11 +72,12 @@ def trainer_run(tmp_path_factory):
     from accord.api import load
     from accord.models.build import build_tokenizer
     from accord.run.inputs import build_inputs
+    from accord.tasks import task_config
 
     folder = tmp_path_factory.mktemp("trainer")
     model_dir, data = _stand_in(folder)
     recipe = _recipe(folder, model_dir, data)
-    inputs = build_inputs(load(recipe), preparer=True)
+    inputs = build_inputs(task_config(load(recipe)), preparer=True)
     rows = [inputs.data.train[i] for i in range(len(inputs.data.train))]
     dataset = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     losses: dict[int, float] = {}

@@ -158,6 +158,7 @@ def prepare(args: argparse.Namespace) -> int:
     from accord.recipe.hub import pin
     from accord.recipe.schema import load_recipe
     from accord.run.inputs import build_inputs
+    from accord.tasks import task_config
 
     share = None
     if args.nnodes is not None or args.node_rank is not None:
@@ -167,7 +168,7 @@ def prepare(args: argparse.Namespace) -> int:
         share = NodeShare(rank, nodes)
     recipe = pin(load_recipe(args.recipe, args.overrides))  # hub names fetched (or found cached) here
     start = time.perf_counter()
-    inputs = build_inputs(recipe, preparer=True, share=share)
+    inputs = build_inputs(task_config(recipe), preparer=True, share=share)
     tokenizer, task, report = inputs.tokenizer, inputs.task, inputs.data.report
     tokens = f", {report['train_tokens']} tokens" if "train_tokens" in report else ""
     folder = cache_folder(recipe.data, recipe.seed, tokenizer, task)

@@ -16,6 +16,7 @@ from accord.recipe.hub import pin
 from accord.recipe.schema import Recipe
 from accord.run.assemble import eval_tokens
 from accord.run.inputs import build_inputs
+from accord.tasks import task_config
 from accord.tasks.base import IGNORE
 
 # How loss-carrying text is marked: green on a terminal, else between [[ and ]].
@@ -25,7 +26,7 @@ MARKS = {True: ("\x1b[32m", "\x1b[0m"), False: ("[[", "]]")}
 def data_view(recipe: Recipe, show: int, color: bool = False) -> list[str]:
     """Lines: `show` prepared training examples, then the counts."""
     recipe = pin(recipe)  # hub names fetched (or found cached) here
-    inputs = build_inputs(recipe, preparer=True)
+    inputs = build_inputs(task_config(recipe), preparer=True)
     tokenizer, task = inputs.tokenizer, inputs.task
     train, report = inputs.data.train, inputs.data.report
     start, end = MARKS[color]

@@ -206,8 +206,9 @@ def _step_examples(recipe, steps: int) -> list[int]:
     """The examples accord's steps 0..steps-1 train on, in order (by index into its prepared rows)."""
     from accord.data.order import GlobalOrder
     from accord.run.inputs import build_inputs
+    from accord.tasks import task_config
 
-    inputs = build_inputs(recipe, preparer=True)
+    inputs = build_inputs(task_config(recipe), preparer=True)
     rows = inputs.rows
     order = GlobalOrder(len(rows), recipe.batch.global_batch_size, recipe.seed, recipe.data.shuffle)
     return [int(i) for step in range(steps) for i in order.batch(step)]
@@ -287,7 +288,7 @@ def _peer_rows(job: Job, recipe, examples: list[int], tokenizer):
     if job.task == "trainer":  # the user's script tokenized: the Trainer gets accord's token rows
         from accord.run.inputs import build_inputs
 
-        train = build_inputs(recipe, preparer=True).data.train
+        train = build_inputs(task_config(recipe), preparer=True).data.train
         rows = [train[i] for i in examples]
         return datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     task = build_task(task_config(recipe), tokenizer)
@@ -360,9 +361,10 @@ def _first_difference(job: Job, recipe, examples: list[int]) -> str:
 
     from accord.models.build import build_tokenizer
     from accord.run.inputs import build_inputs
+    from accord.tasks import task_config
 
     tokenizer = build_tokenizer(recipe.model)
-    ours = build_inputs(recipe, preparer=True).data.train
+    ours = build_inputs(task_config(recipe), preparer=True).data.train
     rows = _peer_rows(job, recipe, examples, tokenizer)
     trainer = SFTTrainer(
         model=str(_model_path(recipe)),

@@ -74,13 +74,15 @@ def prepare_and_check_data(recipe: Recipe, share: NodeShare | None = None, keep_
 
     announce("preparing data…")
     from accord.run import inputs as run_inputs
+    from accord.tasks import task_config
 
     try:
-        built = run_inputs.build_inputs(recipe, preparer=True, share=share)
+        config = task_config(recipe)
+        built = run_inputs.build_inputs(config, preparer=True, share=share)
     except (run_inputs.TokenizerError, DataError) as e:
         return [str(e)]
     if keep_for_run:
-        run_inputs.keep(recipe, built)
+        run_inputs.keep(config, built)
     task, data = built.task, built.data
     # The global order draws its batches from rows, which packing makes fewer than examples.
     rows = len(built.rows)

@@ -21,7 +21,7 @@ from accord.observe.throughput import flops_per_token, peak_tflops
 from accord.recipe.schema import Recipe, TrainConfig
 from accord.run.inputs import build_inputs
 from accord.run.setup import ModelFacts, RunSetup
-from accord.tasks import groups_by_length
+from accord.tasks import groups_by_length, task_config
 from accord.tasks.router_balance import balance_router
 from accord.tasks.sequence_shards import SequenceShards
 
@@ -31,7 +31,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
     # Under accord's own launcher the data is already prepared (a cache hit); under an
     # outer launcher each node's first process prepares it and the others wait. Where this
     # process ran the checks, they built these already.
-    inputs = build_inputs(recipe, preparer=info.leads_node)
+    inputs = build_inputs(task_config(recipe), preparer=info.leads_node)
     tokenizer, task, data, rows = inputs.tokenizer, inputs.task, inputs.data, inputs.rows
     grouped = rows.lengths if groups_by_length(recipe.data, type(task)) else None
     order = GlobalOrder(len(rows), plan.global_batch_size, recipe.seed, recipe.data.shuffle, group_lengths=grouped)

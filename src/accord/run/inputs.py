@@ -17,8 +17,7 @@ from accord.data.packing import Rows, training_rows
 from accord.data.prepare import PreparedData, prepare_data
 from accord.errors import UserInputError
 from accord.models.build import build_tokenizer
-from accord.recipe.schema import Recipe
-from accord.tasks import build_task, task_config
+from accord.tasks import build_task
 from accord.tasks.base import Task
 from accord.tasks.config import TaskConfig
 
@@ -31,8 +30,8 @@ class RunInputs:
     rows: Rows  # the training rows the global order draws its batches from
 
 
-# What this process's checks built for the run it is about to train: (recipe as JSON, inputs).
-_kept: tuple[str, RunInputs] | None = None
+# What this process's checks built for the run it is about to train, and the task config it was built from.
+_kept: tuple[TaskConfig, RunInputs] | None = None
 
 
 class TokenizerError(UserInputError):
@@ -55,19 +54,21 @@ def tokenizer_and_task(config: TaskConfig) -> tuple[Any, Task]:
     return tokenizer, build_task(config, tokenizer)
 
 
-def build_inputs(recipe: Recipe, preparer: bool, share: NodeShare | None = None) -> RunInputs:
-    """The chain for `recipe`: what this process's checks kept for it, else built here.
+def build_inputs(config: TaskConfig, preparer: bool, share: NodeShare | None = None) -> RunInputs:
+    """The chain for a task's config (everything the chain reads: the model's tokenizer, the
+    task, the data section and seed): what this process's checks kept for it, else built here.
     `preparer`: this process tokenizes (else it waits for the node's first process to)."""
     global _kept
-    if _kept is not None and _kept[0] == recipe.model_dump_json():
+    if _kept is not None and _kept[0] == config:
         inputs, _kept = _kept[1], None  # taken once: nothing lingers for the rest of the run
         return inputs
-    tokenizer, task = tokenizer_and_task(task_config(recipe))
-    data = prepare_data(recipe.data, recipe.seed, tokenizer, task, preparer=preparer, share=share)
+    tokenizer, task = tokenizer_and_task(config)
+    data = prepare_data(config.data, config.seed, tokenizer, task, preparer=preparer, share=share)
     return RunInputs(tokenizer, task, data, training_rows(data.train, task.row_capacity))
 
 
-def keep(recipe: Recipe, inputs: RunInputs) -> None:
-    """This process trains `recipe` next: its assembly takes `inputs` instead of rebuilding them."""
+def keep(config: TaskConfig, inputs: RunInputs) -> None:
+    """This process trains the task of `config` next: its assembly takes `inputs` instead of
+    rebuilding them."""
     global _kept
-    _kept = (recipe.model_dump_json(), inputs)
+    _kept = (config, inputs)
