@@ -247,6 +247,9 @@ def lines_from(picture: dict, recipe: Recipe) -> list[Line]:
     tp = recipe.engine.tensor_parallel
     if tp > 1:
         out.append(tensor_parallel_line(tp, picture["local_world"], picture["world"]))
+    ep = recipe.engine.expert_parallel
+    if ep > 1:
+        out.append(expert_parallel_line(ep, picture["local_world"], picture["world"]))
     for pair, gbps in sorted(picture["bandwidth"].items()):
         a, b = pair.split("-")
         where = f"nodes {a} and {b}" if a != b else f"{picture['world']} local processes"
@@ -328,6 +331,25 @@ def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     where = "all nodes" if nodes > 1 else "this node"
     detail = problem or f"groups of {tp} consecutive ranks, each inside one node ({local_world} processes per node)"
     return Line("tensor-parallel groups", where, detail, FAIL if problem else OK)
+
+
+def expert_parallel_line(ep: int, local_world: int, world: int) -> Line:
+    """Whether each engine.expert_parallel group stays inside a node: its all-to-alls (two per MoE
+    layer forward, two backward) run over the network otherwise, which works but slows every step."""
+    nodes = world // max(local_world, 1)
+    where = "all nodes" if nodes > 1 else "this node"
+    if world % ep:
+        return Line(
+            "expert-parallel groups", where, f"engine.expert_parallel={ep} does not divide the {world} processes", FAIL
+        )
+    if nodes > 1 and local_world % ep:
+        detail = (
+            f"groups of {ep} consecutive ranks span nodes ({local_world} processes per node): each MoE layer's "
+            f"all-to-all crosses the network; a divisor of {local_world} keeps them inside a node"
+        )
+        return Line("expert-parallel groups", where, detail, WARN)
+    detail = f"groups of {ep} consecutive ranks, each inside one node, {world // ep} holding each expert"
+    return Line("expert-parallel groups", where, detail, OK)
 
 
 def everyone_world(topology: Topology, recipe: Recipe) -> int:

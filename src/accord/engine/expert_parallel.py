@@ -54,10 +54,8 @@ def check_expert_parallel(recipe, config, world: int | None = None) -> list[str]
         return [f"{key}: {type(config).__name__} is a dense model (no routed experts to split); set it to 1"]
     if experts % n:
         valid = [str(d) for d in range(2, experts + 1) if experts % d == 0 and (world is None or world % d == 0)]
-        return [
-            f"{key} must divide the model's {experts} experts per layer; use {', '.join(valid) or 'no value above 1'}"
-            " or 1"
-        ]
+        fix = f"use {', '.join(valid)} or 1" if valid else "set it to 1"
+        return [f"{key} must divide the model's {experts} experts per layer; {fix}"]
     styles = set(expert_plan(config).values())
     if "ep_dispatch_experts" not in styles or styles - set(EXPERT_STYLES):
         return [
