@@ -9,14 +9,14 @@ worker starts."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from accord.recipe.schema import RecipeError, validate_recipe
-from conftest import assert_ok, final_params, max_param_diff, run_accord, step_losses, write_recipe
-from test_moe import MOE_CONFIG, moe_recipe
+from conftest import MOE_CONFIG, assert_ok, final_params, max_param_diff, moe_recipe, run_accord, step_losses
 
 TOLERANCE = 1e-5
 
@@ -118,31 +118,28 @@ def test_doctor_checks_where_each_ep_group_lies():
 
 
 @pytest.fixture(scope="module")
-def ep_runs(tmp_path_factory) -> dict[str, Path]:
-    """The tiny Qwen3-MoE with its balancing and z-loss on: 1 process × 8 × 4, and expert_parallel=2
-    on 2 processes × 4 × 4 (each rank holding 2 of the 4 experts of each layer)."""
-    root = tmp_path_factory.mktemp("ep")
-    recipe = write_recipe(root / "moe.yaml", moe_recipe())
-    layouts = {
-        "one": ["engine.processes=1"],
-        "ep2": ["engine.processes=2", "engine.expert_parallel=2", "batch.micro_batch_size=4"],
-    }
-    runs = {"recipe": recipe}
-    for name, overrides in layouts.items():
-        runs[name] = root / name
-        assert_ok(run_accord("train", recipe, f"output.dir={runs[name]}", "checkpoint.every_steps=2", *overrides))
-    return runs
+def ep_runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
+    """The tiny Qwen3-MoE with its balancing and z-loss on: 1 process × 8 × 4 (the session's
+    moe_reference), and expert_parallel=2 on 2 processes × 4 × 4 (each rank holding 2 of the 4
+    experts of each layer)."""
+    recipe, one = moe_reference
+    out = tmp_path_factory.mktemp("ep") / "ep2"
+    overrides = ["engine.processes=2", "engine.expert_parallel=2", "batch.micro_batch_size=4"]
+    assert_ok(run_accord("train", recipe, f"output.dir={out}", "checkpoint.every_steps=2", *overrides))
+    return {"recipe": recipe, "one": one, "ep2": out}
+
+
+def _train_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 
 @pytest.mark.distributed
 def test_ep2_on_2_processes_trains_as_one_process(ep_runs):
-    from test_moe import _router_records
-
     one, ep2 = ep_runs["one"], ep_runs["ep2"]
     assert max_param_diff(final_params(one), final_params(ep2)) <= TOLERANCE
     losses_one, losses_ep = step_losses(one), step_losses(ep2)
     assert max(abs(losses_one[s] - losses_ep[s]) for s in losses_one) <= TOLERANCE
-    for a, b in zip(_router_records(one), _router_records(ep2), strict=True):
+    for a, b in zip(_train_records(one), _train_records(ep2), strict=True):
         for key in ("router_balance_loss", "router_z_loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
@@ -219,7 +216,7 @@ def test_a_one_process_checkpoint_resumes_under_ep2(ep_runs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_ep_on_a_dense_model_stops_accord_train_in_one_line(tmp_path):
-    from conftest import TINY_RECIPE
+    from conftest import TINY_RECIPE, write_recipe
 
     recipe = copy.deepcopy(TINY_RECIPE)
     recipe["engine"] |= {"expert_parallel": 2}

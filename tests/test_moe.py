@@ -14,41 +14,20 @@ import pytest
 import torch
 
 from conftest import (
+    MOE_CONFIG,
     TINY_RECIPE,
     assert_ok,
     final_params,
     max_param_diff,
+    moe_recipe,
     run_accord,
     step_losses,
     write_recipe,
 )
 
-# A 2-layer Qwen3-MoE: 4 experts of which each token takes 2 (its experts fused 3-D parameters).
-MOE_CONFIG = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-}
 TOLERANCE = 1e-5
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install deepspeed)")
-
-
-def moe_recipe(**moe) -> dict:
-    """TINY_RECIPE on the tiny MoE, its balancing loss (and z-loss) weighted enough to move the weights."""
-    recipe = copy.deepcopy(TINY_RECIPE)
-    recipe["model"] = {"config": dict(MOE_CONFIG), "tokenizer": "byte"}
-    recipe["train"] = {"max_steps": 4, "log_every": 1}
-    recipe["moe"] = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01} | moe
-    return recipe
 
 
 def _tiny_moe(architecture: str = "qwen3_moe", vocab: int = 40):
@@ -227,17 +206,15 @@ def test_moe_settings_on_a_dense_model_stop_accord_train_in_one_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict[str, Path]:
-    """The tiny MoE with its balancing and z-loss on: 1 process × 8 × 4 and 2 processes × 4 × 4."""
+def moe_runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
+    """The tiny MoE with its balancing and z-loss on: 1 process × 8 × 4 (the session's
+    moe_reference) and 2 processes × 4 × 4."""
     root = tmp_path_factory.mktemp("moe")
-    recipe = write_recipe(root / "moe.yaml", moe_recipe())
-    layouts = {"1x8x4": ["engine.processes=1"], "2x4x4": ["engine.processes=2", "batch.micro_batch_size=4"]}
-    runs = {}
-    for name, overrides in layouts.items():
-        out = root / name
-        assert_ok(run_accord("train", recipe, f"output.dir={out}", "checkpoint.every_steps=2", *overrides))
-        runs[name] = out
-    return runs
+    recipe, one = moe_reference
+    out = root / "2x4x4"
+    overrides = ["engine.processes=2", "batch.micro_batch_size=4", "checkpoint.every_steps=2"]
+    assert_ok(run_accord("train", recipe, f"output.dir={out}", *overrides))
+    return {"1x8x4": one, "2x4x4": out}
 
 
 def _router_records(out: Path) -> list[dict]:
