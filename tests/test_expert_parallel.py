@@ -156,6 +156,26 @@ def test_ep2_checkpoint_holds_whole_experts_by_name(ep_runs):
 
 
 @pytest.mark.distributed
+def test_plan_predicts_an_ep_ranks_parameters_and_optimizer_state(ep_runs):
+    """What `accord plan` says rank 0 holds under ddp x ep2 is what the run's engine held."""
+    from accord import api
+
+    [held] = [
+        r
+        for r in map(json.loads, (ep_runs["ep2"] / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "model_state"
+    ]
+    [ddp] = [r for r in api.plan(_recipe(), gpus=2).rows if r.strategy == "ddp"]
+    assert (ddp.params, ddp.optimizer) == (held["params_bytes"], held["optimizer_bytes"])
+    [whole] = [
+        r
+        for r in map(json.loads, (ep_runs["one"] / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "model_state"
+    ]
+    assert held["params_bytes"] < whole["params_bytes"]
+
+
+@pytest.mark.distributed
 def test_ep2_final_folder_is_a_plain_transformers_moe_with_the_trained_logits(ep_runs):
     from transformers import AutoModelForCausalLM
 
