@@ -133,6 +133,28 @@ def test_global_batch_balance_loss_equals_transformers_on_the_whole_batch_in_one
     assert logged["router_balance_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["global_batch", "per_forward"])
+def test_balance_loss_trains_under_activation_checkpointing_as_without(mode):
+    """The router hooks run inside each checkpointed layer and not in its recomputation: the
+    balancing loss's gradient is the same with engine.activation_checkpointing as without."""
+    rows = _rows()
+    micro = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    grads = []
+    for checkpointing in (False, True):
+        model = _tiny_moe().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        task = _balanced(model, mode, aux=1.0, z=0.5, forwards=len(micro))
+        if mode == "global_batch":
+            with torch.no_grad():
+                task.use_statistics(sum(task.statistics_sums(model, task.collate(part)) for part in micro))
+        sum(task.loss(model, task.collate(part)).normalised_loss for part in micro).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".mlp.gate." in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_batch(tmp_path):
     """moe.balance_loss=per_forward on one micro-batch: accord's sft loss and the model's own
     aux_loss × router_aux_loss_coef, as transformers.Trainer computes it with output_router_logits."""
