@@ -192,11 +192,15 @@ def test_ep2_final_folder_is_a_plain_transformers_moe_with_the_trained_logits(ep
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize(
+    "strategy", ["fsdp", pytest.param("ddp engine.activation_checkpointing=true", id="ddp-checkpointing")]
+)
 def test_dp2_by_ep2_on_4_processes_trains_as_one_process(ep_runs, tmp_path, strategy):
-    """fsdp x ep: the experts sharded over the 2 ranks holding the same ones, the rest over all 4."""
-    out = tmp_path / strategy
-    overrides = ["engine.processes=4", "engine.expert_parallel=2", "batch.micro_batch_size=2"]
+    """fsdp x ep: the experts sharded over the 2 ranks holding the same ones, the rest over all 4;
+    ddp x ep with each layer recomputed in backward (its all-to-alls run again there)."""
+    out = tmp_path / "run"
+    strategy, *more = strategy.split()
+    overrides = ["engine.processes=4", "engine.expert_parallel=2", "batch.micro_batch_size=2", *more]
     assert_ok(run_accord("train", ep_runs["recipe"], f"output.dir={out}", f"engine.strategy={strategy}", *overrides))
     assert max_param_diff(final_params(ep_runs["one"]), final_params(out)) <= TOLERANCE
     losses_one, losses = step_losses(ep_runs["one"]), step_losses(out)

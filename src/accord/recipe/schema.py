@@ -359,7 +359,10 @@ class Recipe(Section):
                 "split); set engine.expert_parallel=1"
             )
         if self.engine.tiled_mlp:
-            raise ValueError(f"{key} with engine.tiled_mlp is not supported (each splits the MLP); use one of them")
+            raise ValueError(
+                f"{key} with engine.tiled_mlp is not supported (tiled MLPs are dense ones; a mixture-of-experts "
+                "layer is not tiled); remove engine.tiled_mlp"
+            )
         return self
 
     @model_validator(mode="after")
