@@ -449,7 +449,9 @@ def expert_line(rows: list[StrategyPlan]) -> str:
     """engine.expert_parallel: how many of each MoE layer's experts a rank holds, and how."""
     shards = rows[0].expert_shards
     sharded = "sharded with the ranks holding the same experts"
-    how = ", ".join(f"{r.strategy}: {sharded if registry.strategy(r.strategy).shards_params else 'whole'}" for r in rows)
+    how = ", ".join(
+        f"{r.strategy}: {sharded if registry.strategy(r.strategy).shards_params else 'whole'}" for r in rows
+    )
     return f"accord: expert parallel: each rank holds {shards} experts of each MoE layer ({how})"
 
 
