@@ -106,9 +106,11 @@ def test_plan_counts_each_ranks_experts():
     assert expert_line(split.rows).startswith("accord: expert parallel: each rank holds 2 experts of each MoE layer")
 
 
-def test_doctor_checks_where_each_ep_group_lies():
-    from accord.cli.doctor import FAIL, OK, WARN, expert_parallel_line
+def test_doctor_checks_where_each_ep_group_lies_and_self_tests_against_one_process_without_it():
+    from accord.cli.doctor import FAIL, OK, WARN, expert_parallel_line, one_process
 
+    assert one_process(_recipe()) == ["engine.expert_parallel=1"]
+    assert one_process(_recipe(expert_parallel=1)) == []
     assert expert_parallel_line(2, 4, 8).verdict == OK
     assert expert_parallel_line(4, 2, 4).verdict == WARN  # all-to-all over the network: slower, not wrong
     assert expert_parallel_line(4, 4, 6).verdict == FAIL

@@ -287,7 +287,7 @@ def self_test(recipe: Recipe, topology: Topology, folder: Path) -> Line | None:
     from accord.engine.device import wants_cuda
 
     single = dict(devices=[0]) if wants_cuda(recipe.engine) else dict(processes=1)
-    one = api.train(recipe, steps + [f"output.dir={folder / 'one'}"], nnodes=1, **single)
+    one = api.train(recipe, steps + one_process(recipe) + [f"output.dir={folder / 'one'}"], nnodes=1, **single)
     diff = max_difference(everyone.final, one.final)
     world = everyone_world(topology, recipe)
     where = f"{world} processes{f' on {topology.nnodes} nodes' if topology.multi_node else ''} vs 1 process"
@@ -331,6 +331,12 @@ def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     where = "all nodes" if nodes > 1 else "this node"
     detail = problem or f"groups of {tp} consecutive ranks, each inside one node ({local_world} processes per node)"
     return Line("tensor-parallel groups", where, detail, FAIL if problem else OK)
+
+
+def one_process(recipe: Recipe) -> list[str]:
+    """Overrides that let the self-test's 1-process run train the recipe: the layouts that split
+    the model over a group of ranks set to 1 (the model itself is the same)."""
+    return [f"engine.{key}=1" for key in ("tensor_parallel", "expert_parallel") if getattr(recipe.engine, key) > 1]
 
 
 def expert_parallel_line(ep: int, local_world: int, world: int) -> Line:
