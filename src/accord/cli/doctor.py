@@ -354,7 +354,9 @@ def expert_parallel_line(ep: int, local_world: int, world: int) -> Line:
             f"all-to-all crosses the network; a divisor of {local_world} keeps them inside a node"
         )
         return Line("expert-parallel groups", where, detail, WARN)
-    detail = f"groups of {ep} consecutive ranks, each inside one node, {world // ep} holding each expert"
+    holders = world // ep
+    holding = f"{holders} ranks hold each expert" if holders > 1 else "1 rank holds each expert"
+    detail = f"groups of {ep} consecutive ranks, each inside one node; {holding}"
     return Line("expert-parallel groups", where, detail, OK)
 
 
