@@ -221,7 +221,7 @@ def test_expert_parallel_benchmark_measures_each_layout_and_writes_its_docs_sect
     tiny = ["--hidden", "64", "--expert-size", "64", "--experts", "4", "--layers", "1", "--steps", "1", "2"]
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "expert_parallel.py"), *tiny, "--batch", "4"]
-        + ["--layouts", "1 process", "ddp x ep2 (2)", "--write-docs", "--docs", str(docs)],
+        + ["--layouts", "1 process", "ddp x ep2 (2)", "--all-to-all", "--write-docs", "--docs", str(docs)],
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
@@ -229,8 +229,10 @@ def test_expert_parallel_benchmark_measures_each_layout_and_writes_its_docs_sect
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [row[0] for row in rows] == ["| layout", "| 1 process", "| ddp x ep2 (2)"]
-    assert [len(row[1].split()) for row in rows[1:]] == [1, 2]  # one peak per rank
+    assert [row[0] for row in rows] == ["| layout", "| 1 process", "| ddp x ep2 (2)", "| layout", "| ddp x ep2 (2)"]
+    assert [len(row[1].split()) for row in rows[1:3]] == [1, 2]  # one peak per rank
+    shares = rows[4][2].split()  # the all-to-all's share of a step on each rank, in percent
+    assert len(shares) == 2 and all(0 < int(share.rstrip("%")) <= 100 for share in shares)
     written = docs.read_text()
     assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
     assert "| ddp x ep2 (2) |" in written and "--docs" not in written
