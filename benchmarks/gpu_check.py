@@ -25,7 +25,8 @@ Prints a table of:
      number of them), tokens/s and each rank's peak memory.
   8. a mixture-of-experts model (Qwen3-MoE, 16 experts, top-2, built from a config) under ddp and
      fsdp in bf16 with the router's balancing loss over the global batch: tokens/s, peak memory,
-     router imbalance. Expert parallelism is not built yet, so its part says it skips and why.
+     router imbalance; then fsdp x engine.expert_parallel 2 on the GPUs (an even number of them;
+     on one GPU it says it skips and why), each rank's peak memory.
   9. pipeline parallelism (engine.pipeline_parallel 2, which needs 2 GPUs: on one it says it
      skips and why): the ~0.5B Llama under ddp alone and ddp x PP 2 (1f1b, 4 micro-batches per
      step) on the same GPUs (an even number of them), tokens/s, each rank's peak memory (a stage
@@ -34,8 +35,8 @@ Phases 1-5, 7 and 8 run through `accord train` itself; figures come from each ru
 `--out` writes every figure as JSON, `--markdown` the tables as markdown (for docs/benchmarks.md).
 `--dry-run` needs no GPU (a few minutes on a CPU): it writes the recipes, prints the plan's
 figures, runs phase 6's plumbing on the CPU with the tiny model (one step, two contenders
-each), phase 7's on 2 gloo processes with a tiny Llama (fsdp, then fsdp x TP 2) and phase 8's
-(ddp, then ddp x PP 2), writing
+each), phase 7's on 2 gloo processes with a tiny Llama (fsdp, then fsdp x TP 2), phase 8's MoE
+on one process and fsdp x EP 2 on 2 gloo processes, and phase 9's (ddp, then ddp x PP 2), writing
 the same JSON and markdown.
 """
 
@@ -502,7 +503,7 @@ def check(args: argparse.Namespace, folder: Path) -> None:
         )
     results += long_context(folder, dry_run=False)
     results += tensor_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
-    results += gpu_check_moe.mixture_of_experts(folder, False, recipe, train)
+    results += gpu_check_moe.mixture_of_experts(folder, False, recipe, train, torch.cuda.device_count())
     results += pipeline_parallel(folder, dry_run=False, visible=torch.cuda.device_count())
     write_outputs(args, results, peers(dry_run=False), torch.cuda.get_device_name(0))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import platform
 import shutil
@@ -588,6 +589,44 @@ def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
                     f"output.dir={out}",
                 )
             )
+    return recipe, out
+
+
+# A 2-layer Qwen3-MoE: 4 experts of which each token takes 2 (its experts fused 3-D parameters).
+MOE_CONFIG = {
+    "architecture": "qwen3_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def moe_recipe(**moe) -> dict:
+    """TINY_RECIPE on the tiny MoE, its balancing loss (and z-loss) weighted enough to move the weights."""
+    recipe = copy.deepcopy(TINY_RECIPE)
+    recipe["model"] = {"config": dict(MOE_CONFIG), "tokenizer": "byte"}
+    recipe["train"] = {"max_steps": 4, "log_every": 1}
+    recipe["moe"] = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01} | moe
+    return recipe
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, output dir) of moe_recipe() on 1 process (1 × 8 × 4) with checkpoints every 2
+    steps: the run the MoE layouts (2 processes, expert parallelism) are compared against."""
+    with _once_per_session(tmp_path_factory, "moe-reference") as (root, make):
+        recipe, out = root / "moe.yaml", root / "1x8x4"
+        if make:
+            write_recipe(recipe, moe_recipe())
+            overrides = ["engine.processes=1", "checkpoint.every_steps=2", f"output.dir={out}"]
+            assert_ok(run_accord("train", recipe, *overrides))
     return recipe, out
 
 

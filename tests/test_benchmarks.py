@@ -1,9 +1,10 @@
 """The benchmarks still run end to end (slow tier): every contender of throughput.py, vlm.py and
 grpo.py trains for a step in its own pinned process, none fails, the last line is the verdict,
 and --write-docs rewrites only the text between the section's markers; startup.py times each
-contender to its first step and writes its section; tensor_parallel.py measures each layout
-it is given and writes its section; gpu_check's --dry-run runs its peer and tensor-parallel
-phases' plumbing on the CPU and writes its JSON and markdown."""
+contender to its first step and writes its section; tensor_parallel.py and expert_parallel.py
+measure each layout they are given and write their sections; gpu_check's --dry-run runs its
+peer, tensor-, expert- and pipeline-parallel phases' plumbing on the CPU and writes its JSON and
+markdown."""
 
 from __future__ import annotations
 
@@ -214,6 +215,31 @@ def test_tensor_parallel_benchmark_measures_each_layout_and_writes_its_docs_sect
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_expert_parallel_benchmark_measures_each_layout_and_writes_its_docs_section(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("before\n<!-- expert-parallel:start -->\nSTALE-TABLE\n<!-- expert-parallel:end -->\nafter\n")
+    tiny = ["--hidden", "64", "--expert-size", "64", "--experts", "4", "--layers", "1", "--steps", "1", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "expert_parallel.py"), *tiny, "--batch", "4"]
+        + ["--layouts", "1 process", "ddp x ep2 (2)", "--all-to-all", "--write-docs", "--docs", str(docs)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows] == ["| layout", "| 1 process", "| ddp x ep2 (2)", "| layout", "| ddp x ep2 (2)"]
+    assert [len(row[1].split()) for row in rows[1:3]] == [1, 2]  # one peak per rank
+    shares = rows[4][2].split()  # the all-to-all's share of a step on each rank, in percent
+    assert len(shares) == 2 and all(0 < int(share.rstrip("%")) <= 100 for share in shares)
+    written = docs.read_text()
+    assert written.startswith("before\n") and written.endswith("after\n") and "STALE-TABLE" not in written
+    assert "| ddp x ep2 (2) |" in written and "--docs" not in written
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipeline_benchmark_measures_the_bubble_and_writes_its_docs_section(tmp_path):
     docs = tmp_path / "benchmarks.md"
     docs.write_text("before\n<!-- pipeline:start -->\nSTALE-TABLE\n<!-- pipeline:end -->\nafter\n")
@@ -312,18 +338,18 @@ def test_gpu_check_dry_run_writes_its_json_and_markdown_on_a_cpu(tmp_path):
         "fsdp x tp2 (2)",
         "moe ddp",
         "moe fsdp",
-        "moe expert parallel",
+        "moe fsdp x ep2 (2)",
         "ddp (2)",
         "ddp x pp2 (2)",
     ]
-    for run in data["runs"][:4] + data["runs"][5:]:  # the expert-parallel entry says it skips
+    for run in data["runs"]:
         assert "error" not in run and len(run["peak_gib_per_rank"]) == (2 if "(2)" in run["run"] else 1), run
         assert f"| {run['run']} | {run['tokens_per_s']:,.0f} |" in table.read_text()
     assert data["runs"][2]["router_imbalance"] >= 1.0
-    assert "skipped: engine.expert_parallel is not built yet" in table.read_text()
+    assert data["runs"][4]["router_imbalance"] >= 1.0  # the expert-parallel run's, over both ranks' tokens
 
 
-def test_gpu_check_skips_tensor_and_pipeline_parallel_on_one_gpu_and_says_why():
+def test_gpu_check_skips_tensor_expert_and_pipeline_parallel_on_one_gpu_and_says_why():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_check
 
@@ -335,3 +361,6 @@ def test_gpu_check_skips_tensor_and_pipeline_parallel_on_one_gpu_and_says_why():
     assert "needs 2 GPUs (one per stage)" in gpu_check.pp_gpus(1) and gpu_check.pp_gpus(2) == ""
     skipped = gpu_check.pipeline_parallel(REPO, dry_run=False, visible=1)
     assert skipped == [{"run": "ddp x pp2", "skipped": gpu_check.pp_gpus(1)}]
+    import gpu_check_moe
+
+    assert "needs 2 GPUs" in gpu_check_moe.ep_gpus(1) and gpu_check_moe.ep_gpus(2) == ""

@@ -368,6 +368,30 @@ def test_transformers_names_the_router_modules_of_a_mixture_of_experts_model(tin
     assert index == 0 and router_output(tiny_llama) is None
 
 
+def test_transformers_splits_the_experts_and_dispatches_to_them_on_an_ep_mesh(one_rank_group):
+    """The expanded ep_plan and apply_expert_parallelism (engine.expert_parallel): the fused expert
+    weights become DTensors on the EP mesh, the experts module takes the all-to-all dispatch, and
+    the forward (one rank: every expert local) is the unsplit model's."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from accord.compat.transformers import EXPERT_STYLES, apply_expert_parallel, expert_plan
+
+    torch.manual_seed(0)
+    model = _tiny_moe()
+    assert set(expert_plan(model.config).values()) == set(EXPERT_STYLES)
+    ids = torch.tensor([[1, 5, 7, 2, 9]])
+    with torch.no_grad():
+        before = model(ids).logits
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    apply_expert_parallel(model, mesh["ep"], mesh["dp"])
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, DTensor) and experts._is_expert_parallel
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- peft
 
 

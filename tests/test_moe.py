@@ -14,41 +14,20 @@ import pytest
 import torch
 
 from conftest import (
+    MOE_CONFIG,
     TINY_RECIPE,
     assert_ok,
     final_params,
     max_param_diff,
+    moe_recipe,
     run_accord,
     step_losses,
     write_recipe,
 )
 
-# A 2-layer Qwen3-MoE: 4 experts of which each token takes 2 (its experts fused 3-D parameters).
-MOE_CONFIG = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-}
 TOLERANCE = 1e-5
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install deepspeed)")
-
-
-def moe_recipe(**moe) -> dict:
-    """TINY_RECIPE on the tiny MoE, its balancing loss (and z-loss) weighted enough to move the weights."""
-    recipe = copy.deepcopy(TINY_RECIPE)
-    recipe["model"] = {"config": dict(MOE_CONFIG), "tokenizer": "byte"}
-    recipe["train"] = {"max_steps": 4, "log_every": 1}
-    recipe["moe"] = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01} | moe
-    return recipe
 
 
 def _tiny_moe(architecture: str = "qwen3_moe", vocab: int = 40):
@@ -154,6 +133,28 @@ def test_global_batch_balance_loss_equals_transformers_on_the_whole_batch_in_one
     assert logged["router_balance_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["global_batch", "per_forward"])
+def test_balance_loss_trains_under_activation_checkpointing_as_without(mode):
+    """The router hooks run inside each checkpointed layer and not in its recomputation: the
+    balancing loss's gradient is the same with engine.activation_checkpointing as without."""
+    rows = _rows()
+    micro = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    grads = []
+    for checkpointing in (False, True):
+        model = _tiny_moe().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        task = _balanced(model, mode, aux=1.0, z=0.5, forwards=len(micro))
+        if mode == "global_batch":
+            with torch.no_grad():
+                task.use_statistics(sum(task.statistics_sums(model, task.collate(part)) for part in micro))
+        sum(task.loss(model, task.collate(part)).normalised_loss for part in micro).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".mlp.gate." in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_per_forward_balance_loss_equals_transformers_trainer_loss_on_the_same_batch(tmp_path):
     """moe.balance_loss=per_forward on one micro-batch: accord's sft loss and the model's own
     aux_loss × router_aux_loss_coef, as transformers.Trainer computes it with output_router_logits."""
@@ -227,17 +228,15 @@ def test_moe_settings_on_a_dense_model_stop_accord_train_in_one_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict[str, Path]:
-    """The tiny MoE with its balancing and z-loss on: 1 process × 8 × 4 and 2 processes × 4 × 4."""
+def moe_runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
+    """The tiny MoE with its balancing and z-loss on: 1 process × 8 × 4 (the session's
+    moe_reference) and 2 processes × 4 × 4."""
     root = tmp_path_factory.mktemp("moe")
-    recipe = write_recipe(root / "moe.yaml", moe_recipe())
-    layouts = {"1x8x4": ["engine.processes=1"], "2x4x4": ["engine.processes=2", "batch.micro_batch_size=4"]}
-    runs = {}
-    for name, overrides in layouts.items():
-        out = root / name
-        assert_ok(run_accord("train", recipe, f"output.dir={out}", "checkpoint.every_steps=2", *overrides))
-        runs[name] = out
-    return runs
+    recipe, one = moe_reference
+    out = root / "2x4x4"
+    overrides = ["engine.processes=2", "batch.micro_batch_size=4", "checkpoint.every_steps=2"]
+    assert_ok(run_accord("train", recipe, f"output.dir={out}", *overrides))
+    return {"1x8x4": one, "2x4x4": out}
 
 
 def _router_records(out: Path) -> list[dict]:

@@ -147,7 +147,7 @@ def test_what_combines_with_tensor_parallelism_is_declared_by_the_strategies_and
         engine = TINY_RECIPE["engine"] | {"strategy": strategy, "tensor_parallel": 2}
         return TINY_RECIPE | {"task": task, "engine": engine}
 
-    accord.register_strategy("my_ddp", "accord.engine.ddp:build", like="ddp")  # ddp's traits: combines with TP and PP
+    accord.register_strategy("my_ddp", "accord.engine.ddp:build", like="ddp")  # ddp's traits: TP, PP and EP
     accord.register_strategy("my_plain", "accord.engine.ddp:build")
     accord.register_task("my_sft", "user_extensions:MySFT", combines_with=["tensor_parallel"])
     accord.register_task("my_other", "user_extensions:MySFT")
@@ -162,7 +162,7 @@ def test_what_combines_with_tensor_parallelism_is_declared_by_the_strategies_and
     del registry.TASK_TRAITS["my_sft"], registry.TASKS["my_sft"], registry.STRATEGIES["my_ddp"]
     registry._take_over()  # what a worker process does as it imports the registry
     assert registry.task_traits("my_sft").combines_with == ("tensor_parallel",)
-    assert registry.STRATEGIES["my_ddp"].combines_with == ("tensor_parallel", "pipeline_parallel")
+    assert registry.STRATEGIES["my_ddp"].combines_with == ("tensor_parallel", "pipeline_parallel", "expert_parallel")
     assert handed["task_traits"]
 
 

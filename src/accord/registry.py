@@ -44,8 +44,9 @@ OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 # The model-parallel layouts a strategy or a task declares it combines with (`combines_with`),
 # each named by its engine key: engine.tensor_parallel splits every layer over a group of ranks,
-# engine.pipeline_parallel splits the decoder layers into stages on different ranks.
-LAYOUTS = ("tensor_parallel", "pipeline_parallel")
+# engine.pipeline_parallel splits the decoder layers into stages on different ranks,
+# engine.expert_parallel splits each mixture-of-experts layer's experts over a group of ranks.
+LAYOUTS = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class TaskTraits:
 
 # name -> traits; a task without an entry has none (a user's task, unless registered with some).
 TASK_TRAITS: dict[str, TaskTraits] = {
-    "sft": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel")),
-    "pretrain": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel")),
+    "sft": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel", "expert_parallel")),
+    "pretrain": TaskTraits(combines_with=("tensor_parallel", "pipeline_parallel", "expert_parallel")),
     "classify": TaskTraits(combines_with=("tensor_parallel",)),
     "reward": TaskTraits(combines_with=("tensor_parallel",)),
 }
@@ -115,7 +116,7 @@ STRATEGIES: dict[str, Strategy] = {
             "ddp",
             "accord.engine.ddp:build",
             memory="accord.engine.memory:DDP",
-            combines_with=("tensor_parallel", "pipeline_parallel"),
+            combines_with=("tensor_parallel", "pipeline_parallel", "expert_parallel"),
         ),
         Strategy(
             "zero1",
@@ -152,7 +153,7 @@ STRATEGIES: dict[str, Strategy] = {
             shards_grads=True,
             shards_optimizer=True,
             memory="accord.engine.memory:FSDP",
-            combines_with=("tensor_parallel", "pipeline_parallel"),
+            combines_with=("tensor_parallel", "pipeline_parallel", "expert_parallel"),
         ),
     )
 }

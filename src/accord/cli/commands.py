@@ -117,7 +117,7 @@ def plan(args: argparse.Namespace) -> int:
 
     announce("planning (the model is built on the meta device: nothing is loaded)…")  # before torch's import: seconds
     from accord import api
-    from accord.planner.estimate import format_phases, format_table
+    from accord.planner.estimate import expert_line, format_phases, format_table
 
     result = api.plan(args.recipe, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory)
     if args.json:
@@ -130,6 +130,8 @@ def plan(args: argparse.Namespace) -> int:
     )
     print(f"accord plan: {args.recipe} on {args.nodes} node(s) × {devices}{memory}{source}, per {result.device} (GiB):")
     print(format_table(result.rows, result.gpu_memory_gib))
+    if result.rows and result.rows[0].expert_shards:
+        print(expert_line(result.rows))
     print(f"peak per {result.device} in each phase of a run (GiB above an empty process's):")
     print(format_phases(result.rows))
     if result.device != "GPU":

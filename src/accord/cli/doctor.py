@@ -247,6 +247,9 @@ def lines_from(picture: dict, recipe: Recipe) -> list[Line]:
     tp = recipe.engine.tensor_parallel
     if tp > 1:
         out.append(tensor_parallel_line(tp, picture["local_world"], picture["world"]))
+    ep = recipe.engine.expert_parallel
+    if ep > 1:
+        out.append(expert_parallel_line(ep, picture["local_world"], picture["world"]))
     for pair, gbps in sorted(picture["bandwidth"].items()):
         a, b = pair.split("-")
         where = f"nodes {a} and {b}" if a != b else f"{picture['world']} local processes"
@@ -284,7 +287,7 @@ def self_test(recipe: Recipe, topology: Topology, folder: Path) -> Line | None:
     from accord.engine.device import wants_cuda
 
     single = dict(devices=[0]) if wants_cuda(recipe.engine) else dict(processes=1)
-    one = api.train(recipe, steps + [f"output.dir={folder / 'one'}"], nnodes=1, **single)
+    one = api.train(recipe, steps + one_process(recipe) + [f"output.dir={folder / 'one'}"], nnodes=1, **single)
     diff = max_difference(everyone.final, one.final)
     world = everyone_world(topology, recipe)
     where = f"{world} processes{f' on {topology.nnodes} nodes' if topology.multi_node else ''} vs 1 process"
@@ -328,6 +331,33 @@ def tensor_parallel_line(tp: int, local_world: int, world: int) -> Line:
     where = "all nodes" if nodes > 1 else "this node"
     detail = problem or f"groups of {tp} consecutive ranks, each inside one node ({local_world} processes per node)"
     return Line("tensor-parallel groups", where, detail, FAIL if problem else OK)
+
+
+def one_process(recipe: Recipe) -> list[str]:
+    """Overrides that let the self-test's 1-process run train the recipe: the layouts that split
+    the model over a group of ranks set to 1 (the model itself is the same)."""
+    return [f"engine.{key}=1" for key in ("tensor_parallel", "expert_parallel") if getattr(recipe.engine, key) > 1]
+
+
+def expert_parallel_line(ep: int, local_world: int, world: int) -> Line:
+    """Whether each engine.expert_parallel group stays inside a node: its all-to-alls (two per MoE
+    layer forward, two backward) run over the network otherwise, which works but slows every step."""
+    nodes = world // max(local_world, 1)
+    where = "all nodes" if nodes > 1 else "this node"
+    if world % ep:
+        return Line(
+            "expert-parallel groups", where, f"engine.expert_parallel={ep} does not divide the {world} processes", FAIL
+        )
+    if nodes > 1 and local_world % ep:
+        detail = (
+            f"groups of {ep} consecutive ranks span nodes ({local_world} processes per node): each MoE layer's "
+            f"all-to-all crosses the network; a divisor of {local_world} keeps them inside a node"
+        )
+        return Line("expert-parallel groups", where, detail, WARN)
+    holders = world // ep
+    holding = f"{holders} ranks hold each expert" if holders > 1 else "1 rank holds each expert"
+    detail = f"groups of {ep} consecutive ranks, each inside one node; {holding}"
+    return Line("expert-parallel groups", where, detail, OK)
 
 
 def everyone_world(topology: Topology, recipe: Recipe) -> int:

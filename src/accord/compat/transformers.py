@@ -14,7 +14,11 @@
 - the name of the KV-cache argument of `forward` and `generate` (`past_key_values` before
   5.x renamed it `cache`), for GRPO's prompts prefilled once per group (tasks.rollout);
 - the router modules a mixture-of-experts model records `output_router_logits` from
-  (`_can_record_outputs["router_logits"]`), hooked by accord's balancing loss (models.moe).
+  (`_can_record_outputs["router_logits"]`), hooked by accord's balancing loss (models.moe);
+- expert parallelism (`transformers.distributed.expert_parallel`, not re-exported): the model's
+  `ep_plan` expanded per layer (`_expand_parallel_plan`) and `apply_expert_parallelism`, which
+  shards the fused expert parameters over the expert-parallel mesh and dispatches the tokens
+  to them with all-to-all (engine.expert_parallel).
 
 Public API is used wherever it does the same: `config.name_or_path`, a fast tokenizer's
 `backend_tokenizer`, AttentionInterface / AttentionMaskInterface registration.
@@ -174,3 +178,31 @@ def router_output(model: Any) -> tuple[Callable[[Any], bool], int] | None:
         return type(module).__name__.endswith(class_name)
 
     return is_router, int(index or 0)
+
+
+# The EP plan's styles accord runs: fused expert weights sharded on the expert dimension, and
+# the experts module reached through transformers' token dispatch.
+EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+
+
+def expert_plan(config: Any) -> dict[str, str]:
+    """The config's expert-parallel plan (module or parameter pattern -> style), relative to
+    the base model; empty for a model without one."""
+    return dict(getattr(text_config(config), "base_model_ep_plan", None) or {})
+
+
+def apply_expert_parallel(model: Any, ep_mesh: Any, batch_mesh: Any) -> None:
+    """Shard each MoE layer's experts over `ep_mesh` (its N ranks hold different rows) and send
+    every routed token to its expert's rank and back with all-to-all (transformers'
+    `AllToAllEP`). `batch_mesh`: the ranks that share one batch, of size 1 here (transformers
+    calls it the TP mesh). On the meta device or on real storage."""
+    try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+    except ImportError:
+        what = "no transformers.distributed.expert_parallel.apply_expert_parallelism"
+        raise _missing(what, "engine.expert_parallel") from None
+    expand = getattr(model, "_expand_parallel_plan", None)
+    plan = getattr(model, "ep_plan", None)
+    if expand is None or plan is None:
+        raise _missing(f"{type(model).__name__} has no ep_plan / _expand_parallel_plan", "engine.expert_parallel")
+    apply_expert_parallelism(model, ep_mesh, batch_mesh, expand(plan), ep_implementation="all_to_all")

@@ -32,6 +32,9 @@ class Engine(ABC):
     # engine.tensor_parallel: runs of this many consecutive ranks hold one model between them,
     # see the same rows and compute the same loss.
     tensor_parallel: int = 1
+    # engine.expert_parallel: runs of this many consecutive ranks split each MoE layer's experts
+    # between them, on different rows.
+    expert_parallel: int = 1
     # engine.pipeline_parallel: a step's micro-batches run through the stages in one call
     # (engine.pipeline's train_batch) instead of a forward and backward each.
     pipelined: bool = False

@@ -31,9 +31,10 @@ def build(
 class DDPEngine(TorchUpdateEngine):
     def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
         self.tensor_parallel = recipe.engine.tensor_parallel
-        if self.tensor_parallel > 1:
-            wrapped = self._tensor_parallel(model, recipe, info, device)
-            super().__init__(model, wrapped, recipe, info, device, total_steps)
+        self.expert_parallel = recipe.engine.expert_parallel
+        if self.tensor_parallel > 1 or self.expert_parallel > 1:
+            split = self._tensor_parallel if self.tensor_parallel > 1 else self._expert_parallel
+            super().__init__(model, split(model, recipe, info, device), recipe, info, device, total_steps)
             return
         materialize(model, device)  # a meta-device model gets its (per-name seeded or loaded) values
         model.to(device)
@@ -67,9 +68,28 @@ class DDPEngine(TorchUpdateEngine):
         materialize(model, device)
         return model.to(device)
 
+    def _expert_parallel(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device) -> nn.Module:
+        """engine.expert_parallel: split the experts over each EP group, then replicate the rest
+        over every rank, with FSDP2's hybrid mode with shards of one rank as under TP (DDP cannot
+        hold the experts' DTensors)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from accord.engine.expert_parallel import shard_experts
+        from accord.engine.wrapping import ensure_process_group
+
+        ensure_process_group(device)
+        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
+        shard_experts(model, recipe, info.world_size, device, replicate=True)
+        dense = init_device_mesh(device.type, (info.world_size, 1), mesh_dim_names=("dp", "dp_shard"))
+        fully_shard(model, mesh=dense)
+        materialize(model, device)
+        return model.to(device)
+
     @property
     def lockstep(self) -> bool:
-        return self.tensor_parallel > 1  # a TP group's forward is collective
+        # A TP group's forward is collective, and so is an EP group's (the all-to-all).
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         if last_micro_step or not isinstance(self._wrapped, DistributedDataParallel):

@@ -69,6 +69,12 @@ class FSDPEngine(TorchUpdateEngine):
             from accord.engine.tensor_parallel import parallelize
 
             mesh = parallelize(model, self._recipe, self._world, device, ("dp", "tp"))["dp"]
+        if self._recipe.engine.expert_parallel > 1:
+            from accord.engine.expert_parallel import shard_experts
+
+            # The experts are sharded over the ranks that hold the same ones; each layer's
+            # other parameters, wrapped next, over every rank.
+            shard_experts(model, self._recipe, self._world, device, replicate=False, mp_policy=self._policy)
         for layer in layer_modules(model, self._layer_class):
             fully_shard(layer, mesh=mesh, mp_policy=self._policy)
         fully_shard(model, mesh=mesh, mp_policy=self._policy)

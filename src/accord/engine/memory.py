@@ -236,3 +236,20 @@ def tensor_parallel_local(model: nn.Module, tensor_parallel: int) -> nn.Module:
         if module.bias is not None and word == "colwise":
             module.bias = nn.Parameter(torch.empty(shape[0], device="meta"), requires_grad=trained)
     return model
+
+
+def expert_parallel_local(model: nn.Module, expert_parallel: int) -> nn.Module:
+    """`model` (on the meta device) with each MoE layer's fused expert parameters cut to one
+    rank's experts under engine.expert_parallel (1/N of their rows), in place."""
+    import torch
+    from torch import nn
+
+    from accord.models.moe import config_experts
+
+    experts = config_experts(model.config)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() == 3 and p.shape[0] == experts:
+                local = torch.empty((experts // expert_parallel, *p.shape[1:]), device="meta", dtype=p.dtype)
+                setattr(module, name, nn.Parameter(local, requires_grad=p.requires_grad))
+    return model

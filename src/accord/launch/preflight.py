@@ -51,6 +51,8 @@ def preflight(
         problems += check_tensor_parallel(recipe, world_size)
     if recipe.engine.pipeline_parallel > 1 and not problems:
         problems += check_pipeline_parallel(recipe, plan.grad_accum, plan.world_size)
+    if recipe.engine.expert_parallel > 1 and not problems:
+        problems += check_expert_parallel(recipe, world_size)
     if not problems:
         problems += check_moe(recipe)
     problems += check_environment(recipe)
@@ -227,6 +229,16 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     """engine.tensor_parallel divides the processes and the model's heads, key/value heads and
     intermediate size, and the model has a plan; its config is read, no weights."""
     from accord.engine.tensor_parallel import check_tensor_parallel as check
+
+    if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
+        return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
+    return check(recipe, _model_config(recipe.model), world_size)
+
+
+def check_expert_parallel(recipe: Recipe, world_size: int) -> list[str]:
+    """engine.expert_parallel divides the processes and the model's experts, and the model has
+    an expert-parallel plan; its config is read, no weights."""
+    from accord.engine.expert_parallel import check_expert_parallel as check
 
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
         return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks

@@ -113,6 +113,13 @@ class RouterRecord:
             raise RuntimeError(
                 f"router layer {layer} routed {logits.shape[0]} tokens, the batch's mask covers {mask.numel()}"
             )
+        # Under activation checkpointing this runs inside the checkpointed layer, whose saved-tensor
+        # hooks would count what these ops save; the recomputation (outside a recording) does not
+        # run them, and the counts would differ. Kept as plain saved tensors instead.
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            self._add(layer, logits, mask)
+
+    def _add(self, layer: int, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
         weight = torch.ones(logits.shape[0], device=logits.device) if mask is None else mask.to(logits.device).float()
         probs = torch.softmax(logits, dim=-1)
         with torch.no_grad():
@@ -144,6 +151,10 @@ class RouterRecord:
         # A layer no forward reached in this recording adds nothing.
         device = next((v.device for v in values if v is not None), torch.device("cpu"))
         return torch.stack([v if v is not None else torch.zeros(shape, dtype=dtype, device=device) for v in values])
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

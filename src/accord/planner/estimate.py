@@ -12,6 +12,7 @@ sharded as the strategy shards the trained model's, and what its forward holds w
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,8 +20,9 @@ import torch
 from accord import registry
 from accord.compat.transformers import attn_implementation
 from accord.distributed.batch_plan import BatchPlan, divisors
+from accord.engine.expert_parallel import expert_shards
 from accord.engine.long_rows import mlp_tiles
-from accord.engine.memory import Footprint, MemoryModel
+from accord.engine.memory import Footprint, MemoryModel, expert_parallel_local
 from accord.errors import UserInputError
 from accord.recipe.schema import Recipe
 from accord.registry import load_object
@@ -49,6 +51,8 @@ class StrategyPlan:
     # The frozen model's (Task.frozen_model) weights per rank, and what its forward holds.
     frozen: float = 0.0
     frozen_activations: float = 0.0
+    # engine.expert_parallel: the experts of each MoE layer this rank holds (0: not split).
+    expert_shards: int = 0
 
     @property
     def total(self) -> float:
@@ -257,15 +261,23 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
             frozen.keeps_logits,
             loss_chunk,
         )
+    ep = recipe.engine.expert_parallel
+    shards = expert_shards(model.config, ep) if ep > 1 else 0
     rows = []
     for strategy, spec in registry.STRATEGIES.items():  # in their order: least communication first
         if spec.memory is None:
             continue  # a user's strategy registered without one
-        if tp > 1 and "tensor_parallel" not in spec.combines_with:
+        if (tp > 1 and "tensor_parallel" not in spec.combines_with) or (
+            ep > 1 and "expert_parallel" not in spec.combines_with
+        ):
             continue
         offload = spec.offload_for(recipe.engine.offload)
-        state = model_state(model, strategy, world // tp, recipe.engine.precision, offload)
-        phases = phase_peaks(model, strategy, world // tp, state, act, recipe, cpu)
+        # Under EP a rank holds E/N experts, whole where the strategy replicates; sharded over the
+        # world/N ranks holding the same ones, that is E/world rows of each: the unsplit model's
+        # share under a strategy that shards over the world.
+        subject = expert_parallel_local(copy.deepcopy(model), ep) if ep > 1 and not spec.shards_params else model
+        state = model_state(subject, strategy, world // tp, recipe.engine.precision, offload)
+        phases = phase_peaks(subject, strategy, world // tp, state, act, recipe, cpu)
         held = 0.0
         if frozen_model is not None:
             # Sharded like the trained model where the strategy shards its parameters (Engine.prepare_frozen).
@@ -282,6 +294,7 @@ def plan(recipe: Recipe, gpus: int, nodes: int = 1, cpu: bool = False) -> tuple[
                 sequence_parallel=per_degree,
                 frozen=held,
                 frozen_activations=frozen_act if frozen_model is not None else 0.0,
+                expert_shards=shards,
             )
         )
     return rows, world
@@ -431,6 +444,16 @@ def format_table(rows: list[StrategyPlan], memory_gib: float | None) -> str:
             line += "  yes" if r.total <= memory_gib * GIB else "  no"
         lines.append(line)
     return "\n".join(lines)
+
+
+def expert_line(rows: list[StrategyPlan]) -> str:
+    """engine.expert_parallel: how many of each MoE layer's experts a rank holds, and how."""
+    shards = rows[0].expert_shards
+    sharded = "sharded with the ranks holding the same experts"
+    how = ", ".join(
+        f"{r.strategy}: {sharded if registry.strategy(r.strategy).shards_params else 'whole'}" for r in rows
+    )
+    return f"accord: expert parallel: each rank holds {shards} experts of each MoE layer ({how})"
 
 
 def format_phases(rows: list[StrategyPlan]) -> str:

@@ -160,6 +160,15 @@ class EngineConfig(Section):
         "divide the processes, the attention and key/value heads and the intermediate size (sft, pretrain, classify, "
         "reward; no LoRA).",
     )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="Expert parallelism (transformers' expert-parallel layer): each mixture-of-experts layer's "
+        "experts are split over groups of this many consecutive ranks, and each routed token goes to its expert's rank "
+        "and back by all-to-all; the ranks of a group train on different rows, and the rest of the model is "
+        "data-parallel over every rank (ddp or fsdp). Must divide the processes and the experts per layer (sft and "
+        "pretrain; no LoRA, tensor, pipeline or sequence parallelism yet; docs/moe.md).",
+    )
     pipeline_parallel: int = Field(
         1,
         ge=1,

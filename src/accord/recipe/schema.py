@@ -327,6 +327,45 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _expert_parallel(self) -> Recipe:
+        n = self.engine.expert_parallel
+        if n == 1:
+            return self
+        key = f"engine.expert_parallel={n}"
+        # What combines with it is declared with the strategies and tasks (accord.registry).
+        strategies, tasks = registry.combining("expert_parallel")
+        if self.engine.strategy not in strategies:
+            raise ValueError(
+                f"{key} composes with engine.strategy={_or(strategies)} (torch's own data parallelism over the "
+                f"rest of the model), not {self.engine.strategy}; use engine.strategy=fsdp to shard the rest too, "
+                "or expert_parallel=1"
+            )
+        others = [
+            f"engine.{k}={getattr(self.engine, k)}"
+            for k in ("tensor_parallel", "pipeline_parallel", "sequence_parallel")
+            if getattr(self.engine, k) > 1
+        ]
+        if others:
+            raise ValueError(f"{key} with {others[0]} is not supported yet; use one of them")
+        if self.lora is not None:
+            raise ValueError(
+                f"{key} with lora is not supported yet (peft's adapters on the fused experts are not split); "
+                "remove lora or set engine.expert_parallel=1"
+            )
+        if not isinstance(self.task, str) or self.task not in tasks:
+            name = self.task if isinstance(self.task, str) else self.task.class_
+            raise ValueError(
+                f"{key} supports task {' and '.join(tasks)}, not {name} (its frozen or rollout model is not "
+                "split); set engine.expert_parallel=1"
+            )
+        if self.engine.tiled_mlp:
+            raise ValueError(
+                f"{key} with engine.tiled_mlp is not supported (tiled MLPs are dense ones; a mixture-of-experts "
+                "layer is not tiled); remove engine.tiled_mlp"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_parallel(self) -> Recipe:
         n = self.engine.pipeline_parallel
         if n == 1:

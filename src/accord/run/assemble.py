@@ -91,7 +91,12 @@ def describe(run: RunSetup) -> list[str]:
     used = len(run.eval_data) if run.eval_data is not None else 0
     lines = [
         f"{run.task.name} on {facts.name} ({params}), {recipe.engine.strategy} on {run.engine.device.type}, "
-        f"precision {recipe.engine.precision}",
+        f"precision {recipe.engine.precision}"
+        + (
+            f", each MoE layer's experts split over groups of {recipe.engine.expert_parallel} ranks (expert parallel)"
+            if recipe.engine.expert_parallel > 1
+            else ""
+        ),
         f"batch {run.plan.describe()}",
         f"{report['train_examples']} training examples in {len(run.rows)} {layout} "
         f"({run.order.steps_per_epoch} steps per epoch), "
