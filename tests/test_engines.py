@@ -19,6 +19,7 @@ from accord.distributed.group import DistInfo
 from accord.engine import build_engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.optim import build_optimizer
+from accord.engine.spec import EngineSpec
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.observe.metrics import read_metrics
@@ -52,7 +53,7 @@ def _train_step(engine, inputs: torch.Tensor, skip_nonfinite: bool = False) -> t
 
 def test_an_engine_names_its_model_and_its_state_optimizer_once():
     model = _tiny_model()
-    engine = build_engine(_recipe(strategy="ddp"), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(EngineSpec.of(_recipe(strategy="ddp")), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
     assert engine.module is model and engine.train_model is model  # one process: nothing to wrap
     assert not hasattr(engine, "model")
     grad_norm, applied = _train_step(engine, torch.ones(2, 4))
@@ -71,7 +72,7 @@ def test_an_engine_names_its_model_and_its_state_optimizer_once():
 @pytest.mark.parametrize("skip", [True, False])
 def test_a_nonfinite_update_is_dropped_only_when_asked(skip):
     model = _tiny_model()
-    engine = build_engine(_recipe(strategy="ddp"), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(EngineSpec.of(_recipe(strategy="ddp")), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
     before = [p.detach().clone() for p in model.parameters()]
     grad_norm, applied = _train_step(engine, torch.full((2, 4), float("nan")), skip_nonfinite=skip)
     assert not torch.isfinite(grad_norm)
@@ -85,7 +86,9 @@ def test_zero1_without_deepspeed_takes_torch_and_one_process_takes_ddp(monkeypat
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
     )
-    engine = build_engine(_recipe(strategy="zero1"), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(
+        EngineSpec.of(_recipe(strategy="zero1")), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4
+    )
     assert type(engine) is DDPEngine  # one process: nothing to shard
     assert (
         "zero1 uses torch's ZeroRedundancyOptimizer over DDP because DeepSpeed is not installed"
@@ -104,7 +107,7 @@ def test_without_deepspeed_its_strategies_name_the_install(monkeypatch, strategy
         UserInputError,
         match=rf"^engine.strategy={strategy} needs DeepSpeed, which is not installed: pip install deepspeed",
     ):
-        build_engine(recipe, _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+        build_engine(EngineSpec.of(recipe), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
 
 
 @pytest.fixture
