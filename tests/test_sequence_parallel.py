@@ -238,7 +238,6 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
 
 PACKED_SCRIPT = r"""
 import json, sys
-from types import SimpleNamespace
 import torch, torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 from accord.distributed.group import DistInfo
