@@ -112,7 +112,9 @@ def _accord_model(length: int, overrides: list[str], steps: int, sequence_parall
     task.configure_model(model)
     if sequence_parallel > 1:
         rank = torch.distributed.get_rank()
-        install_ulysses(recipe, model, DistInfo(rank, sequence_parallel, rank, sequence_parallel), micro_batch_size=1)
+        install_ulysses(
+            sequence_parallel, model, DistInfo(rank, sequence_parallel, rank, sequence_parallel), micro_batch_size=1
+        )
     apply_memory_levers(model, recipe.engine, length, torch.device("cpu"))
     model.train()
     ids = random_row(length, VOCAB)

@@ -6,7 +6,9 @@ whose internals it does not know instead of writing incomplete checkpoints."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -19,11 +21,22 @@ from accord.distributed.group import DistInfo
 from accord.engine import build_engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.optim import build_optimizer
+from accord.engine.spec import EngineSpec
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.observe.metrics import read_metrics
 from accord.recipe.schema import validate_recipe
-from conftest import TINY_RECIPE, assert_ok, final_params, max_param_diff, run_accord, write_recipe
+from conftest import (
+    REPO,
+    TINY_RECIPE,
+    accord_env,
+    assert_ok,
+    final_params,
+    max_param_diff,
+    run_accord,
+    run_process,
+    write_recipe,
+)
 
 CPU = torch.device("cpu")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
@@ -52,7 +65,7 @@ def _train_step(engine, inputs: torch.Tensor, skip_nonfinite: bool = False) -> t
 
 def test_an_engine_names_its_model_and_its_state_optimizer_once():
     model = _tiny_model()
-    engine = build_engine(_recipe(strategy="ddp"), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(EngineSpec.of(_recipe(strategy="ddp")), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
     assert engine.module is model and engine.train_model is model  # one process: nothing to wrap
     assert not hasattr(engine, "model")
     grad_norm, applied = _train_step(engine, torch.ones(2, 4))
@@ -68,10 +81,42 @@ def test_an_engine_names_its_model_and_its_state_optimizer_once():
     )
 
 
+def test_an_engine_is_built_from_the_engine_and_optim_sections_alone():
+    """What an engine reads is its EngineSpec (the engine and optim sections and the row length),
+    made here without any Recipe: the learning rate, clipping and precision are the spec's."""
+    from accord.recipe.schema import EngineConfig, OptimConfig
+
+    spec = EngineSpec(
+        EngineConfig(strategy="ddp", device="cpu", processes=1, precision="no"),
+        OptimConfig(lr=0.125, max_grad_norm=0.5, schedule="constant"),
+        max_length=16,
+    )
+    engine = build_engine(spec, _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    assert (engine.lr, engine.max_grad_norm, engine.precision) == (0.125, 0.5, "no")
+    grad_norm, applied = _train_step(engine, torch.ones(2, 4))
+    assert applied and torch.isfinite(grad_norm)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.max_length = 32  # type: ignore[misc]
+
+
+@pytest.mark.subprocess
+def test_no_engine_function_is_handed_the_recipe_on_the_way_to_the_first_step():
+    """scripts/count_recipe_passing.py's trace of a one-process run (in its own process: the run
+    stops at the first step): the Recipe stops at the run's assembly, which makes the
+    EngineSpec; build_engine, the strategy's factory and the engines take the spec."""
+    proc = run_process(
+        [sys.executable, str(REPO / "scripts" / "count_recipe_passing.py"), "--list"], env=accord_env(), timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    functions = proc.stdout.splitlines()[:-1]  # the last line is the count
+    assert "accord.run.assemble:build_run" in functions  # the trace saw the assembly take the Recipe
+    assert [f for f in functions if f.startswith("accord.engine")] == ["accord.engine.spec:EngineSpec.of"]
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_a_nonfinite_update_is_dropped_only_when_asked(skip):
     model = _tiny_model()
-    engine = build_engine(_recipe(strategy="ddp"), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(EngineSpec.of(_recipe(strategy="ddp")), model, DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
     before = [p.detach().clone() for p in model.parameters()]
     grad_norm, applied = _train_step(engine, torch.full((2, 4), float("nan")), skip_nonfinite=skip)
     assert not torch.isfinite(grad_norm)
@@ -85,7 +130,9 @@ def test_zero1_without_deepspeed_takes_torch_and_one_process_takes_ddp(monkeypat
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a, **k: None if name == "deepspeed" else real(name, *a, **k)
     )
-    engine = build_engine(_recipe(strategy="zero1"), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+    engine = build_engine(
+        EngineSpec.of(_recipe(strategy="zero1")), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4
+    )
     assert type(engine) is DDPEngine  # one process: nothing to shard
     assert (
         "zero1 uses torch's ZeroRedundancyOptimizer over DDP because DeepSpeed is not installed"
@@ -104,7 +151,7 @@ def test_without_deepspeed_its_strategies_name_the_install(monkeypatch, strategy
         UserInputError,
         match=rf"^engine.strategy={strategy} needs DeepSpeed, which is not installed: pip install deepspeed",
     ):
-        build_engine(recipe, _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
+        build_engine(EngineSpec.of(recipe), _tiny_model(), DistInfo(), CPU, BatchPlan.derive(8, 8, 1), 4)
 
 
 @pytest.fixture

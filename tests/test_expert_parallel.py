@@ -65,20 +65,24 @@ def test_experts_world_dense_models_and_plans_are_checked_against_n():
     recipe = _recipe()
     settings = {k: v for k, v in MOE_CONFIG.items() if k != "architecture"}
     config = AutoConfig.for_model("qwen3_moe", **settings)
-    assert check_expert_parallel(recipe, config, 2) == check_expert_parallel(recipe, config, 4) == []
-    [line] = check_expert_parallel(recipe, config, 3)
+    assert (
+        check_expert_parallel(recipe.engine.expert_parallel, config, 2)
+        == check_expert_parallel(recipe.engine.expert_parallel, config, 4)
+        == []
+    )
+    [line] = check_expert_parallel(recipe.engine.expert_parallel, config, 3)
     assert line.startswith("engine.expert_parallel=2 does not divide the 3 processes")
     three = AutoConfig.for_model("qwen3_moe", **(settings | {"num_experts": 3}))
-    [line] = check_expert_parallel(recipe, three, 2)
+    [line] = check_expert_parallel(recipe.engine.expert_parallel, three, 2)
     assert line == "engine.expert_parallel=2 must divide the model's 3 experts per layer; set it to 1"
-    [line] = check_expert_parallel(recipe, three, 6)
+    [line] = check_expert_parallel(recipe.engine.expert_parallel, three, 6)
     assert line == "engine.expert_parallel=2 must divide the model's 3 experts per layer; use 3 or 1"
     dense = AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4)
-    [line] = check_expert_parallel(recipe, dense, 2)
+    [line] = check_expert_parallel(recipe.engine.expert_parallel, dense, 2)
     assert line.startswith("engine.expert_parallel=2: LlamaConfig is a dense model (no routed experts")
     no_plan = AutoConfig.for_model("qwen3_moe", **settings)
     no_plan.base_model_ep_plan = None
-    [line] = check_expert_parallel(recipe, no_plan, 2)
+    [line] = check_expert_parallel(recipe.engine.expert_parallel, no_plan, 2)
     assert "has no expert-parallel plan accord can run" in line
     # the preflight reads the recipe's own model config
     assert preflight_check(recipe, 2) == []

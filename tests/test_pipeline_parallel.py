@@ -132,20 +132,22 @@ def test_model_and_schedule_checks_say_what_to_change():
     from accord.engine.pipeline.stages import check_pipeline
 
     config = LlamaConfig(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4)
-    assert check_pipeline(_recipe(pipeline_parallel=2), config, 4) == []
-    [line] = check_pipeline(_recipe(pipeline_parallel=3, processes=3), config, 4)
+    assert check_pipeline(_recipe(pipeline_parallel=2).engine, config, 4) == []
+    [line] = check_pipeline(_recipe(pipeline_parallel=3, processes=3).engine, config, 4)
     assert line.startswith("engine.pipeline_parallel=3: the model's 4 decoder layers do not split evenly into 3 stages")
     assert "use engine.pipeline_parallel=2 or 4" in line
-    [line] = check_pipeline(_recipe(pipeline_parallel=2), LlamaConfig(num_hidden_layers=4, tie_word_embeddings=True))
+    [line] = check_pipeline(
+        _recipe(pipeline_parallel=2).engine, LlamaConfig(num_hidden_layers=4, tie_word_embeddings=True)
+    )
     assert "tie_word_embeddings" in line and "not supported yet" in line
-    [line] = check_pipeline(_recipe(pipeline_parallel=2), SimpleNamespace(num_hidden_layers=4))
+    [line] = check_pipeline(_recipe(pipeline_parallel=2).engine, SimpleNamespace(num_hidden_layers=4))
     assert "has no pipeline plan" in line
-    [line] = check_pipeline(_recipe(pipeline_parallel=2), config, 1)
+    [line] = check_pipeline(_recipe(pipeline_parallel=2).engine, config, 1)
     assert "the 1f1b schedule needs at least 2 micro-batches per step" in line
-    assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="gpipe"), config, 1) == []
-    [line] = check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv", processes=4), config, 2, 2)
+    assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="gpipe").engine, config, 1) == []
+    [line] = check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv", processes=4).engine, config, 2, 2)
     assert "pipeline_schedule=zbv over 2 pipelines (data parallelism) is not supported yet" in line
-    assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv"), config, 2, 1) == []
+    assert check_pipeline(_recipe(pipeline_parallel=2, pipeline_schedule="zbv").engine, config, 2, 1) == []
 
 
 def test_the_preflight_reads_the_recipes_model_config_for_the_split():

@@ -117,13 +117,19 @@ def test_a_strategy_registered_like_a_zero_stage_has_its_traits(clean_registry):
 
     from accord.distributed.batch_plan import BatchPlan
     from accord.engine.deepspeed.config import deepspeed_config
+    from accord.engine.spec import EngineSpec
     from accord.launch.accelerate_config import accelerate_config
 
     accord.register_strategy("my_zero3", "accord.engine.deepspeed.engine:build", like="zero3")
     accord.register_strategy("my_plain", "accord.engine.ddp:build")
     engine = TINY_RECIPE["engine"] | {"strategy": "my_zero3", "offload": "optimizer+params"}
     recipe = validate_recipe(TINY_RECIPE | {"engine": engine})
-    assert deepspeed_config(recipe, BatchPlan.derive(32, 8, 2), torch.device("cpu"))["zero_optimization"]["stage"] == 3
+    assert (
+        deepspeed_config(EngineSpec.of(recipe), BatchPlan.derive(32, 8, 2), torch.device("cpu"))["zero_optimization"][
+            "stage"
+        ]
+        == 3
+    )
     config = accelerate_config(recipe, 2)
     assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 3
     with pytest.raises(

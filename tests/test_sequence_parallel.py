@@ -238,7 +238,6 @@ def test_plan_divides_activations_by_the_group_and_recommends_the_smallest_that_
 
 PACKED_SCRIPT = r"""
 import json, sys
-from types import SimpleNamespace
 import torch, torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 from accord.distributed.group import DistInfo
@@ -260,11 +259,8 @@ docs = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) f
 loss_alone = sum(causal_token_loss(alone(input_ids=d[None]).logits, d[None])[0] for d in docs)
 loss_alone.backward()
 
-recipe = SimpleNamespace(
-    task="sft", engine=SimpleNamespace(sequence_parallel=world), model=SimpleNamespace(attn_implementation=None)
-)
 info = DistInfo(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-install_ulysses(recipe, packed, info, micro_batch_size=1)
+install_ulysses(world, packed, info, micro_batch_size=1)
 ids = torch.cat(docs)[None]
 labels = torch.cat([torch.cat([torch.tensor([IGNORE]), d[1:]]) for d in docs])[None]  # no target across documents
 lengths = [[len(d) for d in docs]]

@@ -119,6 +119,7 @@ import transformers.models.llama.modeling_llama, torch.distributed.fsdp  # noqa:
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine import build_engine
+from accord.engine.spec import EngineSpec
 from accord.models.build import build_model, build_tokenizer
 from accord.recipe.schema import validate_recipe
 
@@ -148,7 +149,8 @@ for job in json.loads(sys.argv[1]):  # in order: the first one's peak is measure
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model = build_model(recipe.model, tokenizer, recipe.seed, meta=True)
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    engine = build_engine(recipe, model, info, torch.device("cpu"), BatchPlan.derive(8, 8 // world, world), 10)
+    plan = BatchPlan.derive(8, 8 // world, world)
+    engine = build_engine(EngineSpec.of(recipe), model, info, torch.device("cpu"), plan, 10)
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # A few updates on a fixed global batch, each rank its slice (loss summed / the global count).
     ids = torch.randint(0, 250, (8, 12), generator=torch.Generator().manual_seed(0))

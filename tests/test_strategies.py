@@ -295,6 +295,7 @@ from conftest import TINY_RECIPE
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine import build_engine
+from accord.engine.spec import EngineSpec
 from accord.models.build import build_model, build_tokenizer
 from accord.recipe.schema import validate_recipe
 
@@ -305,7 +306,8 @@ for strategy in sys.argv[1:]:
         raw["engine"] |= {"strategy": strategy, "activation_checkpointing": ac, "processes": 1}
         recipe = validate_recipe(raw)
         model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
-        engine = build_engine(recipe, model, DistInfo(), torch.device("cpu"), BatchPlan.derive(8, 8, 1), 10)
+        plan = BatchPlan.derive(8, 8, 1)
+        engine = build_engine(EngineSpec.of(recipe), model, DistInfo(), torch.device("cpu"), plan, 10)
         engine.module.train()
         saved = []
         with (
@@ -408,6 +410,7 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     import torch
 
     from accord.engine.deepspeed.engine import deepspeed_config
+    from accord.engine.spec import EngineSpec
     from accord.models.build import build_model, build_tokenizer
 
     offload = {1: "none", 2: "optimizer", 3: "optimizer+params"}[stage]
@@ -415,7 +418,7 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
     recipe = validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload, precision="bf16") | {"optim": optim})
     model = build_model(recipe.model, build_tokenizer(recipe.model), 0)
     plan = BatchPlan.derive(32, 4, 2)
-    config = deepspeed_config(recipe, plan, torch.device("cpu"), model)
+    config = deepspeed_config(EngineSpec.of(recipe), plan, torch.device("cpu"), model)
     assert (
         config["train_batch_size"],
         config["train_micro_batch_size_per_gpu"],
@@ -447,13 +450,18 @@ def test_deepspeed_config_is_derived_from_the_recipe(stage):
             layer,
         )
         assert (
-            deepspeed_config(recipe, plan, torch.device("cpu"), model, world=4)["zero_optimization"]["sub_group_size"]
+            deepspeed_config(EngineSpec.of(recipe), plan, torch.device("cpu"), model, world=4)["zero_optimization"][
+                "sub_group_size"
+            ]
             == layer // 4
         )
     else:
         assert "stage3_max_reuse_distance" not in zero and "sub_group_size" not in zero
     fp32 = deepspeed_config(
-        validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload)), plan, torch.device("cpu"), model
+        EngineSpec.of(validate_recipe(_recipe(strategy=f"zero{stage}", offload=offload))),
+        plan,
+        torch.device("cpu"),
+        model,
     )
     assert (
         fp32["bf16"] == {"enabled": False}

@@ -70,12 +70,14 @@ def test_heads_kv_heads_intermediate_size_and_world_are_checked_against_n():
         return SimpleNamespace(**({"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64} | over))
 
     recipe = _recipe(tensor_parallel=2)
-    assert check_tensor_parallel(recipe, config(), 2) == []
-    [line] = check_tensor_parallel(recipe, config(num_attention_heads=3, num_key_value_heads=3), 2)
+    assert check_tensor_parallel(recipe.engine.tensor_parallel, config(), 2) == []
+    [line] = check_tensor_parallel(
+        recipe.engine.tensor_parallel, config(num_attention_heads=3, num_key_value_heads=3), 2
+    )
     assert line.startswith("engine.tensor_parallel=2 must divide the model's attention heads (3)")
-    [line] = check_tensor_parallel(recipe, config(intermediate_size=65), 2)
+    [line] = check_tensor_parallel(recipe.engine.tensor_parallel, config(intermediate_size=65), 2)
     assert line.startswith("engine.tensor_parallel=2 must divide the model's intermediate size (65)")
-    [line] = check_tensor_parallel(recipe, config(), 3)
+    [line] = check_tensor_parallel(recipe.engine.tensor_parallel, config(), 3)
     assert line.startswith("engine.tensor_parallel=2 does not divide the 3 processes")
     # Before any worker starts, from the recipe's model config (no weights): 2 key/value heads, TP 4.
     [line] = preflight_check(_recipe(tensor_parallel=4, processes=4), 4)
@@ -98,7 +100,7 @@ def test_the_plan_is_the_models_base_model_tp_plan_as_torch_styles():
     assert plan_words(bare) == LLAMA_STYLE_PLAN
     # Qwen3's per-head norms need a gradient sum accord does not map yet: refused, not wrong.
     qwen3 = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64)
-    [line] = check_tensor_parallel(_recipe(tensor_parallel=2), qwen3, 2)
+    [line] = check_tensor_parallel(2, qwen3, 2)
     assert "replicated_with_grad_allreduce" in line and "set engine.tensor_parallel=1" in line
 
 

@@ -22,7 +22,7 @@ class MySFT(SFTTask):
         return out
 
 
-def build_my_ddp(recipe, model, info, device, plan, total_steps):
-    """ddp's engine, leaving a mark that this factory built it."""
-    Path(os.environ[MARKS], f"rank{info.rank}").write_text(recipe.engine.strategy, encoding="utf-8")
-    return ddp.build(recipe, model, info, device, plan, total_steps)
+def build_my_ddp(spec, model, info, device, plan, total_steps):
+    """ddp's engine, leaving a mark that this factory built it (`spec`: accord.engine.spec.EngineSpec)."""
+    Path(os.environ[MARKS], f"rank{info.rank}").write_text(spec.engine.strategy, encoding="utf-8")
+    return ddp.build(spec, model, info, device, plan, total_steps)

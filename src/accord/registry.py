@@ -74,7 +74,8 @@ class Strategy:
     """One `engine.strategy`: where its engine is built, and what it is."""
 
     name: str
-    # "module:function" taking (recipe, model, info, device, plan, total_steps) and returning an Engine.
+    # "module:function" taking (spec, model, info, device, plan, total_steps) and returning an Engine;
+    # spec is an accord.engine.spec.EngineSpec: the recipe's engine and optim sections and data.max_length.
     factory: str
     shards_params: bool = False
     shards_grads: bool = False
@@ -189,7 +190,9 @@ def register_task(name: str, target: str | type, *, combines_with: Iterable[str]
 
 def register_strategy(name: str, target: str | object, *, like: str | None = None, **traits: object) -> None:
     """Make `engine.strategy: NAME` resolve to an engine factory (or its `module:function`
-    path), here and in the worker processes this process starts.
+    path), here and in the worker processes this process starts. The factory is called as
+    `factory(spec, model, info, device, plan, total_steps)` (spec: accord.engine.spec.EngineSpec,
+    the recipe's engine and optim sections and data.max_length) and returns an Engine.
 
     like: a registered strategy whose traits and memory model this one shares (e.g. a factory
     wrapping ddp's: like="ddp"); without it the strategy shards nothing, runs without

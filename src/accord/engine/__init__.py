@@ -22,10 +22,11 @@ if TYPE_CHECKING:
     from accord.distributed.batch_plan import BatchPlan
     from accord.distributed.group import DistInfo
     from accord.engine.base import Engine
+    from accord.engine.spec import EngineSpec
     from accord.recipe.engine import EngineConfig
-    from accord.recipe.schema import Recipe
 
-    EngineFactory = Callable[[Recipe, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
+    # What a strategy's factory is called with (a custom strategy's too: accord.register_strategy).
+    EngineFactory = Callable[[EngineSpec, nn.Module, DistInfo, torch.device, BatchPlan, int], Engine]
 
 INSTALL_DEEPSPEED = "pip install deepspeed (or pip install 'accord[deepspeed]')"
 
@@ -61,23 +62,22 @@ def runs_deepspeed(strategy: str, cfg: EngineConfig, installed: bool | None = No
 
 
 def build_engine(
-    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> Engine:
-    """The recipe's strategy around `model` (with Ulysses attention under
-    engine.sequence_parallel), compiled when engine.compile asks."""
+    """engine.strategy around `model` (with Ulysses attention under engine.sequence_parallel),
+    compiled when engine.compile asks."""
     if device.type == "cpu":
         # transformers imports DeepSpeed (when installed) to ask whether ZeRO-3 is active;
         # naming the accelerator spares every run DeepSpeed's "no GPU found" warning.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if recipe.engine.sequence_parallel > 1:
+    cfg = spec.engine
+    if cfg.sequence_parallel > 1:
         from accord.engine.sequence_parallel.ulysses import install_ulysses
 
-        install_ulysses(recipe, model, info, plan.micro_batch_size)
-    factory: EngineFactory = load_object(
-        registry.strategy(recipe.engine.strategy).factory, f"engine.strategy={recipe.engine.strategy}"
-    )
-    engine = factory(recipe, model, info, device, plan, total_steps)
-    if recipe.engine.compile:
+        install_ulysses(cfg.sequence_parallel, model, info, plan.micro_batch_size)
+    factory: EngineFactory = load_object(registry.strategy(cfg.strategy).factory, f"engine.strategy={cfg.strategy}")
+    engine = factory(spec, model, info, device, plan, total_steps)
+    if cfg.compile:
         engine.compile()
     return engine
 

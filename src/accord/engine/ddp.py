@@ -12,33 +12,33 @@ from torch.nn.parallel import DistributedDataParallel
 from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine.long_rows import apply_memory_levers
+from accord.engine.spec import EngineSpec
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.models.vision import leaves_parameters_unused
 from accord.models.weights import materialize
-from accord.recipe.schema import Recipe
 
 
 def build(
-    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> TorchUpdateEngine:
-    if recipe.engine.pipeline_parallel > 1:  # replicated over the pipelines (engine/pipeline/)
+    if spec.engine.pipeline_parallel > 1:  # replicated over the pipelines (engine/pipeline/)
         from accord.engine.pipeline.engine import build as pipelined
 
-        return pipelined(recipe, model, info, device, total_steps)
-    return DDPEngine(model, recipe, info, device, total_steps)
+        return pipelined(spec, model, info, device, total_steps)
+    return DDPEngine(model, spec, info, device, total_steps)
 
 
 class DDPEngine(TorchUpdateEngine):
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
-        self.tensor_parallel = recipe.engine.tensor_parallel
-        self.expert_parallel = recipe.engine.expert_parallel
+    def __init__(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device, total_steps: int):
+        self.tensor_parallel = spec.engine.tensor_parallel
+        self.expert_parallel = spec.engine.expert_parallel
         if self.tensor_parallel > 1 or self.expert_parallel > 1:
             split = self._tensor_parallel if self.tensor_parallel > 1 else self._expert_parallel
-            super().__init__(model, split(model, recipe, info, device), recipe, info, device, total_steps)
+            super().__init__(model, split(model, spec, info, device), spec, info, device, total_steps)
             return
         materialize(model, device)  # a meta-device model gets its (per-name seeded or loaded) values
         model.to(device)
-        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
+        apply_memory_levers(model, spec.engine, spec.max_length, device)
         wrapped = model
         if info.world_size > 1:
             wrapped = DistributedDataParallel(
@@ -48,9 +48,9 @@ class DDPEngine(TorchUpdateEngine):
                 find_unused_parameters=leaves_parameters_unused(model),
                 **_no_buffer_sync_per_forward(),
             )
-        super().__init__(model, wrapped, recipe, info, device, total_steps)
+        super().__init__(model, wrapped, spec, info, device, total_steps)
 
-    def _tensor_parallel(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device) -> nn.Module:
+    def _tensor_parallel(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device) -> nn.Module:
         """engine.tensor_parallel: split the layers over each TP group, then replicate over the
         data-parallel groups. DDP cannot hold DTensor parameters, so the replication is FSDP2's
         hybrid mode with shards of one rank (an all-reduce of the gradients over "dp", as DDP
@@ -61,14 +61,14 @@ class DDPEngine(TorchUpdateEngine):
         from accord.engine.wrapping import ensure_process_group
 
         ensure_process_group(device)
-        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        mesh = parallelize(model, recipe, info.world_size, device, ("dp", "dp_shard", "tp"))
+        apply_memory_levers(model, spec.engine, spec.max_length, device)
+        mesh = parallelize(model, self.tensor_parallel, info.world_size, device, ("dp", "dp_shard", "tp"))
         if info.world_size > self.tensor_parallel:
             fully_shard(model, mesh=mesh["dp", "dp_shard"])
         materialize(model, device)
         return model.to(device)
 
-    def _expert_parallel(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device) -> nn.Module:
+    def _expert_parallel(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device) -> nn.Module:
         """engine.expert_parallel: split the experts over each EP group, then replicate the rest
         over every rank, with FSDP2's hybrid mode with shards of one rank as under TP (DDP cannot
         hold the experts' DTensors)."""
@@ -79,8 +79,8 @@ class DDPEngine(TorchUpdateEngine):
         from accord.engine.wrapping import ensure_process_group
 
         ensure_process_group(device)
-        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        shard_experts(model, recipe, info.world_size, device, replicate=True)
+        apply_memory_levers(model, spec.engine, spec.max_length, device)
+        shard_experts(model, self.expert_parallel, info.world_size, device, replicate=True)
         dense = init_device_mesh(device.type, (info.world_size, 1), mesh_dim_names=("dp", "dp_shard"))
         fully_shard(model, mesh=dense)
         materialize(model, device)

@@ -34,11 +34,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def check_expert_parallel(recipe, config, world: int | None = None) -> list[str]:
-    """What rules out engine.expert_parallel for this model config (None: not known yet) on
+def check_expert_parallel(n: int, config, world: int | None = None) -> list[str]:
+    """What rules out engine.expert_parallel=`n` for this model config (None: not known yet) on
     `world` processes (None: not known yet), each a one-line message; what the recipe alone
     rules out (strategy, task, LoRA, the other layouts) its schema refuses."""
-    n = recipe.engine.expert_parallel
     if n == 1:
         return []
     key = f"engine.expert_parallel={n}"
@@ -65,8 +64,8 @@ def check_expert_parallel(recipe, config, world: int | None = None) -> list[str]
     return []
 
 
-def refuse(recipe, config, world: int | None = None) -> None:
-    problems = check_expert_parallel(recipe, config, world)
+def refuse(n: int, config, world: int | None = None) -> None:
+    problems = check_expert_parallel(n, config, world)
     if problems:
         raise UserInputError(problems[0])
 
@@ -83,19 +82,19 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_experts(
-    model: nn.Module, recipe, world: int, device: torch.device, replicate: bool, mp_policy: Any = None
+    model: nn.Module, n: int, world: int, device: torch.device, replicate: bool, mp_policy: Any = None
 ) -> DeviceMesh:
-    """Collective: check the model, split its experts over the EP groups and wrap each experts
-    module with FSDP2 over the ranks that hold the same experts (`replicate`: whole on each, as
-    DDP; else sharded, as FSDP). Returns the expert mesh ("dp", "dp_shard", "ep")."""
+    """Collective: check the model against engine.expert_parallel=`n`, split its experts over the
+    EP groups of `n` ranks and wrap each experts module with FSDP2 over the ranks that hold the
+    same experts (`replicate`: whole on each, as DDP; else sharded, as FSDP). Returns the expert
+    mesh ("dp", "dp_shard", "ep")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    refuse(recipe, model.config, world)
+    refuse(n, model.config, world)
     # DTensor warns on every gradient norm and export gather of a 2-D shard (one collective per
     # mesh dimension instead of one over a flattened pair): a cost it names, not a fault.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    n = recipe.engine.expert_parallel
     groups = world // n
     shape = (groups, 1, n) if replicate else (1, groups, n)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "dp_shard", "ep"))

@@ -18,33 +18,34 @@ from accord.distributed.batch_plan import BatchPlan
 from accord.distributed.group import DistInfo
 from accord.engine.long_rows import apply_memory_levers
 from accord.engine.precision import DTYPES
+from accord.engine.spec import EngineSpec
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import ensure_process_group, layer_modules
 from accord.models.weights import is_meta, materialize
-from accord.recipe.schema import Recipe
 
 
 def build(
-    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> TorchUpdateEngine:
-    if recipe.engine.pipeline_parallel > 1:  # each stage sharded over the pipelines (engine/pipeline/)
+    if spec.engine.pipeline_parallel > 1:  # each stage sharded over the pipelines (engine/pipeline/)
         from accord.engine.pipeline.engine import build as pipelined
 
-        return pipelined(recipe, model, info, device, total_steps)
-    return FSDPEngine(model, recipe, info, device, total_steps)
+        return pipelined(spec, model, info, device, total_steps)
+    return FSDPEngine(model, spec, info, device, total_steps)
 
 
 class FSDPEngine(TorchUpdateEngine):
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+    def __init__(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device, total_steps: int):
         ensure_process_group(device)
         # transformers checkpoints each layer's forward, so FSDP's gather hooks stay outside the recompute.
-        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        self._recipe, self._world = recipe, info.world_size
-        self.tensor_parallel = recipe.engine.tensor_parallel
+        apply_memory_levers(model, spec.engine, spec.max_length, device)
+        self._world = info.world_size
+        self.tensor_parallel = spec.engine.tensor_parallel
+        self.expert_parallel = spec.engine.expert_parallel
         # Under engine.tensor_parallel the mesh is ("dp", "tp") and FSDP2 shards over "dp" (2-D).
         self._mesh = init_device_mesh(device.type, (info.world_size,)) if self.tensor_parallel == 1 else None
-        self._layer_class = recipe.engine.fsdp_layer_class
-        precision = recipe.engine.precision
+        self._layer_class = spec.engine.fsdp_layer_class
+        precision = spec.engine.precision
         if precision == "no":
             self._policy = MixedPrecisionPolicy()
         else:
@@ -56,7 +57,7 @@ class FSDPEngine(TorchUpdateEngine):
         self._shard(model, device)
         # The sharded model is both: its forward gathers the parameters (see lockstep), and
         # the optimizer's state is sharded like them.
-        super().__init__(model, model, recipe, info, device, total_steps)
+        super().__init__(model, model, spec, info, device, total_steps)
 
     def _shard(self, model: nn.Module, device: torch.device) -> None:
         """Shard each layer, then the root. A meta-device model (accord's own build) is
@@ -68,13 +69,13 @@ class FSDPEngine(TorchUpdateEngine):
         if self.tensor_parallel > 1:
             from accord.engine.tensor_parallel import parallelize
 
-            mesh = parallelize(model, self._recipe, self._world, device, ("dp", "tp"))["dp"]
-        if self._recipe.engine.expert_parallel > 1:
+            mesh = parallelize(model, self.tensor_parallel, self._world, device, ("dp", "tp"))["dp"]
+        if self.expert_parallel > 1:
             from accord.engine.expert_parallel import shard_experts
 
             # The experts are sharded over the ranks that hold the same ones; each layer's
             # other parameters, wrapped next, over every rank.
-            shard_experts(model, self._recipe, self._world, device, replicate=False, mp_policy=self._policy)
+            shard_experts(model, self.expert_parallel, self._world, device, replicate=False, mp_policy=self._policy)
         for layer in layer_modules(model, self._layer_class):
             fully_shard(layer, mesh=mesh, mp_policy=self._policy)
         fully_shard(model, mesh=mesh, mp_policy=self._policy)

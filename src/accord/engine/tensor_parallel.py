@@ -55,11 +55,10 @@ def plan_words(config: Any) -> dict[str, str] | None:
     return None
 
 
-def check_tensor_parallel(recipe, config, world: int | None = None) -> list[str]:
-    """What rules out engine.tensor_parallel for this model config (None: not known yet) on
+def check_tensor_parallel(n: int, config, world: int | None = None) -> list[str]:
+    """What rules out engine.tensor_parallel=`n` for this model config (None: not known yet) on
     `world` processes (None: not known yet), each a one-line message; what the recipe alone
     rules out (strategy, task, LoRA, sequence parallelism) its schema refuses."""
-    n = recipe.engine.tensor_parallel
     if n == 1:
         return []
     key = f"engine.tensor_parallel={n}"
@@ -125,16 +124,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(base, tp_mesh, parallel_styles(config))
 
 
-def refuse(recipe, config, world: int | None = None) -> None:
-    problems = check_tensor_parallel(recipe, config, world)
+def refuse(n: int, config, world: int | None = None) -> None:
+    problems = check_tensor_parallel(n, config, world)
     if problems:
         raise UserInputError(problems[0])
 
 
-def parallelize(model: nn.Module, recipe, world: int, device: torch.device, names: tuple[str, ...]) -> DeviceMesh:
-    """Collective: check the model against engine.tensor_parallel, build the mesh (`names`, TP
-    innermost) and split the model over its "tp" dimension. Returns the mesh."""
-    refuse(recipe, model.config, world)
-    mesh = data_parallel_mesh(device, world, recipe.engine.tensor_parallel, names)
+def parallelize(model: nn.Module, tp: int, world: int, device: torch.device, names: tuple[str, ...]) -> DeviceMesh:
+    """Collective: check the model against engine.tensor_parallel=`tp`, build the mesh (`names`,
+    TP innermost) and split the model over its "tp" dimension. Returns the mesh."""
+    refuse(tp, model.config, world)
+    mesh = data_parallel_mesh(device, world, tp, names)
     apply_tensor_parallel(model, mesh["tp"])
     return mesh

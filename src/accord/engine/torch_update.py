@@ -17,8 +17,8 @@ from accord.distributed.group import DistInfo
 from accord.engine.base import Engine, unique_entries
 from accord.engine.optim import build_optimizer, build_scheduler
 from accord.engine.precision import autocast, build_grad_scaler
+from accord.engine.spec import EngineSpec
 from accord.engine.state import PendingWrite, load_schedule, load_torch_state, save_schedule, save_torch_state
-from accord.recipe.schema import Recipe
 
 
 def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -40,7 +40,7 @@ class TorchUpdateEngine(Engine):
         self,
         module: nn.Module,
         wrapped: nn.Module,
-        recipe: Recipe,
+        spec: EngineSpec,
         info: DistInfo,
         device: torch.device,
         total_steps: int,
@@ -51,12 +51,12 @@ class TorchUpdateEngine(Engine):
         self.module = module
         self._wrapped = wrapped
         # The data-parallel groups the gradients are averaged over (a TP group's ranks share rows).
-        self.world_size = info.world_size // recipe.engine.tensor_parallel
-        self.precision = recipe.engine.precision
-        self.max_grad_norm = recipe.optim.max_grad_norm
-        self.optimizer = build_optimizer(module, recipe.optim, device, shard=self.shard_optimizer)
+        self.world_size = info.world_size // spec.engine.tensor_parallel
+        self.precision = spec.engine.precision
+        self.max_grad_norm = spec.optim.max_grad_norm
+        self.optimizer = build_optimizer(module, spec.optim, device, shard=self.shard_optimizer)
         self.state_optimizer = self.optimizer
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim, total_steps)
+        self.scheduler = build_scheduler(self.optimizer, spec.optim, total_steps)
         # fp16 only; it handles FSDP2's DTensor gradients too (found_inf reduced over ranks).
         self.scaler = build_grad_scaler(self.precision, device)
         self._params = [p for p in module.parameters() if p.requires_grad]

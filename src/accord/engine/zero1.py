@@ -13,21 +13,21 @@ from accord.engine import runs_deepspeed
 from accord.engine.base import Engine
 from accord.engine.ddp import DDPEngine
 from accord.engine.deepspeed import engine as deepspeed_engine
+from accord.engine.spec import EngineSpec
 from accord.engine.zero_torch import TorchZeroEngine
-from accord.recipe.schema import Recipe
 
 
 def build(
-    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> Engine:
-    if runs_deepspeed(recipe.engine.strategy, recipe.engine):
-        return deepspeed_engine.build(recipe, model, info, device, plan, total_steps)
+    if runs_deepspeed(spec.engine.strategy, spec.engine):
+        return deepspeed_engine.build(spec, model, info, device, plan, total_steps)
     why = (
         "as asked (engine.zero1_implementation=torch)"
-        if recipe.engine.zero1_implementation == "torch"
+        if spec.engine.zero1_implementation == "torch"
         else "because DeepSpeed is not installed"
     )
     dist.print0(f"accord: zero1 uses torch's ZeroRedundancyOptimizer over DDP {why}")
     if info.world_size == 1:
-        return DDPEngine(model, recipe, info, device, total_steps)  # one process: nothing to shard
-    return TorchZeroEngine(model, recipe, info, device, total_steps)
+        return DDPEngine(model, spec, info, device, total_steps)  # one process: nothing to shard
+    return TorchZeroEngine(model, spec, info, device, total_steps)

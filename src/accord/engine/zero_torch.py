@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from accord.distributed.group import DistInfo
 from accord.engine.ddp import DDPEngine
+from accord.engine.spec import EngineSpec
 from accord.engine.state import (
     ADAM_KEYS,
     MODEL,
@@ -26,7 +27,6 @@ from accord.engine.state import (
     save_schedule,
     write_sharded,
 )
-from accord.recipe.schema import Recipe
 
 
 class TorchZeroEngine(DDPEngine):
@@ -34,8 +34,8 @@ class TorchZeroEngine(DDPEngine):
 
     shard_optimizer = True
 
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
-        super().__init__(model, recipe, info, device, total_steps)
+    def __init__(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device, total_steps: int):
+        super().__init__(model, spec, info, device, total_steps)
         self.state_optimizer = self.optimizer.optim  # the local AdamW over this rank's share
 
     def _owned(self) -> dict[str, torch.Tensor]:

@@ -231,8 +231,9 @@ def check_tensor_parallel(recipe: Recipe, world_size: int) -> list[str]:
     from accord.engine.tensor_parallel import check_tensor_parallel as check
 
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
-        return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
-    return check(recipe, _model_config(recipe.model), world_size)
+        # Its config exists only after conversion; the worker checks.
+        return check(recipe.engine.tensor_parallel, None, world_size)
+    return check(recipe.engine.tensor_parallel, _model_config(recipe.model), world_size)
 
 
 def check_expert_parallel(recipe: Recipe, world_size: int) -> list[str]:
@@ -241,8 +242,9 @@ def check_expert_parallel(recipe: Recipe, world_size: int) -> list[str]:
     from accord.engine.expert_parallel import check_expert_parallel as check
 
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
-        return check(recipe, None, world_size)  # its config exists only after conversion; the worker checks
-    return check(recipe, _model_config(recipe.model), world_size)
+        # Its config exists only after conversion; the worker checks.
+        return check(recipe.engine.expert_parallel, None, world_size)
+    return check(recipe.engine.expert_parallel, _model_config(recipe.model), world_size)
 
 
 def check_moe(recipe: Recipe) -> list[str]:
@@ -287,8 +289,8 @@ def check_pipeline_parallel(recipe: Recipe, micro_batches: int, pipelines: int |
     from accord.engine.pipeline.stages import check_pipeline
 
     if recipe.model.path is not None and local_path(recipe.model.path, recipe.model.revision).suffix == ".gguf":
-        return check_pipeline(recipe, None, micro_batches, pipelines)  # its config exists only after conversion
-    return check_pipeline(recipe, _model_config(recipe.model), micro_batches, pipelines)
+        return check_pipeline(recipe.engine, None, micro_batches, pipelines)  # its config exists only after conversion
+    return check_pipeline(recipe.engine, _model_config(recipe.model), micro_batches, pipelines)
 
 
 def _model_config(cfg: ModelConfig):

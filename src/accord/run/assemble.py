@@ -14,6 +14,7 @@ from accord.data.split import held_out_warning
 from accord.distributed import group as dist
 from accord.distributed.batch_plan import BatchPlan
 from accord.engine import build_engine
+from accord.engine.spec import EngineSpec
 from accord.models.build import apply_lora, build_model
 from accord.models.moe import idle_expert_parameters
 from accord.models.vision import freeze
@@ -55,7 +56,7 @@ def build_run(recipe: Recipe, plan: BatchPlan, info: dist.DistInfo, device: torc
         flops_per_token=flops_per_token(model, float(rows.lengths.mean()), idle_expert_parameters(model)),
         peak_tflops=peak_tflops(device, recipe.engine.peak_tflops),
     )
-    engine = build_engine(recipe, model, info, device, plan, total_steps)
+    engine = build_engine(EngineSpec.of(recipe), model, info, device, plan, total_steps)
     eval_data = data.eval
     if eval_data is not None and recipe.train.eval_limit is not None and len(eval_data) > recipe.train.eval_limit:
         eval_data = eval_data.select(range(recipe.train.eval_limit))

@@ -1,9 +1,10 @@
 """Between recipes and DeepSpeed JSON configs, both ways.
 
-`deepspeed_config` derives the whole config accord runs DeepSpeed with from the recipe
-(batch, clipping, precision, AdamW settings): nothing is left to "auto". `deepspeed_settings`
-reads the other way: the recipe values a user's DeepSpeed JSON (or `accelerate launch`'s
-DeepSpeed environment) implies, for interop's reconcile.
+`deepspeed_config` derives the whole config accord runs DeepSpeed with from the recipe's
+engine and optim sections and the batch plan (batch, clipping, precision, AdamW settings):
+nothing is left to "auto". `deepspeed_settings` reads the other way: the recipe values a
+user's DeepSpeed JSON (or `accelerate launch`'s DeepSpeed environment) implies, for interop's
+reconcile.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from torch import nn
 
 from accord import registry
 from accord.distributed.batch_plan import BatchPlan
+from accord.engine.spec import EngineSpec
 from accord.engine.wrapping import hidden_size, layer_modules
-from accord.recipe.schema import Recipe, RecipeError
+from accord.recipe.schema import RecipeError
 
 
 def deepspeed_config(
-    recipe: Recipe, plan: BatchPlan, device: torch.device, model: nn.Module | None = None, world: int = 1
+    spec: EngineSpec, plan: BatchPlan, device: torch.device, model: nn.Module | None = None, world: int = 1
 ) -> dict[str, Any]:
-    """The whole DeepSpeed config, from the recipe (no "auto" values); `world` is the number
-    of ranks ZeRO-3 partitions over."""
-    engine, optim = recipe.engine, recipe.optim
+    """The whole DeepSpeed config, from the engine and optim sections and the batch plan (no
+    "auto" values); `world` is the number of ranks ZeRO-3 partitions over."""
+    engine, optim = spec.engine, spec.optim
     stage = registry.strategy(engine.strategy).zero_stage
     cuda = device.type == "cuda"
     offload_optimizer = engine.offload in ("optimizer", "optimizer+params")

@@ -41,20 +41,20 @@ from accord.engine.deepspeed.config import deepspeed_config
 from accord.engine.long_rows import apply_memory_levers
 from accord.engine.optim import build_scheduler, param_groups
 from accord.engine.precision import autocast
+from accord.engine.spec import EngineSpec
 from accord.engine.state import PendingWrite
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
-from accord.recipe.schema import Recipe
 
 
 def build(
-    recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+    spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
 ) -> DeepSpeedEngine:
     if not deepspeed_available():
         raise UserInputError(
-            f"engine.strategy={recipe.engine.strategy} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"
+            f"engine.strategy={spec.engine.strategy} needs DeepSpeed, which is not installed: {INSTALL_DEEPSPEED}"
         )
-    return DeepSpeedEngine(model, recipe, info, device, plan, total_steps)
+    return DeepSpeedEngine(model, spec, info, device, plan, total_steps)
 
 
 # The C++ op DeepSpeed builds (once, cached) when its process group starts on the CPU.
@@ -80,7 +80,13 @@ def _say_if_the_op_build_is_locked() -> None:
 
 class DeepSpeedEngine(Engine):
     def __init__(
-        self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, plan: BatchPlan, total_steps: int
+        self,
+        model: nn.Module,
+        spec: EngineSpec,
+        info: DistInfo,
+        device: torch.device,
+        plan: BatchPlan,
+        total_steps: int,
     ):
         # Imported here, not above: without DeepSpeed this module must still load, for build's message.
         deepspeed = import_deepspeed()
@@ -101,13 +107,13 @@ class DeepSpeedEngine(Engine):
             )
         self.device = device
         self.world_size = info.world_size
-        self.precision = recipe.engine.precision
-        self.stage = registry.strategy(recipe.engine.strategy).zero_stage
-        apply_memory_levers(model, recipe.engine, recipe.data.max_length, device)
-        config = deepspeed_config(recipe, plan, device, model, info.world_size)
+        self.precision = spec.engine.precision
+        self.stage = registry.strategy(spec.engine.strategy).zero_stage
+        apply_memory_levers(model, spec.engine, spec.max_length, device)
+        config = deepspeed_config(spec, plan, device, model, info.world_size)
         self._config = config
         self._materialize(model, config)
-        groups = param_groups(model, recipe.optim)
+        groups = param_groups(model, spec.optim)
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         with reuse_fp32_partitions(self.stage == 3 and self.precision != "fp16"):
@@ -118,7 +124,7 @@ class DeepSpeedEngine(Engine):
         self._state = DeepSpeedState(self._wrapped, self.stage, self.precision, device, group_names)
         self.state_optimizer = self._state.base
         # accord's schedule, on the optimizer that DeepSpeed steps: the same learning rates as DDP.
-        self.scheduler = build_scheduler(self._state.base, recipe.optim, total_steps)
+        self.scheduler = build_scheduler(self._state.base, spec.optim, total_steps)
 
     def _materialize(self, model: nn.Module, config: dict) -> None:
         """Values for a meta-device model (accord.models.weights). ZeRO-1/2 hold every parameter

@@ -29,21 +29,21 @@ from accord.engine.long_rows import apply_memory_levers
 from accord.engine.pipeline.schedule import SINGLE, rank_stages, schedule_class
 from accord.engine.pipeline.stages import StageModule, check_pipeline, keep_stages, owner_stage, stage_layers
 from accord.engine.precision import DTYPES
+from accord.engine.spec import EngineSpec
 from accord.engine.torch_update import TorchUpdateEngine
 from accord.engine.wrapping import ensure_process_group
 from accord.errors import UserInputError
 from accord.models.weights import materialize
-from accord.recipe.schema import Recipe
 
 
 class PipelineEngine(TorchUpdateEngine):
     pipelined = True
 
-    def __init__(self, model: nn.Module, recipe: Recipe, info: DistInfo, device: torch.device, total_steps: int):
+    def __init__(self, model: nn.Module, spec: EngineSpec, info: DistInfo, device: torch.device, total_steps: int):
         from torch.distributed.device_mesh import init_device_mesh
 
-        engine = recipe.engine
-        problems = check_pipeline(recipe, model.config, pipelines=info.world_size // engine.pipeline_parallel)
+        engine = spec.engine
+        problems = check_pipeline(engine, model.config, pipelines=info.world_size // engine.pipeline_parallel)
         if problems:
             raise UserInputError(problems[0])
         ensure_process_group(device)
@@ -63,7 +63,7 @@ class PipelineEngine(TorchUpdateEngine):
             (name, placement[owner_stage(name, num_layers, self.num_stages)], t.shape, t.dtype)
             for name, t in unique_entries(model)
         ]
-        apply_memory_levers(model, engine, recipe.data.max_length, device)
+        apply_memory_levers(model, engine, spec.max_length, device)
         keep_stages(model, self.stage_ids, self.num_stages)
         sharded = engine.strategy == "fsdp"
         # FSDP2 computes in bf16/fp16 itself where it wraps the stages (over 2+ pipelines).
@@ -84,7 +84,7 @@ class PipelineEngine(TorchUpdateEngine):
             self._data_parallel(self.mesh["dp"] if sharded else self.mesh["dp", "dp_shard"], compute)
         materialize(model, device)
         model.to(device)
-        super().__init__(model, model, recipe, info, device, total_steps)
+        super().__init__(model, model, spec, info, device, total_steps)
         self.world_size = self.dp  # the gradient average FSDP2 takes is over the data-parallel groups
         self._schedule: tuple[tuple, object] | None = None
         self._loss_scale = 1.0
@@ -219,5 +219,5 @@ def owner_global(dp_rank: int, pp_rank: int, pp: int) -> int:
     return dp_rank * pp + pp_rank
 
 
-def build(recipe: Recipe, model: nn.Module, info: DistInfo, device: torch.device, total_steps: int) -> PipelineEngine:
-    return PipelineEngine(model, recipe, info, device, total_steps)
+def build(spec: EngineSpec, model: nn.Module, info: DistInfo, device: torch.device, total_steps: int) -> PipelineEngine:
+    return PipelineEngine(model, spec, info, device, total_steps)

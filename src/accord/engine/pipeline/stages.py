@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from accord.compat.transformers import text_config
+from accord.recipe.engine import EngineConfig
 
 # The parts of the decoder a stage runs, as transformers' Llama-style models name them (the
 # config's base_model_pp_plan says the model is split this way).
@@ -23,11 +24,12 @@ EMBED, LAYERS, NORM, HEAD = "embed_tokens", "layers", "norm", "lm_head"
 ZERO_BUBBLE = ("zero-bubble", "zbv")
 
 
-def check_pipeline(recipe, config: Any, grad_accum: int | None = None, pipelines: int | None = None) -> list[str]:
-    """What rules out engine.pipeline_parallel for this model config (None: not known yet),
-    `grad_accum` micro-batches per pipeline and `pipelines` data-parallel groups (None: not
-    known yet), each a one-line message."""
-    engine = recipe.engine
+def check_pipeline(
+    engine: EngineConfig, config: Any, grad_accum: int | None = None, pipelines: int | None = None
+) -> list[str]:
+    """What rules out the engine section's pipeline_parallel for this model config (None: not
+    known yet), `grad_accum` micro-batches per pipeline and `pipelines` data-parallel groups
+    (None: not known yet), each a one-line message."""
     n = engine.pipeline_parallel
     if n == 1:
         return []

@@ -24,7 +24,8 @@ CORE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 def check_sequence_parallel(recipe, config) -> list[str]:
     """What rules out engine.sequence_parallel for this recipe and model config (None: not
-    known yet); the world size is BatchPlan.derive's to check."""
+    known yet); the world size is BatchPlan.derive's to check. Reads the task and model
+    sections too (the task must split rows; model.attn_implementation is the attention to run)."""
     n = recipe.engine.sequence_parallel
     if n == 1:
         return []
@@ -36,6 +37,14 @@ def check_sequence_parallel(recipe, config) -> list[str]:
         ]
     if config is None:
         return []  # not known before the model is built (a GGUF file): checked again in the worker
+    return check_heads_and_attention(
+        n, config, recipe.model.attn_implementation or attn_implementation(config) or "sdpa"
+    )
+
+
+def check_heads_and_attention(n: int, config, implementation: str) -> list[str]:
+    """What rules out engine.sequence_parallel=`n` (above 1) for this model config running
+    attention `implementation`: its heads must split over the group, the attention be one Ulysses wraps."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -50,7 +59,6 @@ def check_sequence_parallel(recipe, config) -> list[str]:
             f"(and its {kv_heads} key/value heads, or be a multiple of them); "
             f"use {', '.join(map(str, valid)) or 'none above 1'} or 1"
         ]
-    implementation = recipe.model.attn_implementation or attn_implementation(config) or "sdpa"
     if implementation not in CORE_ATTENTION:
         return [
             f"engine.sequence_parallel={n} runs over sdpa, eager or flash attention, not {implementation}; "
@@ -71,13 +79,14 @@ def _splitting_tasks() -> list[str]:
     return names
 
 
-def install_ulysses(recipe, model, info: DistInfo, micro_batch_size: int) -> None:
-    """Form the sequence-parallel groups and put the Ulysses attention into `model` (before the
-    strategy wraps it); collective: every rank calls it. Nothing for N = 1."""
-    n = recipe.engine.sequence_parallel
+def install_ulysses(n: int, model, info: DistInfo, micro_batch_size: int) -> None:
+    """Form the sequence-parallel groups of `n` ranks (engine.sequence_parallel) and put the
+    Ulysses attention into `model` (before the strategy wraps it); collective: every rank calls
+    it. Nothing for n = 1. The task was checked with the recipe before the run (preflight); here
+    the built model's heads and attention, which a GGUF file's config only now shows."""
     if n == 1:
         return
-    problems = check_sequence_parallel(recipe, model.config)
+    problems = check_heads_and_attention(n, model.config, attn_implementation(model.config) or "sdpa")
     if problems:
         raise UserInputError(problems[0])
     from transformers import AttentionInterface, AttentionMaskInterface
