@@ -100,17 +100,20 @@ def test_an_engine_is_built_from_the_engine_and_optim_sections_alone():
 
 
 @pytest.mark.subprocess
-def test_no_engine_function_is_handed_the_recipe_on_the_way_to_the_first_step():
+def test_no_task_data_or_engine_function_is_handed_the_recipe_on_the_way_to_the_first_step():
     """scripts/count_recipe_passing.py's trace of a one-process run (in its own process: the run
-    stops at the first step): the Recipe stops at the run's assembly, which makes the
-    EngineSpec; build_engine, the strategy's factory and the engines take the spec."""
+    stops at the first step): the Recipe stops at the run's assembly, which makes the task's
+    TaskConfig and the EngineSpec; tasks, data preparation, the batch plan and the engines take
+    those or their sections."""
     proc = run_process(
         [sys.executable, str(REPO / "scripts" / "count_recipe_passing.py"), "--list"], env=accord_env(), timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     functions = proc.stdout.splitlines()[:-1]  # the last line is the count
     assert "accord.run.assemble:build_run" in functions  # the trace saw the assembly take the Recipe
-    assert [f for f in functions if f.startswith("accord.engine")] == ["accord.engine.spec:EngineSpec.of"]
+    layers = ("accord.tasks", "accord.data", "accord.distributed", "accord.engine", "accord.models")
+    handed = [f for f in functions if f.startswith(layers)]
+    assert handed == ["accord.engine.spec:EngineSpec.of", "accord.tasks:task_config"]
 
 
 @pytest.mark.parametrize("skip", [True, False])
