@@ -24,10 +24,15 @@ pytestmark = pytest.mark.distributed
 
 ASSETS = REPO / "tests" / "assets" / "losses"
 REGENERATE = "scripts/regenerate-golden-losses"
-# Relative, per step. A rerun on 1 process gives the same losses to the bit; 1 and 2 processes
-# differ by summation order only (an ulp or so of float32, < 1e-7). 1e-6 leaves room for another
-# CPU's kernels and thread count; a change that matters moves a loss by far more.
+# Relative, per step. A rerun with the same threads on the same CPU gives the same losses to the
+# bit; 1 and 2 processes differ by summation order only; a change that matters moves a loss by far
+# more. The thread count is not rounding noise to leave room for: it decides how a matmul's
+# reductions are split, and on dpo's 135M model another count moves a loss past RTOL.
 RTOL = 1e-6
+# So every run, recording included, has this many threads per process, whatever the environment
+# or conftest says, and the file records it. Another CPU's instruction set rounds the same sums
+# differently too: the file records the one it was made on, and a mismatch on another names both.
+THREADS = 1
 
 # Every recipe: fp32 on the CPU, 8 logged steps, warmup shortened so that the learning rate
 # moves the losses within them, no evaluation before the end and a tiny one there.
@@ -100,12 +105,26 @@ def golden_run(name: str, out: Path, processes: int = 1, cache_dir: Path | None 
     extra = [f"data.cache_dir={cache_dir}"] if cache_dir else []
     recipe = REPO / "recipes" / f"{name}.yaml"
     proc = run_accord(
-        "train", recipe, *overrides(name), *extra, f"engine.processes={processes}", f"output.dir={out}", timeout=600
+        "train",
+        recipe,
+        *overrides(name),
+        *extra,
+        f"engine.processes={processes}",
+        f"output.dir={out}",
+        timeout=600,
+        env_extra={"OMP_NUM_THREADS": str(THREADS)},
     )
     assert_ok(proc)
     losses = step_losses(out)
     assert sorted(losses) == list(range(1, len(losses) + 1)), f"steps logged: {sorted(losses)}"
     return [losses[step] for step in sorted(losses)]
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here (AVX2, AVX512, ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def golden_file(name: str) -> Path:
@@ -115,7 +134,14 @@ def golden_file(name: str) -> Path:
 def write_golden(name: str, losses: list[float]) -> Path:
     path = golden_file(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"recipe": f"recipes/{name}.yaml", "overrides": overrides(name), "processes": 1, "losses": losses}
+    record = {
+        "recipe": f"recipes/{name}.yaml",
+        "overrides": overrides(name),
+        "processes": 1,
+        "threads": THREADS,
+        "cpu": cpu_capability(),
+        "losses": losses,
+    }
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
@@ -142,11 +168,18 @@ def test_losses_equal_the_recorded_ones(name, processes, tmp_path, data_cache):
     assert path.is_file(), f"no recorded losses in {path.relative_to(REPO)}; {regenerate}"
     golden = json.loads(path.read_text())
     assert golden["overrides"] == overrides(name), f"{path.name} was recorded with other overrides; {regenerate}"
+    recorded = f"{golden['threads']} thread(s)" if "threads" in golden else "an unrecorded thread count"
+    assert golden.get("threads") == THREADS, (
+        f"{path.name} was recorded with {recorded} per process, the runs use {THREADS}; {regenerate}"
+    )
     losses = golden_run(name, tmp_path / "run", processes, cache_dir=data_cache)
     assert len(losses) == len(golden["losses"]), f"{len(losses)} steps logged, {len(golden['losses'])} recorded"
+    recorded_on, here = golden.get("cpu"), cpu_capability()
+    other_cpu = f" (recorded with {recorded_on} CPU kernels, here {here}: rounding alone may differ)"
+    other_cpu = other_cpu if recorded_on not in (None, here) else ""
     for step, (got, expected) in enumerate(zip(losses, golden["losses"]), start=1):
         if not math.isclose(got, expected, rel_tol=RTOL, abs_tol=0.0):
             pytest.fail(
                 f"{name} on {processes} process(es): step {step} lost {got!r}, {path.name} says {expected!r} "
-                f"(relative difference {abs(got - expected) / abs(expected):.2e} > {RTOL:g}); {regenerate}"
+                f"(relative difference {abs(got - expected) / abs(expected):.2e} > {RTOL:g}){other_cpu}; {regenerate}"
             )
