@@ -166,8 +166,9 @@ def _recipe_key(dotted: str) -> bool:
 
 def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
     """A target the schema lacks writes a recipe that fails validation on import; the conversions'
-    literal keys (convert.py, mixture.py) are checked too, the DeepSpeed JSON's own keys aside."""
-    from accord.interop import convert, mixture
+    literal keys (conversions.py, mixture.py, deepspeed_json.py) are checked too, the DeepSpeed JSON's own
+    keys aside."""
+    from accord.interop import conversions, deepspeed_json, mixture
     from accord.interop.mapping import ACCELERATE_RULES
 
     assert _recipe_key("data.train.*.split") and not _recipe_key("data.test_split_size")
@@ -175,7 +176,7 @@ def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
     bad = [b for b in bad if not _recipe_key(b.split(" -> ")[1])]
     assert not bad, f"mapping targets that are not recipe keys: {bad}"
     written = set()
-    for module in (convert, mixture):
+    for module in (conversions, mixture, deepspeed_json):
         tree = ast.parse(Path(module.__file__).read_text())
         deepspeed = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and "_DS_TARGETS" in ast.unparse(n)]
         written |= {
@@ -188,7 +189,7 @@ def test_every_target_of_the_mapping_and_its_conversions_is_a_recipe_key():
             and re.fullmatch(r"[a-z_]+(\.[a-z_*]+)+", node.value)
         }
     assert {"data.eval_fraction", "engine.strategy", "batch.micro_batch_size"} <= written
-    assert not [k for k in written if not _recipe_key(k)], "convert.py / mixture.py write keys the schema lacks"
+    assert not [k for k in written if not _recipe_key(k)], "the conversions write keys the schema lacks"
 
 
 def _mixture_job(tmp_path, test_split_size, handbook: bool):

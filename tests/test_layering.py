@@ -156,3 +156,19 @@ def test_the_checker_sees_function_body_relative_and_package_imports():
         "accord.checkpoint.node_folders"
     ]
     assert _layer("accord.data.rows") < _layer("accord.tasks.base") < _layer("accord.checkpoint.store")
+
+
+# A module holds one job; past this many lines it holds several and is split along a seam.
+MAX_MODULE_LINES = 500
+
+
+def test_every_module_of_accord_its_benchmarks_and_scripts_is_at_most_500_lines():
+    root = SRC.parent.parent
+    files = [*SRC.rglob("*.py"), *(root / "benchmarks").glob("*.py"), *(root / "scripts").glob("*.py")]
+    assert len(files) > 100  # the tree was found
+    long = {
+        str(path.relative_to(root)): n
+        for path in files
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each along a seam, one job a module): {long}"

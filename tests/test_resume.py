@@ -298,7 +298,7 @@ def test_a_single_file_checkpoint_of_an_earlier_accord_still_resumes(tiny_refere
 
 
 def _worker_pids(launcher: int) -> list[int]:
-    """The training workers the launcher started (`python -m accord.launch.worker ...`)."""
+    """The training workers the launcher started (`python -m accord.launch.worker_start ...`)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
     return sorted(
         pid for pid in map(int, children) if b"accord.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -152,21 +152,22 @@ def test_a_worker_waiting_at_its_gate_imports_neither_datasets_nor_zero1s_optimi
     """What a worker imports before its gate opens is on the path to the first step: an sft
     run under ddp without held-out data reads only token shards, and ddp's AdamW is not
     ZeRO-1's ZeroRedundancyOptimizer (whose package compiles TorchScript at import)."""
-    import json
-
+    from accord.launch.plan import Where
+    from accord.launch.planning import plan_launch
     from accord.recipe.schema import validate_recipe
 
     data = {"generate": {"kind": "addition", "train_examples": 512, "eval_examples": 0}, "max_length": 32}
-    recipe = tmp_path / "recipe.json"
-    recipe.write_text(json.dumps(validate_recipe(TINY_RECIPE | {"data": data}).model_dump(mode="json")))
+    recipe = validate_recipe(TINY_RECIPE | {"data": data, "output": {"dir": str(tmp_path / "out")}})
+    plan = tmp_path / "plan.json"  # what the launcher hands its workers (worker_start reads it so)
+    plan.write_text(plan_launch(recipe, Where()).to_json())
     script = (
         "import sys; from accord.launch import worker, worker_start; "
-        "from accord.recipe.schema import read_resolved_recipe; "
-        "worker_start._import_what_the_run_builds(read_resolved_recipe(sys.argv[1])); "
+        "from accord.launch.plan import read_plan; "
+        "worker_start._import_what_the_run_builds(read_plan(sys.argv[1]).recipe); "
         "print(sorted(m for m in ('datasets', 'torch.distributed.optim', 'accord.engine.ddp', 'accord.tasks.sft') "
         "if m in sys.modules))"
     )
-    proc = run_process([sys.executable, "-c", script, str(recipe)], env=accord_env(), timeout=300)
+    proc = run_process([sys.executable, "-c", script, str(plan)], env=accord_env(), timeout=300)
     assert proc.stdout.split("\n")[-2] == "['accord.engine.ddp', 'accord.tasks.sft']", proc.stderr[-3000:]
 
 

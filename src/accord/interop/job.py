@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from accord.interop.convert import Job, Row, convert
+from accord.interop.convert import convert
+from accord.interop.job_keys import Job, Row
 from accord.interop.sources import read_inputs
 
 # The written recipe's sections, in the order the recipe reference lists them.

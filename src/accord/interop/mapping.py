@@ -4,7 +4,7 @@ Each key has a Rule: `mapped` (same meaning under a recipe key), `changed` (a re
 gives the original's behaviour through a different quantity, e.g. a global batch), `dropped`
 (no effect on the trained weights, with the reason) or `refused` (accord cannot do it: the
 reason and the nearest supported value; a refused key left at its TRL default is dropped, since
-the default is accord's behaviour too). `how` names a conversion in `convert.CONVERSIONS`.
+the default is accord's behaviour too). `how` names a conversion in `conversions.CONVERSIONS`.
 docs/coming-from-trl.md's table is generated from here.
 """
 
@@ -25,7 +25,7 @@ class Refused(Exception):
 class Rule:
     decision: str  # mapped | changed | dropped | refused
     target: str = ""  # the recipe key it sets ("" for none)
-    how: str = ""  # a conversion in convert.CONVERSIONS ("": the value as it is)
+    how: str = ""  # a conversion in conversions.CONVERSIONS ("": the value as it is)
     note: str = ""  # changed: how the value is computed; dropped/refused: why
     nearest: str = ""  # refused: what to use instead
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from accord.interop.convert import Row
+from accord.interop.job_keys import Row
 
 
 def _cell(value: object, width: int) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from accord.interop.convert import Entry, ImportError_, Job
+from accord.interop.job_keys import Entry, ImportError_, Job
 from accord.interop.known import CONFIG_CLASSES, accelerate_keys, task_fields
 
 # A config class a train.py may build -> the task it trains.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from accord.interop.convert import ImportError_, Job
+from accord.interop.job_keys import ImportError_, Job
 from accord.interop.known import CONFIG_CLASSES
 from accord.interop.mapping import ALIASES
 

@@ -37,15 +37,10 @@ from accord.observe import heartbeat
 from accord.observe.trackers import TrackerStartError, start_trackers
 from accord.output.folder import discard_earlier_run, prepare_output_dir, write_run_status
 from accord.recipe.observe import ObserveConfig
-from accord.recipe.schema import Recipe, read_resolved_recipe, recipe_to_yaml
+from accord.recipe.schema import Recipe, recipe_to_yaml
 from accord.run.assemble import build_run, describe
 from accord.run.trainer import Trainer
 from accord.stopping import EXIT_CODES, RunResult, StartRefused, StopRequest, TrainingStopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    return run_worker(read_resolved_recipe(argv[0]))
 
 
 def run_worker(recipe: Recipe, plan: BatchPlan | None = None) -> int:
@@ -249,7 +244,3 @@ def _quiet_libraries(info: dist.DistInfo) -> None:
     hf_logging.disable_progress_bar()
     if not info.is_main:
         hf_logging.set_verbosity_error()
-
-
-if __name__ == "__main__":
-    dist.exit_after_shutdown(main())  # this process is only a worker: no interpreter teardown

@@ -7,7 +7,6 @@ did-you-mean, and every error names the key, what was expected and the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -485,12 +484,6 @@ def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
     except ValidationError as e:
         lines = [f"{source}: {describe_error(err, Recipe)}" for err in e.errors()]
         raise RecipeError("\n".join(lines)) from None
-
-
-def read_resolved_recipe(path: str | Path) -> Recipe:
-    """A recipe the launcher resolved and wrote as JSON for its workers, validated once in the
-    reading process and passed on as the Recipe from there."""
-    return Recipe.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

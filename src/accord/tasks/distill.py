@@ -31,9 +31,9 @@ from accord.tasks.base import IGNORE, FrozenModel, LossOutput, Task
 from accord.tasks.chunked_divergence import divergence_at, entropy, logits_at
 from accord.tasks.chunked_loss import HeadCall, chunk_tokens, chunking_blocker, plain_loss_note, shifted_targets
 from accord.tasks.distill_loss import generalized_jsd
-from accord.tasks.grpo import RolloutSummary
 from accord.tasks.reference_model import ReferenceModel
 from accord.tasks.rollout import padded_width, sample_groups, sample_seed
+from accord.tasks.rollout_groups import RolloutSummary
 from accord.tasks.sft import SFTTask
 
 # Where a step's completions come from.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,41 +23,14 @@ from torch import nn
 
 from accord.data.sources import DataError, check_columns
 from accord.errors import UserInputError
-from accord.tasks.base import PADDING, FrozenModel, LossOutput, Task, pad_rows, text_prefix
+from accord.tasks.base import PADDING, FrozenModel, LossOutput, Task, text_prefix
 from accord.tasks.grpo_loss import clipped, grpo_token_loss, kl_k3
 from accord.tasks.reference_model import adapters_off
 from accord.tasks.rewards import Group, RewardFunctions
 from accord.tasks.rollout import GroupsPass, completion_logprobs, padded_width, sample_groups, sample_seed
+from accord.tasks.rollout_groups import Rollout, RolloutSummary, collate_groups, group_logps
 
 ROW = "row_json"  # the raw row (all its columns), for the rewards
-
-
-@dataclass
-class Rollout:
-    """One prompt's group: its completions, advantages, and (when needed) per-token
-    log-probabilities of the sampling policy over completion tokens."""
-
-    prompt_ids: list[int]
-    completions: list[list[int]]
-    row: dict[str, Any]  # the raw row (what the rewards read)
-    texts: list[str]  # the decoded completions
-    old_logps: torch.Tensor | None = None  # (G, longest completion)
-    scores: torch.Tensor | None = None  # (reward functions, G), unweighted
-    total: torch.Tensor | None = None  # (G,) weighted sum
-    advantages: torch.Tensor | None = None  # (G,)
-    kl: torch.Tensor | None = None  # (G,) rloo: each completion's summed log π_old − log π_ref
-
-
-@dataclass
-class RolloutSummary:
-    """What the trainer reduces over ranks once per step."""
-
-    targets: int  # what the loss is divided by: completion tokens (grpo), completions (rloo)
-    tokens: int  # prompt + completion tokens
-    completions: int
-    sums: dict[str, float]  # per-completion values summed (rewards, lengths, group std × G)
-    generation_s: float
-    samples: list[dict[str, Any]] = field(default_factory=list)  # this rank's, for samples.jsonl
 
 
 class GRPOTask(Task):
@@ -351,29 +323,7 @@ class GRPOTask(Task):
         return self._collate_groups([self._rollouts[int(r)] for r in row_ids], with_logps=True)
 
     def _collate_groups(self, groups: list[Rollout], with_logps: bool) -> dict[str, torch.Tensor]:
-        sequences, starts, lengths = [], [], []
-        for g in groups:
-            for completion in g.completions:
-                sequences.append(g.prompt_ids + completion)
-                starts.append(len(g.prompt_ids) - 1)  # the shifted position that predicts the first completion token
-                lengths.append(len(completion))
-        input_ids = pad_rows(sequences, self.pad_id)
-        width = input_ids.shape[1]
-        total = torch.tensor([len(s) for s in sequences])
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": (torch.arange(width)[None, :] < total[:, None]).long(),
-            "prompt_lengths": torch.tensor(starts) + 1,
-        }
-        if not with_logps:
-            return batch
-        positions = torch.arange(width - 1)[None, :]
-        begin, count = torch.tensor(starts)[:, None], torch.tensor(lengths)[:, None]
-        batch["completion_mask"] = ((positions >= begin) & (positions < begin + count)).float()
-        batch["advantages"] = torch.cat([g.advantages for g in groups])
-        if groups[0].old_logps is not None:
-            batch["old_logps"] = _place([row for g in groups for row in g.old_logps], starts, width - 1)
-        return batch
+        return collate_groups(groups, self.pad_id, with_logps)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         mask = batch["completion_mask"]
@@ -390,46 +340,9 @@ class GRPOTask(Task):
         return LossOutput((per_token * mask).sum(), mask.sum(), metrics)
 
     def _group_logps(self, logprobs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`logprobs(GroupsPass)` of the micro-batch's completion tokens, laid out as the batch
-        is (B, L-1). Each group is cut to shapes of its own: its prompt left-padded to the
-        prompt's padded_width, its completions right-padded to their longest one's. A group's
-        floats are then those of its own shapes whatever else shares its micro-batch (which
-        changes with the world size), as the sampling policy's were (_add_old_logps), so the
-        update is the same on any number of processes: padded to the micro-batch's width,
-        rounding differed by ~1e-7, which AdamW turns into steps of up to its full size where a
-        gradient is that small.
-
-        On the CPU the groups of one shape share a pass: there a row's floats do not depend on
-        how many rows share its batch (a test pins it). Elsewhere (GPU kernels are chosen by
-        shape) and under lockstep (every rank must make the same number of passes: the same
-        number of groups, not of shapes) each group has its own pass."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        size, width = self.cfg.group_size, ids.shape[1]
-        prompt = batch["prompt_lengths"][::size].tolist()
-        longest = (mask.view(-1, size, width).sum(2).amax(1) - batch["prompt_lengths"][::size]).tolist()
-        batched = not self.lockstep and ids.device.type == "cpu"
-        passes: dict[Any, list[int]] = {}  # (prompt width, completion width) -> its groups
-        for k, (p, c) in enumerate(zip(prompt, longest)):
-            passes.setdefault((padded_width(p), padded_width(c)) if batched else k, []).append(k)
-        by_group: dict[int, torch.Tensor] = {}
-        for groups in passes.values():
-            p_width, c_width = padded_width(prompt[groups[0]]), padded_width(longest[groups[0]])
-            prompts = torch.full((len(groups), p_width), self.pad_id, dtype=ids.dtype, device=ids.device)
-            prompt_mask = torch.zeros_like(prompts)
-            completions = torch.full((len(groups) * size, c_width), self.pad_id, dtype=ids.dtype, device=ids.device)
-            completion_mask = torch.zeros_like(completions)
-            for j, k in enumerate(groups):
-                p, rows = prompt[k], slice(k * size, (k + 1) * size)
-                n = min(c_width, width - p)
-                prompts[j, p_width - p :], prompt_mask[j, p_width - p :] = ids[k * size, :p], 1
-                completions[j * size : (j + 1) * size, :n] = ids[rows, p : p + n]
-                completion_mask[j * size : (j + 1) * size, :n] = mask[rows, p : p + n]
-            part = logprobs(GroupsPass(prompts, prompt_mask, completions, completion_mask, size, batched))
-            for j, k in enumerate(groups):  # back to the batch's layout: completion token t at t-1
-                p, n = prompt[k], min(c_width, width - prompt[k])
-                rows = part[j * size : (j + 1) * size, :n]
-                by_group[k] = torch.nn.functional.pad(rows, (p - 1, width - 1 - (p - 1) - n))
-        return torch.cat([by_group[k] for k in range(len(prompt))])
+        """`logprobs(GroupsPass)` of the micro-batch's completion tokens, each group in shapes of
+        its own (rollout_groups.group_logps)."""
+        return group_logps(logprobs, batch, self.cfg.group_size, self.pad_id, self.lockstep)
 
     # ---------------------------------------------------------------- evaluation
 
@@ -491,15 +404,6 @@ def prompt_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     while end > 1 and messages[end - 1].get("role") == "assistant":
         end -= 1
     return messages[:end]
-
-
-def _place(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
-    """Completion-aligned rows placed at their shifted start in a (B, width) zero tensor."""
-    out = torch.zeros(len(rows), width)
-    for i, (row, start) in enumerate(zip(rows, starts)):
-        n = min(len(row), width - start)
-        out[i, start : start + n] = row[:n]
-    return out
 
 
 # Prompts sampled in one `generate` call at most (their groups' KV caches exist together).

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from accord.tasks.base import LossOutput
-from accord.tasks.grpo import GRPOTask, Rollout
+from accord.tasks.grpo import GRPOTask
 from accord.tasks.grpo_loss import clipped, clipped_surrogate
 from accord.tasks.rollout import completion_logprobs
+from accord.tasks.rollout_groups import Rollout
 
 
 def leave_one_out(rewards: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""Phases 7 and 9 of benchmarks/gpu_check.py: the model-parallel degrees beside their
+data-parallel run on the same GPUs (an even number of them, 2 or more: on one each says it
+skips, and why): fsdp alone, then fsdp x engine.tensor_parallel 2; ddp alone, then ddp x
+engine.pipeline_parallel 2 (1f1b). Tokens/s and each rank's peak memory; the dry run: a tiny
+Llama on 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+TP_TINY = {  # the dry run's Llama: 4 heads (TP 2 splits them), a wide MLP
+    "architecture": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
+
+
+def tp_gpus(visible: int) -> str:
+    """Why phase 7 cannot run on `visible` GPUs ("" when it can)."""
+    if visible < 2:
+        return f"engine.tensor_parallel=2 needs 2 GPUs (one per TP rank); this machine has {visible}"
+    return ""
+
+
+def tensor_parallel(folder: Path, dry_run: bool, visible: int, recipe, train) -> list[dict]:
+    """Phase 7: fsdp alone, then fsdp x TP 2, on the same processes; the dry run: 2 gloo processes, tiny.
+    `recipe` and `train`: gpu_check's own (a pretraining recipe on its corpus, a run of it)."""
+
+    why = "" if dry_run else tp_gpus(visible)
+    if why:
+        print(f"\ntensor parallel: skipped: {why}")
+        return [{"run": "fsdp x tp2", "skipped": why}]
+    world = 2 if dry_run else visible - visible % 2
+    env = dict(os.environ)
+    if not dry_run:  # an even number of GPUs, so that TP 2 divides the world
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
+    print(f"\ntensor parallel on {where}:")
+    results = []
+    for label, tp in ((f"fsdp ({world})", 1), (f"fsdp x tp2 ({world})", 2)):
+        name = f"tp{tp}-fsdp"
+        path = recipe(folder, name, "fsdp", 2 if dry_run else 8, False, 4 if dry_run else 8)
+        data = yaml.safe_load(path.read_text())
+        data["engine"] |= {"tensor_parallel": tp, "processes": world}
+        del data["batch"]["micro_batch_size"]  # the default: the global batch over the data-parallel ranks
+        if dry_run:
+            data["model"]["config"] = TP_TINY
+            data["data"]["max_length"] = 64
+            data["engine"] |= {"device": "cpu", "precision": "no"}
+        path.write_text(yaml.safe_dump(data))
+        seconds, summary = train(path, 300, env=env)
+        summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
+            continue
+        peaks = " ".join(f"{p:.2f}" for p in summary.get("peak_gib_per_rank", []))
+        print(
+            f"{label:24} {seconds:>7.0f} s {summary['tokens_per_s']:>10,.0f} tokens/s, peak per rank "
+            f"{peaks} GiB, loss {summary['final_loss']:.3f}"
+        )
+    return results
+
+
+def pp_gpus(visible: int) -> str:
+    """Why phase 9 cannot run on `visible` GPUs ("" when it can)."""
+    if visible < 2:
+        return f"engine.pipeline_parallel=2 needs 2 GPUs (one per stage); this machine has {visible}"
+    return ""
+
+
+def pipeline_parallel(folder: Path, dry_run: bool, visible: int, recipe, train) -> list[dict]:
+    """Phase 9: ddp alone, then ddp x PP 2 (1f1b), on the same processes; the dry run: 2 gloo processes, tiny.
+    `recipe` and `train`: gpu_check's own."""
+
+    why = "" if dry_run else pp_gpus(visible)
+    if why:
+        print(f"\npipeline parallel: skipped: {why}")
+        return [{"run": "ddp x pp2", "skipped": why}]
+    world = 2 if dry_run else visible - visible % 2
+    env = dict(os.environ)
+    if not dry_run:  # an even number of GPUs, so that PP 2 divides the world
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
+    print(f"\npipeline parallel on {where}:")
+    results = []
+    for label, pp in ((f"ddp ({world})", 1), (f"ddp x pp2 ({world})", 2)):
+        name = f"pp{pp}-ddp"
+        batch = 8 if dry_run else 16
+        path = recipe(folder, name, "ddp", 2 if dry_run else 8, False, batch)
+        data = yaml.safe_load(path.read_text())
+        data["engine"] |= {"pipeline_parallel": pp, "processes": world}
+        # 4 micro-batches per pipeline (1f1b needs at least one per stage); the same rows per step either way.
+        data["batch"]["micro_batch_size"] = batch * pp // world // 4
+        if dry_run:
+            data["model"]["config"] = TP_TINY
+            data["data"]["max_length"] = 64
+            data["engine"] |= {"device": "cpu", "precision": "no"}
+        path.write_text(yaml.safe_dump(data))
+        seconds, summary = train(path, 300, env=env)
+        summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
+        results.append(summary)
+        if "error" in summary:
+            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
+            continue
+        peaks = " ".join(f"{p:.2f}" for p in summary.get("peak_gib_per_rank", []))
+        print(
+            f"{label:24} {seconds:>7.0f} s {summary['tokens_per_s']:>10,.0f} tokens/s, peak per rank "
+            f"{peaks} GiB, loss {summary['final_loss']:.3f}"
+        )
+    return results
