@@ -75,9 +75,9 @@ def group_logps(logprobs, batch: dict[str, torch.Tensor], size: int, pad_id: int
     prompt's padded_width, its completions right-padded to their longest one's. A group's
     floats are then those of its own shapes whatever else shares its micro-batch (which
     changes with the world size), as the sampling policy's were (GRPOTask._add_old_logps), so the
-    update is the same on any number of processes: padded to the micro-batch's width,
-    rounding differed by ~1e-7, which AdamW turns into steps of up to its full size where a
-    gradient is that small.
+    update is the same on any number of processes: padded to the micro-batch's width, the
+    rounding differed in the last bits, which AdamW turns into steps of up to its full size
+    where a gradient is that small.
 
     On the CPU the groups of one shape share a pass: there a row's floats do not depend on
     how many rows share its batch (a test pins it). Elsewhere (GPU kernels are chosen by
