@@ -33,40 +33,15 @@ def tensor_parallel(folder: Path, dry_run: bool, visible: int, recipe, train) ->
     """Phase 7: fsdp alone, then fsdp x TP 2, on the same processes; the dry run: 2 gloo processes, tiny.
     `recipe` and `train`: gpu_check's own (a pretraining recipe on its corpus, a run of it)."""
 
-    why = "" if dry_run else tp_gpus(visible)
-    if why:
-        print(f"\ntensor parallel: skipped: {why}")
-        return [{"run": "fsdp x tp2", "skipped": why}]
-    world = 2 if dry_run else visible - visible % 2
-    env = dict(os.environ)
-    if not dry_run:  # an even number of GPUs, so that TP 2 divides the world
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
-    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
-    print(f"\ntensor parallel on {where}:")
-    results = []
-    for label, tp in ((f"fsdp ({world})", 1), (f"fsdp x tp2 ({world})", 2)):
-        name = f"tp{tp}-fsdp"
-        path = recipe(folder, name, "fsdp", 2 if dry_run else 8, False, 4 if dry_run else 8)
+    def layout(tp: int, world: int) -> tuple[str, Path]:
+        path = recipe(folder, f"tp{tp}-fsdp", "fsdp", 2 if dry_run else 8, False, 4 if dry_run else 8)
         data = yaml.safe_load(path.read_text())
         data["engine"] |= {"tensor_parallel": tp, "processes": world}
         del data["batch"]["micro_batch_size"]  # the default: the global batch over the data-parallel ranks
-        if dry_run:
-            data["model"]["config"] = TP_TINY
-            data["data"]["max_length"] = 64
-            data["engine"] |= {"device": "cpu", "precision": "no"}
-        path.write_text(yaml.safe_dump(data))
-        seconds, summary = train(path, 300, env=env)
-        summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
-        results.append(summary)
-        if "error" in summary:
-            print(f"{label:24} {seconds:>7.0f}  failed: {summary['error']}")
-            continue
-        peaks = " ".join(f"{p:.2f}" for p in summary.get("peak_gib_per_rank", []))
-        print(
-            f"{label:24} {seconds:>7.0f} s {summary['tokens_per_s']:>10,.0f} tokens/s, peak per rank "
-            f"{peaks} GiB, loss {summary['final_loss']:.3f}"
-        )
-    return results
+        return "fsdp x tp2" if tp > 1 else "fsdp", _written(path, data, dry_run)
+
+    why = "" if dry_run else tp_gpus(visible)
+    return _beside_data_parallel("tensor parallel", "fsdp x tp2", why, dry_run, visible, layout, train)
 
 
 def pp_gpus(visible: int) -> str:
@@ -80,30 +55,45 @@ def pipeline_parallel(folder: Path, dry_run: bool, visible: int, recipe, train) 
     """Phase 9: ddp alone, then ddp x PP 2 (1f1b), on the same processes; the dry run: 2 gloo processes, tiny.
     `recipe` and `train`: gpu_check's own."""
 
-    why = "" if dry_run else pp_gpus(visible)
-    if why:
-        print(f"\npipeline parallel: skipped: {why}")
-        return [{"run": "ddp x pp2", "skipped": why}]
-    world = 2 if dry_run else visible - visible % 2
-    env = dict(os.environ)
-    if not dry_run:  # an even number of GPUs, so that PP 2 divides the world
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
-    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
-    print(f"\npipeline parallel on {where}:")
-    results = []
-    for label, pp in ((f"ddp ({world})", 1), (f"ddp x pp2 ({world})", 2)):
-        name = f"pp{pp}-ddp"
+    def layout(pp: int, world: int) -> tuple[str, Path]:
         batch = 8 if dry_run else 16
-        path = recipe(folder, name, "ddp", 2 if dry_run else 8, False, batch)
+        path = recipe(folder, f"pp{pp}-ddp", "ddp", 2 if dry_run else 8, False, batch)
         data = yaml.safe_load(path.read_text())
         data["engine"] |= {"pipeline_parallel": pp, "processes": world}
         # 4 micro-batches per pipeline (1f1b needs at least one per stage); the same rows per step either way.
         data["batch"]["micro_batch_size"] = batch * pp // world // 4
-        if dry_run:
-            data["model"]["config"] = TP_TINY
-            data["data"]["max_length"] = 64
-            data["engine"] |= {"device": "cpu", "precision": "no"}
-        path.write_text(yaml.safe_dump(data))
+        return "ddp x pp2" if pp > 1 else "ddp", _written(path, data, dry_run)
+
+    why = "" if dry_run else pp_gpus(visible)
+    return _beside_data_parallel("pipeline parallel", "ddp x pp2", why, dry_run, visible, layout, train)
+
+
+def _written(path: Path, data: dict, dry_run: bool) -> Path:
+    """`data` written to `path`, on the dry run's tiny Llama on the CPU when it is one."""
+    if dry_run:
+        data["model"]["config"] = TP_TINY
+        data["data"]["max_length"] = 64
+        data["engine"] |= {"device": "cpu", "precision": "no"}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _beside_data_parallel(title: str, run: str, why: str, dry_run: bool, visible: int, layout, train) -> list[dict]:
+    """The data-parallel run (degree 1), then the model-parallel one (degree 2), on an even number
+    of GPUs (the dry run: 2 gloo processes); `layout(degree, world)` writes each one's recipe."""
+    if why:
+        print(f"\n{title}: skipped: {why}")
+        return [{"run": run, "skipped": why}]
+    world = 2 if dry_run else visible - visible % 2
+    env = dict(os.environ)
+    if not dry_run:  # an even number of GPUs, so that a degree of 2 divides the world
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    where = f"{world} gloo processes (dry run: plumbing only)" if dry_run else f"{world} GPUs"
+    print(f"\n{title} on {where}:")
+    results = []
+    for degree in (1, 2):
+        name, path = layout(degree, world)
+        label = f"{name} ({world})"
         seconds, summary = train(path, 300, env=env)
         summary |= {"run": label, "wall_s": seconds, "planned_gib": None}
         results.append(summary)
