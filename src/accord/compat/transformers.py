@@ -31,7 +31,7 @@ from typing import Any
 
 from accord.compat import incompatible
 
-WRITTEN_FOR = "5.24"
+WRITTEN_FOR = "5.25"
 
 
 def _missing(what: str, needed_by: str) -> Exception:
