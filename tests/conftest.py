@@ -420,10 +420,15 @@ def max_param_diff(a, b) -> float:
     return diff
 
 
-def step_losses(out: Path) -> dict[int, float]:
+def records(out: Path, kind: str) -> list[dict]:
+    """The run's metrics.jsonl records of one kind (train, eval, model_state, memory...), in order."""
     from accord.observe.metrics import read_metrics
 
-    return {r["step"]: r["loss"] for r in read_metrics(out) if r["kind"] == "train"}
+    return [r for r in read_metrics(out) if r["kind"] == kind]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out, "train")}
 
 
 # ---------------------------------------------------------------- small data for every task

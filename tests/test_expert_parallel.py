@@ -9,14 +9,13 @@ worker starts."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from accord.recipe.schema import RecipeError, validate_recipe
-from conftest import MOE_CONFIG, assert_ok, final_params, max_param_diff, moe_recipe, run_accord, step_losses
+from conftest import MOE_CONFIG, assert_ok, final_params, max_param_diff, moe_recipe, records, run_accord, step_losses
 
 TOLERANCE = 1e-5
 
@@ -135,17 +134,13 @@ def ep_runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
     return {"recipe": recipe, "one": one, "ep2": out}
 
 
-def _train_records(out: Path) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-
-
 @pytest.mark.distributed
 def test_ep2_on_2_processes_trains_as_one_process(ep_runs):
     one, ep2 = ep_runs["one"], ep_runs["ep2"]
     assert max_param_diff(final_params(one), final_params(ep2)) <= TOLERANCE
     losses_one, losses_ep = step_losses(one), step_losses(ep2)
     assert max(abs(losses_one[s] - losses_ep[s]) for s in losses_one) <= TOLERANCE
-    for a, b in zip(_train_records(one), _train_records(ep2), strict=True):
+    for a, b in zip(records(one, "train"), records(ep2, "train"), strict=True):
         for key in ("router_balance_loss", "router_z_loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
@@ -166,18 +161,10 @@ def test_plan_predicts_an_ep_ranks_parameters_and_optimizer_state(ep_runs):
     """What `accord plan` says rank 0 holds under ddp x ep2 is what the run's engine held."""
     from accord import api
 
-    [held] = [
-        r
-        for r in map(json.loads, (ep_runs["ep2"] / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] == "model_state"
-    ]
+    [held] = records(ep_runs["ep2"], "model_state")
     [ddp] = [r for r in api.plan(_recipe(), gpus=2).rows if r.strategy == "ddp"]
     assert (ddp.params, ddp.optimizer) == (held["params_bytes"], held["optimizer_bytes"])
-    [whole] = [
-        r
-        for r in map(json.loads, (ep_runs["one"] / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] == "model_state"
-    ]
+    [whole] = records(ep_runs["one"], "model_state")
     assert held["params_bytes"] < whole["params_bytes"]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from conftest import (
     final_params,
     max_param_diff,
     moe_recipe,
+    records,
     run_accord,
     step_losses,
     write_recipe,
@@ -239,18 +239,13 @@ def moe_runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
     return {"1x8x4": one, "2x4x4": out}
 
 
-def _router_records(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
 @pytest.mark.distributed
 def test_moe_with_balancing_loss_trains_alike_on_1_and_2_processes(moe_runs):
     one, two = moe_runs["1x8x4"], moe_runs["2x4x4"]
     assert max_param_diff(final_params(one), final_params(two)) <= TOLERANCE
     losses_one, losses_two = step_losses(one), step_losses(two)
     assert max(abs(losses_one[s] - losses_two[s]) for s in losses_one) <= TOLERANCE
-    for a, b in zip(_router_records(one), _router_records(two), strict=True):
+    for a, b in zip(records(one, "train"), records(two, "train"), strict=True):
         for key in ("router_balance_loss", "router_z_loss", "router_imbalance"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), key
 
