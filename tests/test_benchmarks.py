@@ -8,6 +8,7 @@ markdown."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -47,44 +48,24 @@ def check(lines: list[str], written: str, contenders: list[str]) -> None:
     assert lines[-1] in written
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_throughput_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import throughput
-
-    lines, written = run_benchmark(tmp_path, "throughput.py", "throughput", "--steps", "1")
-    check(lines, written, [c.name for c in throughput.CONTENDERS])
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_vlm_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import vlm
-
-    lines, written = run_benchmark(tmp_path, "vlm.py", "vlm", "--rows", "8")
-    check(lines, written, [c.name for c in vlm.CONTENDERS])
+# Each benchmark with its docs section and the options that make it tiny.
+CONTENDER_BENCHMARKS = {
+    "throughput": ("--steps", "1"),
+    "vlm": ("--rows", "8"),
+    "moe": ("--steps", "1"),
+    "grpo": ("--steps", "1", "--prompts", "4", "--group", "4"),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_moe_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
+@pytest.mark.parametrize("name", list(CONTENDER_BENCHMARKS))
+def test_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path, name):
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import moe
+    benchmark = importlib.import_module(name)
 
-    lines, written = run_benchmark(tmp_path, "moe.py", "moe", "--steps", "1")
-    check(lines, written, [c.name for c in moe.CONTENDERS])
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_grpo_benchmark_runs_every_contender_and_writes_its_docs_section(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import grpo
-
-    lines, written = run_benchmark(tmp_path, "grpo.py", "grpo", "--steps", "1", "--prompts", "4", "--group", "4")
-    check(lines, written, [c.name for c in grpo.CONTENDERS])
+    lines, written = run_benchmark(tmp_path, f"{name}.py", name, *CONTENDER_BENCHMARKS[name])
+    check(lines, written, [c.name for c in benchmark.CONTENDERS])
 
 
 @pytest.mark.slow
