@@ -24,7 +24,6 @@ the gradient norm's few included: an upper bound).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -32,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -200,18 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         f"(16 B/param) {16 * n / 2**30:.2f} GiB"
     )
     print(f"model: {model}; runs in {work}", flush=True)
-    # The data's cache first, so that no run's CPU time includes preparing it (runs at once would race to).
-    prepare = [sys.executable, "-m", "accord", "prepare", str(recipe)]
-    subprocess.run(prepare, check=True, capture_output=True, env=harness.child_environment(None))
-    load_before, started = os.getloadavg(), time.time()
-
-    def one(name: str) -> dict:
-        result = tensor_parallel.measure(recipe, work, name, (short, long))
-        print(f"  {name}: done", flush=True)
-        return result
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(one, args.layouts))
+    results, load_before, started = tensor_parallel.measure_layouts(
+        recipe, work, args.layouts, (short, long), args.jobs
+    )
     shares = []
     if args.all_to_all:
         for name in (n for n in args.layouts if any("expert_parallel" in o for o in LAYOUTS[n])):
@@ -223,11 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if shares:
         lines += ["", *share_rows(shares)]
     print("\n".join(lines))
-    footer = (
-        f"Peak RSS: each rank's high-water mark at the end of training (its `memory` record), each process's "
-        f"empty baseline included. Tokens per CPU-s: the tokens of steps {short + 1}..{long} over the CPU time "
-        f"(CPU s) they added to the whole process tree: the {long}-step run's against the {short}-step run's."
-    )
+    footer = tensor_parallel.measured_how(short, long)
     if shares:
         footer += (
             f" All-to-all share: steps 2..{long} of each expert-parallel layout under torchrun, each worker "
@@ -236,18 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(footer)
     if args.write_docs:
-        given = list(argv if argv is not None else sys.argv[1:])
-        command = harness.shown_command(Path(__file__), given)
-        body = [
-            f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
-            f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); "
-            f"{model}; one thread per process, {args.jobs} layout(s) at a time:",
-            "",
-            *lines,
-            "",
-            footer,
-        ]
-        harness.write_docs(SECTION, body, Path(args.docs))
+        setting = f"{model}; one thread per process, {args.jobs} layout(s) at a time"
+        when = (load_before, load_after, started)
+        tensor_parallel.write_section(SECTION, Path(__file__), argv, args.docs, when, setting, lines, footer)
 
 
 if __name__ == "__main__":

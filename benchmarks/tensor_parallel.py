@@ -179,41 +179,58 @@ def main(argv: list[str] | None = None) -> None:
         f"{n / 1e6:.1f}M parameters; training state (16 B/param) {16 * n / 2**30:.2f} GiB"
     )
     print(f"model: {model}; runs in {work}", flush=True)
-    # The data's cache first, so that no run's CPU time includes preparing it (runs at once would race to).
+    results, load_before, started = measure_layouts(recipe, work, args.layouts, (short, long), args.jobs)
+    load_after = os.getloadavg()
+    shutil.rmtree(work, ignore_errors=True)
+    lines = rows(results)
+    print("\n".join(lines))
+    footer = measured_how(short, long)
+    print(footer)
+    if args.write_docs:
+        setting = f"{model}; one thread per process, {args.jobs} layout(s) at a time"
+        write_section(
+            SECTION, Path(__file__), argv, args.docs, (load_before, load_after, started), setting, lines, footer
+        )
+
+
+def measure_layouts(recipe: Path, work: Path, layouts: list[str], steps: tuple[int, int], jobs: int):
+    """Each layout measured (`jobs` at once) after the data's cache is prepared, so that no
+    run's CPU time includes preparing it (runs at once would race to); with the load average
+    and the time before the first."""
     prepare = [sys.executable, "-m", "accord", "prepare", str(recipe)]
     subprocess.run(prepare, check=True, capture_output=True, env=harness.child_environment(None))
     load_before, started = os.getloadavg(), time.time()
 
     def one(name: str) -> dict:
-        result = measure(recipe, work, name, (short, long))
+        result = measure(recipe, work, name, steps)
         print(f"  {name}: done", flush=True)
         return result
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(one, args.layouts))
-    load_after = os.getloadavg()
-    shutil.rmtree(work, ignore_errors=True)
-    lines = rows(results)
-    print("\n".join(lines))
-    footer = (
-        f"Peak RSS: each rank's high-water mark at the end of training (its `memory` record). Tokens per "
-        f"CPU-s: the tokens of steps {short + 1}..{long} over the CPU time (CPU s) they added to the whole "
-        f"process tree: the {long}-step run's against the {short}-step run's."
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, layouts)), load_before, started
+
+
+def measured_how(short: int, long: int) -> str:
+    return (
+        f"Peak RSS: each rank's high-water mark at the end of training (its `memory` record), each process's "
+        f"empty baseline included. Tokens per CPU-s: the tokens of steps {short + 1}..{long} over the CPU time "
+        f"(CPU s) they added to the whole process tree: the {long}-step run's against the {short}-step run's."
     )
-    print(footer)
-    if args.write_docs:
-        given = list(argv if argv is not None else sys.argv[1:])
-        command = harness.shown_command(Path(__file__), given)
-        body = [
-            f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
-            f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); "
-            f"{model}; one thread per process, {args.jobs} layout(s) at a time:",
-            "",
-            *lines,
-            "",
-            footer,
-        ]
-        harness.write_docs(SECTION, body, Path(args.docs))
+
+
+def write_section(section, script: Path, argv, docs: str, when, setting: str, lines: list[str], footer: str) -> None:
+    """The docs section: the command that made it, the machine and its load, `setting`, the table, `footer`."""
+    load_before, load_after, started = when
+    command = harness.shown_command(script, list(argv if argv is not None else sys.argv[1:]))
+    body = [
+        f"`{command}`, {datetime.date.today().isoformat()}, {harness.machine()}, load average "
+        f"{load_before[0]:.1f} before and {load_after[0]:.1f} after ({time.time() - started:.0f} s); {setting}:",
+        "",
+        *lines,
+        "",
+        footer,
+    ]
+    harness.write_docs(section, body, Path(docs))
 
 
 if __name__ == "__main__":
