@@ -8,7 +8,9 @@
 - where a DTensor's local shard sits in the whole tensor (models.weights);
 - an LRScheduler's last learning rates, set after its multipliers are replaced
   (checkpoint.lr_on_resume), and which entries of its state are per parameter group
-  (engine.state fits a checkpoint's schedule to another strategy's groups).
+  (engine.state fits a checkpoint's schedule to another strategy's groups);
+- the logger of DTensor's redistribution module, whose performance note engine.expert_parallel
+  quiets.
 
 Public API is used wherever it does the same: `DTensor.to_local()` for the local shard,
 `get_last_lr()` to read the learning rates.
@@ -96,3 +98,12 @@ def extension_build_lock(name: str) -> Path:
     if not hasattr(cpp_extension, "_get_build_directory"):
         raise _missing("torch.utils.cpp_extension has no '_get_build_directory'", "the DeepSpeed op build check")
     return Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+
+
+def quiet_dtensor_redistribution() -> None:
+    """DTensor warns on every gradient norm and export gather of a 2-D shard (one collective per
+    mesh dimension instead of one over a flattened pair): a cost it names, not a fault. Its
+    logger is named for a private module."""
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

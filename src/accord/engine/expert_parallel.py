@@ -21,9 +21,9 @@ The experts are split on the meta device and each rank then fills only its rows
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
+from accord.compat.torch import quiet_dtensor_redistribution
 from accord.compat.transformers import EXPERT_STYLES, apply_expert_parallel, expert_plan
 from accord.errors import UserInputError
 from accord.models.moe import config_experts
@@ -92,9 +92,7 @@ def shard_experts(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     refuse(n, model.config, world)
-    # DTensor warns on every gradient norm and export gather of a 2-D shard (one collective per
-    # mesh dimension instead of one over a flattened pair): a cost it names, not a fault.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    quiet_dtensor_redistribution()
     groups = world // n
     shape = (groups, 1, n) if replicate else (1, groups, n)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "dp_shard", "ep"))
