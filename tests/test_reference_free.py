@@ -155,19 +155,25 @@ def orpo_layouts(tmp_path_factory):
 def test_orpo_on_two_processes_with_accumulation_makes_the_one_process_updates(orpo_layouts):
     """The NLL per chosen token and the odds-ratio term per pair are both normalised over the
     whole global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
-    from accord.observe.metrics import read_metrics
-    from conftest import final_params, max_param_diff, step_losses
+    first = _same_updates(orpo_layouts, ("nll_loss", "log_odds_ratio", "rewards/accuracies", "rewards/margins"))
+    assert 0.0 <= first["rewards/accuracies"] <= 1.0
 
-    one, two = (step_losses(orpo_layouts[p]) for p in (1, 2))
+
+def _same_updates(layouts: dict, metrics: tuple[str, ...]) -> dict:
+    """The 1- and 2-process runs log the same losses and `metrics` at steps 1-4 and end with
+    the same weights; the 1-process run's first train record."""
+    from conftest import final_params, max_param_diff, records, step_losses
+
+    one, two = (step_losses(layouts[p]) for p in (1, 2))
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
-    assert max_param_diff(final_params(orpo_layouts[1]), final_params(orpo_layouts[2])) < 1e-5
-    records = {p: [r for r in read_metrics(orpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
-    for name in ("nll_loss", "log_odds_ratio", "rewards/accuracies", "rewards/margins"):
-        for a, b in zip(records[1], records[2]):
+    assert max_param_diff(final_params(layouts[1]), final_params(layouts[2])) < 1e-5
+    logged = {p: records(layouts[p], "train") for p in (1, 2)}
+    for name in metrics:
+        for a, b in zip(logged[1], logged[2]):
             assert abs(a[name] - b[name]) < 1e-5, name
-    assert 0.0 <= records[1][0]["rewards/accuracies"] <= 1.0
+    return logged[1][0]
 
 
 @pytest.fixture(scope="module")
@@ -191,18 +197,7 @@ def cpo_layouts(tmp_path_factory):
 def test_cpo_on_two_processes_with_accumulation_makes_the_one_process_updates(cpo_layouts):
     """SimPO's length-normalised margin per pair and the NLL per chosen token are normalised over
     the global batch: 1 × 4 × 2 and 2 × 2 × 2 log the same losses and end with the same weights."""
-    from accord.observe.metrics import read_metrics
-    from conftest import final_params, max_param_diff, step_losses
-
-    one, two = (step_losses(cpo_layouts[p]) for p in (1, 2))
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    for step in one:
-        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
-    assert max_param_diff(final_params(cpo_layouts[1]), final_params(cpo_layouts[2])) < 1e-5
-    records = {p: [r for r in read_metrics(cpo_layouts[p]) if r["kind"] == "train"] for p in (1, 2)}
-    for name in ("nll_loss", "rewards/accuracies", "rewards/margins"):
-        for a, b in zip(records[1], records[2]):
-            assert abs(a[name] - b[name]) < 1e-5, name
+    _same_updates(cpo_layouts, ("nll_loss", "rewards/accuracies", "rewards/margins"))
 
 
 @pytest.mark.slow
