@@ -15,6 +15,7 @@ from accord.recipe.schema import RecipeError, validate_recipe
 from accord.tasks.grpo_loss import clipped_surrogate
 from accord.tasks.rloo import leave_one_out
 from conftest import TINY_RECIPE
+from test_grpo import GRPO_RUN
 
 
 def test_sequence_loss_and_gradient_equal_trl_rloo_trainer_compute_loss():
@@ -70,22 +71,9 @@ def test_a_group_of_one_is_one_line():
 # ---------------------------------------------------------------- runs (slow tier)
 
 RLOO_RUN = {
-    **TINY_RECIPE,
+    **GRPO_RUN,  # grpo's run: the same model, prompts, sampling and rewards
     "task": "rloo",
-    "data": {
-        "generate": {"kind": "addition", "train_examples": 64, "eval_examples": 8, "max_digits": 2},
-        "max_length": 32,
-    },
-    "batch": {"global_batch_size": 4, "micro_batch_size": 2},
-    "optim": {"lr": 3.0e-3, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
-    "train": {"max_steps": 4, "log_every": 1},
     "checkpoint": {"every_steps": 2},
-    "grpo": {
-        "group_size": 4,
-        "max_new_tokens": 5,
-        "beta": 0.04,
-        "rewards": [{"kind": "regex", "pattern": ".*[a-z].*"}, {"kind": "length", "weight": 0.5}],
-    },
     # normalised over the whole global batch: the one statistic that spans ranks and micro batches
     "rloo": {"normalize_advantages": True},
 }
