@@ -187,6 +187,18 @@ class Recorder:
             self._profile = None
 
 
+class CountingCollator:
+    """Wraps a collator to count the target tokens (labels after the shift) of each batch it builds."""
+
+    def __init__(self, inner, recorder):
+        self.inner, self.recorder = inner, recorder
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        self.recorder.count(int((batch["labels"][:, 1:] != -100).sum()))
+        return batch
+
+
 def pin_this_process() -> None:
     """One thread on one core (the core the parent chose), before torch starts its pools."""
     core = os.environ.get("BENCH_CORE")

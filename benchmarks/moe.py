@@ -90,7 +90,7 @@ def run_trainer(folder: Path, args, recorder) -> dict:
         model=model,
         args=training,
         train_dataset=datasets.Dataset.from_list(throughput.encoded_rows(folder, "train")),
-        data_collator=throughput.CountingCollator(collator, recorder),
+        data_collator=harness.CountingCollator(collator, recorder),
     )
     trainer.train()
     recorder.stop()

@@ -209,19 +209,23 @@ def run_raw(folder: Path, args, recorder) -> dict:
     """A minimal loop over accord's own packed micro-batches, made before the loop."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from accord.data.packing import Rows
+    from accord.recipe.schema import validate_recipe
+    from accord.tasks import build_task, task_config
     from accord.tasks.base import causal_token_loss
-    from accord.tasks.causal import CausalLMTask
 
     model = AutoModelForCausalLM.from_pretrained(folder / "model").to(args.device)
     examples = encoded_rows(folder, "train")
     lengths = np.array([len(e["input_ids"]) for e in examples])
     targets = np.array([sum(t != -100 for t in e["labels"][1:]) for e in examples])
     rows = Rows.build(lengths, targets, MAX_LENGTH)
-    task = CausalLMTask.__new__(CausalLMTask)
-    task.pad_id, task.packing, task.attn_implementation = 0, True, model.config._attn_implementation
+    # accord's own packed-SFT task collates the rows (built as a run builds it), padded with id 0.
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    recipe = validate_recipe(sft_recipe(folder) | {"train": {"epochs": 1}})
+    task = build_task(task_config(recipe), tokenizer)
+    task.pad_id, task.attn_implementation = 0, model.config._attn_implementation
     task.flatten = False  # padded rows under the block-diagonal mask: what accord did before flattening
     order = np.random.default_rng(0).permutation(len(rows))
     batches = [
@@ -243,18 +247,6 @@ def run_raw(folder: Path, args, recorder) -> dict:
         recorder.count(int(n))
     recorder.stop()
     return {"held_out_loss": held_out_loss(folder, model)}
-
-
-class CountingCollator:
-    """Wraps a collator to count the target tokens (labels after the shift) of each batch it builds."""
-
-    def __init__(self, inner, recorder):
-        self.inner, self.recorder = inner, recorder
-
-    def __call__(self, features):
-        batch = self.inner(features)
-        self.recorder.count(int((batch["labels"][:, 1:] != -100).sum()))
-        return batch
 
 
 def common_arguments(folder: Path, key: str, args) -> dict:
@@ -295,7 +287,7 @@ def run_trainer(folder: Path, key: str, args, recorder) -> dict:
         model=model,
         args=training,
         train_dataset=datasets.Dataset.from_list(encoded_rows(folder, "train")),
-        data_collator=CountingCollator(collator, recorder),
+        data_collator=harness.CountingCollator(collator, recorder),
     )
     trainer.train()
     recorder.stop()
@@ -318,7 +310,7 @@ def run_trl(folder: Path, key: str, args, recorder) -> dict:
     trainer = SFTTrainer(
         model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
     )
-    trainer.data_collator = CountingCollator(trainer.data_collator, recorder)
+    trainer.data_collator = harness.CountingCollator(trainer.data_collator, recorder)
     trainer.train()
     recorder.stop()
     return {"held_out_loss": held_out_loss(folder, model)}

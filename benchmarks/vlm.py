@@ -112,18 +112,6 @@ def run_accord(folder: Path, args, recorder) -> dict:
     return {}
 
 
-class CountingCollator:
-    """Wraps TRL's collator to count the target tokens (labels after the shift) of each batch."""
-
-    def __init__(self, inner, recorder):
-        self.inner, self.recorder = inner, recorder
-
-    def __call__(self, features):
-        batch = self.inner(features)
-        self.recorder.count(int((batch["labels"][:, 1:] != -100).sum()))
-        return batch
-
-
 def run_trl(folder: Path, args, recorder) -> dict:
     import datasets
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -157,7 +145,7 @@ def run_trl(folder: Path, args, recorder) -> dict:
         dataloader_num_workers=0,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=processor)
-    trainer.data_collator = CountingCollator(trainer.data_collator, recorder)
+    trainer.data_collator = harness.CountingCollator(trainer.data_collator, recorder)
     trainer.train()
     recorder.stop()
     return {}
